@@ -1,0 +1,36 @@
+# Two entry points for a newcomer: `make demo` and `make test`. Both build .venv from nothing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_ARGS ?=
+
+.PHONY: setup demo test lint bench-quality clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Users with a GPU bring their own torch; otherwise take the pinned CPU build (an
+	# unpinned torch would pull a multi-GB CUDA build).
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dilonode simulate --config configs/demo.toml $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check dilonode tests benchmarks protocol
+	$(PY) -m pytest -q -ra tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dilonode tests benchmarks protocol
+	$(VENV)/bin/mypy dilonode/algo
+
+bench-quality: $(STAMP)
+	$(PY) benchmarks/quality.py --json runs/bench/quality.json
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .hypothesis

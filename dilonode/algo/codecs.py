@@ -1,0 +1,464 @@
+"""Pseudo-gradient codecs: float32/bfloat16/float16 and blockwise int8/int4/fp4 quantizers.
+
+Streaming DiLoCo ships one pseudo-gradient fragment per sync, and the wire format decides
+how many bytes that costs. This module holds the pure encode/decode arithmetic for every
+format a node may speak, independent of framing, sockets and asyncio, so the same code
+serves the networked all-reduce, the in-process simulator and the property tests.
+
+Wire formats (all little-endian, sizes exact, see `Codec.encoded_size`):
+
+* ``float32``  raw 4 bytes per value; bit-exact.
+* ``bfloat16`` / ``float16``  raw 2 bytes per value, round-to-nearest-even. Values that would
+  round to inf are refused (CodecError) rather than sent as inf.
+* ``int8``  ``n_blocks`` float32 scales (``absmax / 127``), then one int8 per value in
+  [-127, 127]. Blocks are ``block_size`` consecutive values; the last may be short.
+* ``int4``  the same with ``absmax / 7`` and values in [-7, 7] as 4-bit two's complement
+  nibbles (0b1000 = -8 is never produced and refused on decode), two per byte, low nibble
+  first (even index), then high nibble; an odd count leaves a zero high nibble at the end.
+* ``fp4``  1 sign bit (bit 3) + 3 exponent bits (bits 0-2), no mantissa. Scale = block absmax.
+  Exponent code 0 is zero, code c in 1..7 is ``2**(c - 7) * scale``, i.e. magnitudes
+  {0, 1/64, 1/32, ..., 1/2, 1} x absmax. Each value goes to the nearest of these in linear
+  distance (exact ties go to the smaller magnitude). Packed like int4.
+
+Data to decode comes from untrusted peers: lengths, scales, payload values and the meta
+are validated and every failure is a `CodecError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CODEC_NAMES",
+    "Codec",
+    "CodecError",
+    "CodecMeta",
+    "get_codec",
+    "max_abs_error_bound",
+]
+
+CODEC_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "int8", "int4", "fp4")
+
+Buffer = bytes | bytearray | memoryview
+
+_SCALE_BYTES = 4
+_F32_OVERFLOW = 2.0**128 - 2.0**103  # smallest magnitude float32 round-to-nearest sends to inf
+
+
+class CodecError(ValueError):
+    """Bad input to encode, or malformed bytes/meta handed to decode."""
+
+
+@dataclass(frozen=True)
+class CodecMeta:
+    """What a receiver needs besides the bytes: format, value count and block size."""
+
+    codec: str
+    numel: int
+    block_size: int
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """A wire format for 1-D float32 pseudo-gradient parts."""
+
+    name: str
+    block_size: int
+
+    def encode(self, x: torch.Tensor) -> tuple[bytes, CodecMeta]: ...
+
+    def decode(self, data: Buffer, meta: CodecMeta) -> torch.Tensor: ...
+
+    def encoded_size(self, numel: int) -> int: ...
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _as_float32_vector(x: object) -> torch.Tensor:
+    """Validate encode input; return a contiguous float32 CPU view or copy (never written)."""
+    if not isinstance(x, torch.Tensor):
+        raise CodecError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.ndim != 1:
+        raise CodecError(f"expected a 1-D tensor, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise CodecError(f"expected a floating-point tensor, got dtype {x.dtype}")
+    # No-op for the common float32 CPU contiguous case, so no copy on the hot path.
+    return x.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def _raise_non_finite(x: torch.Tensor) -> None:
+    # Only reached on the failure path, so counting costs nothing in the common case.
+    bad = x.numel() - int(torch.isfinite(x).sum())
+    raise CodecError(f"refusing to encode {bad} non-finite value(s) (NaN/Inf) of {x.numel()}")
+
+
+def _check_count(numel: object, what: str = "numel") -> int:
+    if isinstance(numel, bool):
+        raise CodecError(f"{what} must be an int, got bool")
+    try:
+        n = operator.index(numel)  # type: ignore[arg-type]
+    except TypeError:
+        raise CodecError(f"{what} must be an int, got {type(numel).__name__}") from None
+    if n < 0:
+        raise CodecError(f"{what} must be >= 0, got {n}")
+    return n
+
+
+def _byte_view(data: object) -> memoryview:
+    """Flat unsigned-byte view of any C-contiguous buffer (len() is then the byte count)."""
+    try:
+        return memoryview(data).cast("B")  # type: ignore[arg-type]
+    except TypeError as e:
+        raise CodecError(f"decode needs a contiguous bytes-like object: {e}") from None
+
+
+def _n_blocks(numel: int, block_size: int) -> int:
+    return -(-numel // block_size)
+
+
+def _block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x: (n,) contiguous -> (n_blocks,) max |x| per block; NaN/Inf propagate."""
+    n_full = x.numel() // block_size
+    cut = n_full * block_size
+    parts = [x[:cut].view(n_full, block_size).abs().amax(dim=1)]  # (n_full,)
+    if cut < x.numel():
+        parts.append(x[cut:].abs().amax().reshape(1))  # (1,) short last block
+    return torch.cat(parts)
+
+
+def _per_block(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    block_size: int,
+    op: Callable[..., torch.Tensor],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out[i] = op(x[i], v[i // block_size]) without materializing v repeated n times."""
+    n_full = x.numel() // block_size
+    cut = n_full * block_size
+    # Full blocks as (n_full, block_size) against (n_full, 1); the short tail gets one scalar.
+    op(x[:cut].view(n_full, block_size), v[:n_full, None],
+       out=out[:cut].view(n_full, block_size))
+    if cut < x.numel():
+        op(x[cut:], v[n_full], out=out[cut:])
+    return out
+
+
+def _per_element(v: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
+    """(n_blocks,) -> (numel,) each block's value repeated; for bounds, not the hot path."""
+    return v.repeat_interleave(block_size)[:numel]
+
+
+# ---------------------------------------------------------------------------- float codecs
+
+
+class _FloatCodec:
+    """Raw IEEE values; block_size is fixed at 1 (no scales)."""
+
+    def __init__(self, name: str, dtype: torch.dtype, wire: str) -> None:
+        self.name = name
+        self.block_size = 1
+        self._dtype = dtype
+        self._wire = np.dtype(wire)  # explicit little-endian numpy dtype of the bytes
+
+    def __repr__(self) -> str:
+        return f"get_codec({self.name!r})"
+
+    def encoded_size(self, numel: int) -> int:
+        return _check_count(numel) * self._wire.itemsize
+
+    def encode(self, x: torch.Tensor) -> tuple[bytes, CodecMeta]:
+        x = _as_float32_vector(x)
+        if self._dtype == torch.float32:
+            if not bool(torch.isfinite(x).all()):
+                _raise_non_finite(x)
+            bits = x.numpy()  # (n,) float32, shares x's memory; only read below
+        else:
+            h = x.to(self._dtype)  # (n,) round-to-nearest-even
+            if not bool(torch.isfinite(h).all()):
+                self._raise_overflow(x)
+            bits = h.view(torch.int16).numpy()  # (n,) raw 16-bit patterns
+        return bits.astype(self._wire, copy=False).tobytes(), self._meta(x.numel())
+
+    def _raise_overflow(self, x: torch.Tensor) -> None:
+        if not bool(torch.isfinite(x).all()):
+            _raise_non_finite(x)
+        limit = float(torch.finfo(self._dtype).max)
+        over = torch.isinf(x.to(self._dtype))
+        raise CodecError(
+            f"{int(over.sum())} value(s) overflow {self.name} (max finite {limit:.6g}, "
+            f"largest |x| here {float(x.abs().max()):.6g}); refusing to encode inf, "
+            "use float32 or a scaled codec")
+
+    def _meta(self, numel: int) -> CodecMeta:
+        return CodecMeta(codec=self.name, numel=numel, block_size=self.block_size)
+
+    def decode(self, data: Buffer, meta: CodecMeta) -> torch.Tensor:
+        n = _check_meta(self, meta, check_block=False)
+        mv = _check_length(self, data, n)
+        native = np.frombuffer(mv, dtype=self._wire).astype(self._wire.newbyteorder("="))
+        out = torch.from_numpy(native)  # (n,) owns a fresh copy, never aliases data
+        if self._dtype != torch.float32:
+            out = out.view(self._dtype).to(torch.float32)
+        if not bool(torch.isfinite(out).all()):
+            bad = n - int(torch.isfinite(out).sum())
+            raise CodecError(f"{self.name} payload holds {bad} non-finite value(s)")
+        return out
+
+
+def _check_meta(codec: Codec, meta: object, *, check_block: bool) -> int:
+    if not isinstance(meta, CodecMeta):
+        raise CodecError(f"meta must be a CodecMeta, got {type(meta).__name__}")
+    if meta.codec != codec.name:
+        raise CodecError(f"meta.codec is {meta.codec!r} but this codec is {codec.name!r}")
+    if check_block and meta.block_size != codec.block_size:
+        raise CodecError(f"meta.block_size is {meta.block_size!r} but this {codec.name} codec "
+                         f"uses {codec.block_size}")
+    return _check_count(meta.numel, "meta.numel")
+
+
+def _check_length(codec: Codec, data: object, numel: int) -> memoryview:
+    mv = _byte_view(data)
+    expected = codec.encoded_size(numel)
+    if len(mv) != expected:
+        raise CodecError(f"{codec.name} data for numel={numel} must be {expected} bytes, "
+                         f"got {len(mv)}")
+    return mv
+
+
+# ---------------------------------------------------------------------------- block codecs
+
+
+def _nibble_luts() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte -> (low, high) decoded unit values for int4 and fp4, plus int4 byte validity."""
+    nib = np.arange(16)
+    int4 = np.where(nib < 8, nib, nib - 16).astype(np.float32)  # two's complement
+    mag = np.where(nib & 7, np.exp2((nib & 7) - 7.0), 0.0)
+    fp4 = np.where(nib & 8, -mag, mag).astype(np.float32)
+    byte = np.arange(256)
+    lo, hi = byte & 15, byte >> 4
+
+    def pairs(t: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(np.stack([t[lo], t[hi]], axis=1))  # (256, 2)
+
+    return pairs(int4), pairs(fp4), (lo != 8) & (hi != 8)
+
+
+_INT4_PAIRS, _FP4_PAIRS, _INT4_BYTE_OK = _nibble_luts()
+
+# Midpoints between consecutive fp4 unit magnitudes 0, 2^-6, 2^-5, ..., 2^-1, 1: the code of
+# r = |x|/absmax is the number of midpoints strictly below r (ties round to the smaller).
+_FP4_MIDPOINTS = torch.tensor([2.0**-7] + [0.75 * 2.0**k for k in range(-5, 1)])
+
+
+class _BlockCodec:
+    """Absmax-scaled block quantizer: float32 scales first, then the quantized payload."""
+
+    qmax: float = 1.0  # largest quantized magnitude; scale = absmax / qmax
+
+    def __init__(self, name: str, block_size: int) -> None:
+        self.name = name
+        self.block_size = block_size
+
+    def __repr__(self) -> str:
+        return f"get_codec({self.name!r}, block_size={self.block_size})"
+
+    def _payload_size(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _dequantize(self, payload: np.ndarray, numel: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encoded_size(self, numel: int) -> int:
+        n = _check_count(numel)
+        return _n_blocks(n, self.block_size) * _SCALE_BYTES + self._payload_size(n)
+
+    def block_scales(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (n,) finite float32 -> (n_blocks,) the float32 scales encode would send."""
+        absmax = _block_absmax(x, self.block_size)
+        if not bool(torch.isfinite(absmax).all()):
+            _raise_non_finite(x)
+        if self.qmax == 1.0:
+            return absmax
+        scale = absmax / self.qmax  # (n_blocks,)
+        # Near float32 max, fl(absmax / qmax) * qmax can round to inf, which decode refuses;
+        # one ulp down keeps qmax * scale finite and costs far less than scale / 2 in error.
+        too_big = scale.double() * self.qmax >= _F32_OVERFLOW
+        if bool(too_big.any()):
+            scale = torch.where(too_big, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+        return scale
+
+    def encode(self, x: torch.Tensor) -> tuple[bytes, CodecMeta]:
+        x = _as_float32_vector(x)
+        scale = self.block_scales(x)  # (n_blocks,)
+        n_scale_bytes = scale.numel() * _SCALE_BYTES
+        buf = np.empty(n_scale_bytes + self._payload_size(x.numel()), dtype=np.uint8)
+        buf[:n_scale_bytes].view("<f4")[:] = scale.numpy()
+        self._quantize(x, scale, buf[n_scale_bytes:])
+        meta = CodecMeta(codec=self.name, numel=x.numel(), block_size=self.block_size)
+        return buf.tobytes(), meta
+
+    def decode(self, data: Buffer, meta: CodecMeta) -> torch.Tensor:
+        n = _check_meta(self, meta, check_block=True)
+        raw = np.frombuffer(_check_length(self, data, n), dtype=np.uint8)
+        n_scale_bytes = _n_blocks(n, self.block_size) * _SCALE_BYTES
+        scale = raw[:n_scale_bytes].view("<f4").astype(np.float32)  # (n_blocks,) copy
+        # A NaN/Inf/negative scale, or one whose qmax multiple overflows to inf, would poison
+        # the average; the float64 product is exact, and NaN fails both comparisons.
+        ok = (scale >= 0) & (scale.astype(np.float64) * self.qmax < _F32_OVERFLOW)
+        if not ok.all():
+            raise CodecError(f"{self.name} data holds {int((~ok).sum())} invalid block scale(s) "
+                             f"(NaN, Inf, negative, or {self.qmax:g} * scale overflows float32)")
+        out = self._dequantize(raw[n_scale_bytes:], n)  # (n,) fresh float32, unit values
+        return _per_block(out, torch.from_numpy(scale), self.block_size, torch.mul, out)
+
+    def _safe_divide(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x: (n,), scale: (n_blocks,) -> (n,) x / scale, with all-zero blocks left at 0."""
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero block: 0/1 = 0
+        return _per_block(x, safe, self.block_size, torch.div, torch.empty_like(x))
+
+
+class _Int8Codec(_BlockCodec):
+    qmax = 127.0
+
+    def _payload_size(self, numel: int) -> int:
+        return numel
+
+    def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: np.ndarray) -> None:
+        q = self._safe_divide(x, scale).round_().clamp_(-self.qmax, self.qmax)  # (n,)
+        out.view(np.int8)[:] = q.to(torch.int8).numpy()
+
+    def _dequantize(self, payload: np.ndarray, numel: int) -> torch.Tensor:
+        q = payload.view(np.int8)  # (n,) read-only view of the wire bytes
+        if (q == -128).any():
+            raise CodecError("int8 data holds -128, outside the symmetric range [-127, 127]")
+        return torch.from_numpy(q.astype(np.float32))
+
+
+class _NibbleCodec(_BlockCodec):
+    """Two 4-bit codes per byte, low nibble = even index."""
+
+    _pairs: np.ndarray  # (256, 2) byte -> decoded unit values of its low/high nibble
+
+    def _payload_size(self, numel: int) -> int:
+        return (numel + 1) // 2
+
+    def _codes(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: np.ndarray) -> None:
+        codes = self._codes(x, scale)  # (n,) uint8 in [0, 15]
+        if codes.numel() % 2:
+            codes = torch.cat([codes, codes.new_zeros(1)])  # zero padding nibble
+        pairs = codes.view(-1, 2)  # (n_bytes, 2)
+        out[:] = (pairs[:, 0] | (pairs[:, 1] << 4)).numpy()
+
+    def _check_payload(self, payload: np.ndarray) -> None:
+        return None
+
+    def _dequantize(self, payload: np.ndarray, numel: int) -> torch.Tensor:
+        if numel % 2 and payload[-1] >> 4:
+            raise CodecError(f"{self.name} data: padding nibble after the last value must be 0")
+        self._check_payload(payload)
+        # np.take with uint8 indices gathers (n_bytes, 2) about twice as fast as fancy indexing
+        vals = np.take(self._pairs, payload, axis=0).reshape(-1)  # (2 * n_bytes,) fresh
+        return torch.from_numpy(vals[:numel])
+
+
+class _Int4Codec(_NibbleCodec):
+    qmax = 7.0
+    _pairs = _INT4_PAIRS
+
+    def _codes(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        q = self._safe_divide(x, scale).round_().clamp_(-self.qmax, self.qmax)  # (n,)
+        # int8 -> uint8 reinterprets the bits, so & 15 yields the two's complement nibble.
+        return q.to(torch.int8).view(torch.uint8) & 15
+
+    def _check_payload(self, payload: np.ndarray) -> None:
+        if not _INT4_BYTE_OK[payload].all():
+            raise CodecError("int4 data holds nibble 0b1000 (-8), outside the range [-7, 7]")
+
+
+class _Fp4Codec(_NibbleCodec):
+    qmax = 1.0  # largest fp4 unit magnitude, so the scale is the block absmax itself
+    _pairs = _FP4_PAIRS
+
+    def _codes(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        r = self._safe_divide(x, scale).abs_()  # (n,) in [0, 1]
+        code = torch.bucketize(r, _FP4_MIDPOINTS, out_int32=True).to(torch.uint8)  # (n,)
+        # Sign only on nonzero codes, so the encoder never emits negative zero.
+        neg = (x < 0) & (code > 0)
+        return code | (neg.to(torch.uint8) << 3)
+
+
+# ---------------------------------------------------------------------------- public API
+
+
+_FLOAT_CODECS = {
+    "float32": (torch.float32, "<f4"),
+    "bfloat16": (torch.bfloat16, "<i2"),
+    "float16": (torch.float16, "<i2"),
+}
+_BLOCK_CODECS: dict[str, type[_BlockCodec]] = {
+    "int8": _Int8Codec, "int4": _Int4Codec, "fp4": _Fp4Codec,
+}
+
+
+def get_codec(name: str, block_size: int = 64) -> Codec:
+    """The codec called `name`; block_size applies to int8/int4/fp4 (float codecs use 1)."""
+    if name in _FLOAT_CODECS:
+        dtype, wire = _FLOAT_CODECS[name]
+        _check_count(block_size, "block_size")  # accepted and ignored, but must be sane
+        return _FloatCodec(name, dtype, wire)
+    if name not in _BLOCK_CODECS:
+        raise CodecError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}")
+    bs = _check_count(block_size, "block_size")
+    if bs < 2:
+        raise CodecError(f"block_size must be >= 2 for {name}, got {bs}")
+    if name in ("int4", "fp4") and bs % 2:
+        raise CodecError(f"block_size must be even for {name} (two values per byte), got {bs}")
+    return _BLOCK_CODECS[name](name, bs)
+
+
+def max_abs_error_bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:
+    """(n,) float64 worst-case |decode(encode(x)) - x| per element that `codec` guarantees.
+
+    Returned in float64 so that rounding the bound itself cannot make it too tight. The
+    relative and 2**-149 slack terms cover float32 rounding in the scale arithmetic and
+    scales that underflow into (or below) the float32 subnormal range.
+    """
+    x = _as_float32_vector(x)
+    if not bool(torch.isfinite(x).all()):
+        _raise_non_finite(x)
+    ax = x.abs().double()  # (n,)
+    if codec.name == "float32":
+        return torch.zeros_like(ax)
+    if codec.name == "bfloat16":
+        return ax * 2.0**-8 + 2.0**-134  # half ulp; bf16 subnormal half-spacing is 2^-134
+    if codec.name == "float16":
+        return ax * 2.0**-11 + 2.0**-25  # half ulp; fp16 subnormal half-spacing is 2^-25
+    if not isinstance(codec, _BlockCodec):
+        raise CodecError(f"no error bound known for codec {codec.name!r}")
+    scale = _per_element(codec.block_scales(x).double(), x.numel(), codec.block_size)
+    if codec.name == "fp4":
+        return _fp4_half_gap(ax, scale) * scale * (1 + 2.0**-16) + 2.0**-149
+    return scale * (0.5 + 2.0**-16) + codec.qmax * 2.0**-149
+
+
+def _fp4_half_gap(ax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(n,) half the gap between the fp4 unit magnitudes bracketing |x| / scale."""
+    r = torch.where(scale > 0, ax / torch.where(scale > 0, scale, 1.0), 0.0)  # (n,) in [0, 1]
+    # r in [2^k, 2^(k+1)) with k in -6..-1 has neighbours 2^k, 2^(k+1): half gap 2^(k-1).
+    # Below 2^-6 the neighbours are 0 and 2^-6, so the half gap is 2^-7 there too.
+    k = (torch.frexp(r).exponent - 1).clamp(-6, -1)
+    return torch.where(r < 2.0**-6, 2.0**-7, torch.exp2(k.double() - 1))

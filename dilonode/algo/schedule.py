@@ -1,0 +1,80 @@
+"""The Streaming DiLoCo sync plan as a pure function of the step.
+
+Steps count completed inner steps from 1. Fragment p (of P) first syncs at step
+(p + 1) * H // P and then every H steps; round r of fragment p starts at
+start(p, r) = (p + 1) * H // P + r * H and its result is merged tau steps later, at
+start(p, r) + tau. With P = 1 and tau = 0 this is plain DiLoCo: sync and merge every H steps.
+Within one step, starts are listed before lands, so tau = 0 means "start, then merge now".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SyncPlan", "SyncStart", "SyncLand"]
+
+
+@dataclass(frozen=True)
+class SyncStart:
+    """Compute fragment's pseudo-gradient and start averaging it."""
+
+    fragment: int
+    round: int
+
+
+@dataclass(frozen=True)
+class SyncLand:
+    """Take the averaged pseudo-gradient of (fragment, round): outer step, then merge."""
+
+    fragment: int
+    round: int
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """H (sync_every), P (num_fragments), tau (fragment_sync_delay)."""
+
+    sync_every: int
+    num_fragments: int
+    delay: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"diloco.sync_every = {self.sync_every}: must be >= 1")
+        if not 1 <= self.num_fragments <= self.sync_every:
+            raise ValueError(f"diloco.num_fragments = {self.num_fragments}: must be between 1 "
+                             f"and diloco.sync_every = {self.sync_every} (one offset per step)")
+        if not 0 <= self.delay < self.sync_every:
+            raise ValueError(f"diloco.fragment_sync_delay = {self.delay}: must be in "
+                             f"[0, sync_every = {self.sync_every})")
+
+    def offset(self, fragment: int) -> int:
+        """Step of the first sync of `fragment`."""
+        return (fragment + 1) * self.sync_every // self.num_fragments
+
+    def start_step(self, fragment: int, round: int) -> int:
+        return self.offset(fragment) + round * self.sync_every
+
+    def _round_at(self, fragment: int, step: int) -> int | None:
+        o = self.offset(fragment)
+        if step < o or (step - o) % self.sync_every:
+            return None
+        return (step - o) // self.sync_every
+
+    def actions(self, step: int) -> list[SyncStart | SyncLand]:
+        """What to do after inner step `step` has completed."""
+        out: list[SyncStart | SyncLand] = []
+        for p in range(self.num_fragments):
+            r = self._round_at(p, step)
+            if r is not None:
+                out.append(SyncStart(p, r))
+        for p in range(self.num_fragments):
+            r = self._round_at(p, step - self.delay)
+            if r is not None:
+                out.append(SyncLand(p, r))
+        return out
+
+    def rounds_started(self, fragment: int, step: int) -> int:
+        """How many rounds of `fragment` have started by the end of `step`."""
+        o = self.offset(fragment)
+        return 0 if step < o else (step - o) // self.sync_every + 1

@@ -1,0 +1,591 @@
+"""Sans-IO state machine for one butterfly all-reduce round of one pseudo-gradient fragment.
+
+`AllReduceRound` holds no sockets, tasks or clocks: the driver feeds it what arrived
+(`receive`, `peer_error`) and the time (`tick`), and performs the `Action`s it returns. The
+same object therefore runs over TCP in the daemon and over `memnet.MemNet` in tests.
+
+Protocol (protocol/README.md is normative). The flat tensor of `numel` values is split by
+`part_bounds(numel, weights, align=block_size)`; member j owns part j. Each part travels in
+chunks of `chunk_numel` values. On `start`, every member encodes its values of every other
+member's part, chunk by chunk, and sends them as `Contribution`s. An owner reduces chunk k
+as soon as all N contributions of chunk k are in (its own one too, as decode(encode(own)),
+so all members' values are treated alike): it sums the decoded contributions in ascending
+member index with `reduce_mean`, encodes the mean, keeps decode(encode(mean)) for itself
+and sends the encoded mean to everyone as a `Result` chunk. The last chunk of a part is
+held back until the whole part is reduced, because it carries the sha256 `digest` of the
+owner's decoded part; receivers check it, so every member ends with bit-identical values.
+Only incomplete chunks are buffered (decoded float32, N-1 tensors of one chunk each).
+
+States (one table, `_TRANSITIONS`): IDLE --start--> RUNNING --complete--> DONE, and
+RUNNING --fail--> FAILED. Progress inside RUNNING is counted per chunk (contributions in)
+and per part (result chunks in). A round is DONE only when every part arrived complete and
+verified; there is never a partial average.
+
+Actions returned to the driver:
+
+* `Send(to, msg, frame)`: write `frame` (= `encode_frame(msg)`, shared between the
+  recipients of a broadcast) to member `to`.
+* `Done(digest)`: the round completed; `result` and `digest` are available.
+* `Failed(failure)`: the round failed; `failure` names the reason and the culprits.
+
+Failure rules. Anything wrong in a peer's message (envelope, layout, duplicate, payload
+size, codec, non-finite values, contributors, digest) or reported by the transport via
+`peer_error` fails the round naming that member, and we send `Abort` to all other members
+so they stop waiting (they will name us; our reason text names the real culprit). An
+`Abort` received fails the round naming its sender. At `deadline = start + timeout`
+(`tick`, or any call with a later `now`) a RUNNING round fails without sending `Abort`:
+every live member times out on its own and blames, from its own view, the members whose
+contributions are missing (or, when all contributions are in, the owners whose results
+are), so their culprit lists agree. Messages after DONE/FAILED are counted and ignored.
+
+Byte accounting: `bytes_sent` / `bytes_received` count whole frames (4-byte header plus
+msgpack body, i.e. `len(encode_frame(msg))`) of every message sent / handed to `receive`;
+`payload_bytes_sent` / `payload_bytes_received` count only the codec payload bytes of
+Contribution and Result messages.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from dilonode import PROTOCOL_VERSION
+from dilonode.algo.butterfly import part_bounds, reduce_mean
+from dilonode.algo.codecs import Codec, CodecError, CodecMeta, get_codec
+from dilonode.wire.errors import LocalProtocolError, RemoteProtocolError, one_line
+from dilonode.wire.framing import DEFAULT_MAX_FRAME_BYTES, encode_frame
+from dilonode.wire.messages import (
+    ABORT_REASON_MAX,
+    MAX_MEMBERS,
+    Abort,
+    Contribution,
+    Message,
+    Result,
+)
+
+__all__ = [
+    "Action",
+    "AllReduceRound",
+    "Done",
+    "Failed",
+    "GroupSpec",
+    "RoundFailure",
+    "RoundState",
+    "Send",
+    "tensor_digest",
+]
+
+# Room for the msgpack map around a chunk's payload; the real overhead is ~200 bytes.
+_FRAME_OVERHEAD = 4096
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 hex of a 1-D float32 tensor's values as little-endian bytes."""
+    arr = np.ascontiguousarray(t.detach().cpu().numpy(), dtype="<f4")
+    return hashlib.sha256(arr.data).hexdigest()
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What every member of a group agreed on before the round starts.
+
+    `members` are peer ids in the agreed order (index = member index), `weights` their
+    bandwidth weights for `part_bounds`; `block_size` is both the codec block size and the
+    part alignment; `chunk_numel` (a multiple of `block_size`) is the values per message.
+    """
+
+    run_id: str
+    fragment: int
+    round: int
+    members: tuple[str, ...]
+    weights: tuple[float, ...]
+    numel: int
+    codec: str
+    block_size: int
+    chunk_numel: int
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            raise ValueError("GroupSpec: " + "; ".join(problems))
+        _ = self.parts  # part_bounds raises ValueError on unusable weights
+        # get_codec raises CodecError (a ValueError) for an unknown codec or bad block size.
+        bound = self.codec_obj.encoded_size(self.chunk_numel) + _FRAME_OVERHEAD
+        if bound > DEFAULT_MAX_FRAME_BYTES:
+            raise ValueError(f"GroupSpec: chunk_numel={self.chunk_numel} makes {self.codec} "
+                             f"frames of ~{bound} bytes > {DEFAULT_MAX_FRAME_BYTES}")
+
+    def _problems(self) -> list[str]:
+        out = []
+        if not 1 <= len(self.run_id) <= 128:
+            out.append(f"run_id={self.run_id!r}: need 1..128 characters")
+        if not 0 <= self.fragment < 2**32 or not 0 <= self.round < 2**63:
+            out.append(f"fragment={self.fragment}, round={self.round}: out of range")
+        if not 1 <= len(self.members) <= MAX_MEMBERS or len(set(self.members)) != len(
+                self.members):
+            out.append(f"members={self.members!r}: need 1..{MAX_MEMBERS} distinct peer ids")
+        if len(self.weights) != len(self.members):
+            out.append(f"weights: {len(self.weights)} given for {len(self.members)} members")
+        if self.numel < 0 or self.block_size < 1:
+            out.append(f"numel={self.numel}, block_size={self.block_size}: need >= 0, >= 1")
+        elif self.chunk_numel < 1 or self.chunk_numel % self.block_size:
+            out.append(f"chunk_numel={self.chunk_numel}: must be a positive multiple of "
+                       f"block_size={self.block_size}")
+        return out
+
+    @property
+    def size(self) -> int:
+        """N, the number of members."""
+        return len(self.members)
+
+    @cached_property
+    def codec_obj(self) -> Codec:
+        return get_codec(self.codec, self.block_size)
+
+    @cached_property
+    def parts(self) -> list[tuple[int, int]]:
+        """[start, end) of each member's part, in member order."""
+        return part_bounds(self.numel, self.weights, align=self.block_size)
+
+    def n_chunks(self, owner: int) -> int:
+        start, end = self.parts[owner]
+        return -(-(end - start) // self.chunk_numel)
+
+    def chunk_span(self, owner: int, chunk: int) -> tuple[int, int]:
+        """(offset within the part, numel) of chunk `chunk` of `owner`'s part."""
+        start, end = self.parts[owner]
+        offset = chunk * self.chunk_numel
+        return offset, min(self.chunk_numel, end - start - offset)
+
+    def describe(self, member: int) -> str:
+        return f"peer {self.members[member]!r} (member {member})"
+
+
+class RoundState(enum.Enum):
+    IDLE = "idle"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class _Event(enum.Enum):
+    START = "start"
+    COMPLETE = "complete"
+    FAIL = "fail"
+
+
+_TRANSITIONS: dict[tuple[RoundState, _Event], RoundState] = {
+    (RoundState.IDLE, _Event.START): RoundState.RUNNING,
+    (RoundState.RUNNING, _Event.COMPLETE): RoundState.DONE,
+    (RoundState.RUNNING, _Event.FAIL): RoundState.FAILED,
+}
+
+
+@dataclass(frozen=True)
+class RoundFailure:
+    """Why a round failed (one line) and the member indices to leave out of the retry."""
+
+    reason: str
+    culprits: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Send:
+    """Write `frame` (the encoding of `msg`) to member `to`."""
+
+    to: int
+    msg: Message
+    frame: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Done:
+    """The round completed; `digest` is the sha256 of the whole result."""
+
+    digest: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The round failed; no result exists."""
+
+    failure: RoundFailure
+
+
+Action = Send | Done | Failed
+
+
+class AllReduceRound:
+    """One member's side of one all-reduce round (see the module docstring).
+
+    `local` (1-D float32, `spec.numel` values) is read lazily while the round runs, so the
+    caller must not modify it until the round is DONE or FAILED.
+    """
+
+    def __init__(self, spec: GroupSpec, my_index: int, local: torch.Tensor, *,
+                 timeout: float = 30.0) -> None:
+        if not 0 <= my_index < spec.size:
+            raise ValueError(f"my_index={my_index}: not in 0..{spec.size - 1}")
+        if local.dtype != torch.float32 or local.shape != (spec.numel,):
+            raise ValueError(f"local: need float32 of shape ({spec.numel},), got "
+                             f"{local.dtype} {tuple(local.shape)}")
+        if not bool(torch.isfinite(local).all()):
+            raise ValueError("local: holds NaN/Inf; refusing to contribute it")
+        if not timeout > 0:
+            raise ValueError(f"timeout={timeout}: must be > 0")
+        self.spec = spec
+        self.my_index = my_index
+        self.timeout = timeout
+        self._local = local.detach().cpu().contiguous()
+        self._codec = spec.codec_obj
+        self._state = RoundState.IDLE
+        self._deadline: float | None = None
+        self._out: torch.Tensor | None = None
+        self._digest: str | None = None
+        self._failure: RoundFailure | None = None
+        n = spec.size
+        # My part: decoded contributions of incomplete chunks only, keyed chunk -> sender.
+        self._pending: dict[int, dict[int, torch.Tensor]] = {}
+        self._chunk_done = [False] * spec.n_chunks(my_index)
+        self._mine_reduced = 0
+        self._held_last: bytes | None = None
+        # Other parts: result chunks received and the digest announced on the last chunk.
+        self._results_got: list[set[int]] = [set() for _ in range(n)]
+        self._announced: dict[int, str] = {}
+        self._parts_verified = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.payload_bytes_sent = 0
+        self.payload_bytes_received = 0
+        self.messages_ignored = 0
+
+    # ------------------------------------------------------------------ public surface
+
+    @property
+    def state(self) -> RoundState:
+        return self._state
+
+    @property
+    def deadline(self) -> float | None:
+        """start + timeout, once started."""
+        return self._deadline
+
+    @property
+    def result(self) -> torch.Tensor:
+        """The averaged 1-D float32 tensor; only in DONE."""
+        if self._state is not RoundState.DONE or self._out is None:
+            raise LocalProtocolError(f"result: round is {self._state.value}, not done")
+        return self._out
+
+    @property
+    def digest(self) -> str:
+        """sha256 hex of `result` as little-endian float32 bytes; only in DONE."""
+        if self._digest is None:
+            raise LocalProtocolError(f"digest: round is {self._state.value}, not done")
+        return self._digest
+
+    @property
+    def failure(self) -> RoundFailure:
+        """Reason and culprits; only in FAILED."""
+        if self._failure is None:
+            raise LocalProtocolError(f"failure: round is {self._state.value}, not failed")
+        return self._failure
+
+    def start(self, now: float) -> list[Action]:
+        """Begin the round at time `now`: the contributions to send, or Done for N=1."""
+        self._transition(_Event.START)
+        self._deadline = now + self.timeout
+        self._out = torch.empty(self.spec.numel, dtype=torch.float32)
+        if self.spec.size == 1:
+            data, meta = self._codec.encode(self._local)
+            self._out = self._codec.decode(data, meta)
+            return self._complete()
+        actions = self._send_contributions()
+        return actions + self._maybe_complete()
+
+    def receive(self, sender: int, msg: Message, now: float, *,
+                frame_bytes: int | None = None) -> list[Action]:
+        """Handle `msg` that the transport got from member `sender`.
+
+        `frame_bytes` is the frame's size on the wire for accounting; when omitted it is
+        recomputed from `msg`.
+        """
+        self._check_sender(sender)
+        self.bytes_received += len(encode_frame(msg)) if frame_bytes is None else frame_bytes
+        if isinstance(msg, Contribution | Result):
+            self.payload_bytes_received += len(msg.payload)
+        if self._state is not RoundState.RUNNING:
+            self.messages_ignored += 1
+            return []
+        if now >= self._deadline_value():
+            self.messages_ignored += 1
+            return self._timeout()
+        try:
+            return self._handle(sender, msg)
+        except RemoteProtocolError as exc:
+            return self._fail(f"{self.spec.describe(sender)}: {exc.reason}", (sender,),
+                              abort=True)
+
+    def peer_error(self, sender: int, reason: str, now: float) -> list[Action]:
+        """The transport found member `sender` at fault (bad frame, connection lost...)."""
+        self._check_sender(sender)
+        if self._state is not RoundState.RUNNING:
+            return []
+        if now >= self._deadline_value():
+            return self._timeout()
+        return self._fail(f"{self.spec.describe(sender)}: {reason}", (sender,), abort=True)
+
+    def tick(self, now: float) -> list[Action]:
+        """Let time pass: fails a RUNNING round once `now >= deadline`."""
+        if self._state is RoundState.RUNNING and now >= self._deadline_value():
+            return self._timeout()
+        return []
+
+    # ------------------------------------------------------------------ state and sending
+
+    def _transition(self, event: _Event) -> None:
+        new = _TRANSITIONS.get((self._state, event))
+        if new is None:
+            raise LocalProtocolError(f"cannot {event.value} a round that is {self._state.value}")
+        self._state = new
+
+    def _deadline_value(self) -> float:
+        if self._deadline is None:
+            raise LocalProtocolError("round not started")
+        return self._deadline
+
+    def _check_sender(self, sender: int) -> None:
+        if self._state is RoundState.IDLE:
+            raise LocalProtocolError("call start() before feeding the round")
+        if not 0 <= sender < self.spec.size or sender == self.my_index:
+            raise LocalProtocolError(f"transport declared sender {sender}: not another member")
+
+    def _envelope(self) -> dict[str, object]:
+        s = self.spec
+        return {"version": PROTOCOL_VERSION, "run_id": s.run_id, "fragment": s.fragment,
+                "round": s.round, "sender": self.my_index}
+
+    def _send(self, targets: list[int], msg: Message) -> list[Action]:
+        frame = encode_frame(msg)
+        payload = len(msg.payload) if isinstance(msg, Contribution | Result) else 0
+        self.bytes_sent += len(frame) * len(targets)
+        self.payload_bytes_sent += payload * len(targets)
+        return [Send(to, msg, frame) for to in targets]
+
+    def _others(self) -> list[int]:
+        # Rotated so that members do not all start by sending to member 0.
+        n, me = self.spec.size, self.my_index
+        return [(me + d) % n for d in range(1, n)]
+
+    def _send_contributions(self) -> list[Action]:
+        spec, actions = self.spec, []
+        owners = self._others()
+        # Chunk-major, so every owner gets its chunk 0 first and can start reducing.
+        for k in range(max(spec.n_chunks(j) for j in owners)):
+            for j in owners:
+                if k >= spec.n_chunks(j):
+                    continue
+                offset, numel = spec.chunk_span(j, k)
+                start = spec.parts[j][0] + offset
+                payload, _ = self._codec.encode(self._local[start:start + numel])
+                msg = Contribution(**self._envelope(), owner=j, chunk=k,
+                                   n_chunks=spec.n_chunks(j), offset=offset, numel=numel,
+                                   codec=spec.codec, block_size=spec.block_size,
+                                   payload=payload)
+                actions += self._send([j], msg)
+        return actions
+
+    # ------------------------------------------------------------------ incoming messages
+
+    def _handle(self, sender: int, msg: Message) -> list[Action]:
+        self._check_envelope(sender, msg)
+        if isinstance(msg, Abort):
+            reason = one_line(msg.reason, ABORT_REASON_MAX) or "(no reason given)"
+            return self._fail(f"{self.spec.describe(sender)} aborted the round: [{reason}]",
+                              (sender,), abort=False)
+        if isinstance(msg, Contribution):
+            return self._on_contribution(sender, msg)
+        if isinstance(msg, Result):
+            return self._on_result(sender, msg)
+        raise LocalProtocolError(f"receive: not a message: {type(msg).__name__}")
+
+    def _check_envelope(self, sender: int, msg: Message) -> None:
+        s = self.spec
+        if msg.version != PROTOCOL_VERSION:
+            raise RemoteProtocolError(f"{msg.type} has protocol version {msg.version}, "
+                                      f"expected {PROTOCOL_VERSION}")
+        got = (msg.run_id, msg.fragment, msg.round)
+        if got != (s.run_id, s.fragment, s.round):
+            raise RemoteProtocolError(
+                f"{msg.type} for run/fragment/round {one_line(repr(got), 200)}, expected "
+                f"{(s.run_id, s.fragment, s.round)!r}")
+        if msg.sender != sender:
+            raise RemoteProtocolError(f"{msg.type} claims sender {msg.sender}, but arrived "
+                                      f"from member {sender}")
+
+    def _check_layout(self, msg: Contribution | Result, owner: int) -> None:
+        """Raise unless msg is a well-formed chunk of `owner`'s part (payload not decoded)."""
+        s, what = self.spec, f"{msg.type} chunk {msg.chunk} of part {owner}"
+        expected_chunks = s.n_chunks(owner)
+        if msg.n_chunks != expected_chunks:
+            raise RemoteProtocolError(f"{what}: n_chunks {msg.n_chunks}, expected "
+                                      f"{expected_chunks}")
+        offset, numel = s.chunk_span(owner, msg.chunk)
+        if (msg.offset, msg.numel) != (offset, numel):
+            raise RemoteProtocolError(f"{what}: offset/numel {msg.offset}/{msg.numel}, "
+                                      f"expected {offset}/{numel}")
+        if (msg.codec, msg.block_size) != (s.codec, s.block_size):
+            raise RemoteProtocolError(
+                f"{what}: codec {one_line(msg.codec, 40)}/{msg.block_size}, expected "
+                f"{s.codec}/{s.block_size}")
+        size = self._codec.encoded_size(numel)
+        if len(msg.payload) != size:
+            raise RemoteProtocolError(f"{what}: payload is {len(msg.payload)} bytes, expected "
+                                      f"{size}")
+
+    def _decode(self, msg: Contribution | Result) -> torch.Tensor:
+        meta = CodecMeta(codec=self._codec.name, numel=msg.numel,
+                         block_size=self._codec.block_size)
+        try:
+            values = self._codec.decode(msg.payload, meta)
+        except CodecError as exc:
+            raise RemoteProtocolError(f"{msg.type} chunk {msg.chunk}: bad payload: "
+                                      f"{exc}") from None
+        # Large finite scales can still overflow to inf when multiplied out.
+        if not bool(torch.isfinite(values).all()):
+            raise RemoteProtocolError(f"{msg.type} chunk {msg.chunk}: payload decodes to "
+                                      "NaN/Inf")
+        return values
+
+    def _on_contribution(self, sender: int, msg: Contribution) -> list[Action]:
+        if msg.owner != self.my_index:
+            raise RemoteProtocolError(f"contribution for the part of member {msg.owner} sent "
+                                      f"to member {self.my_index}")
+        self._check_layout(msg, self.my_index)
+        waiting = self._pending.setdefault(msg.chunk, {})
+        if self._chunk_done[msg.chunk] or sender in waiting:
+            raise RemoteProtocolError(f"duplicate contribution chunk {msg.chunk}")
+        waiting[sender] = self._decode(msg)
+        if len(waiting) < self.spec.size - 1:
+            return []
+        return self._reduce_chunk(msg.chunk)
+
+    def _on_result(self, sender: int, msg: Result) -> list[Action]:
+        if msg.owner != sender:
+            raise RemoteProtocolError(f"result for the part of member {msg.owner} sent by "
+                                      f"member {sender}, not its owner")
+        self._check_layout(msg, sender)
+        everyone = tuple(range(self.spec.size))
+        if msg.contributors != everyone:
+            raise RemoteProtocolError(f"result chunk {msg.chunk} averages members "
+                                      f"{list(msg.contributors)}, expected all {list(everyone)}")
+        got = self._results_got[sender]
+        if msg.chunk in got:
+            raise RemoteProtocolError(f"duplicate result chunk {msg.chunk}")
+        values = self._decode(msg)
+        start = self.spec.parts[sender][0] + msg.offset
+        self._output()[start:start + msg.numel] = values
+        got.add(msg.chunk)
+        if msg.digest is not None:
+            self._announced[sender] = msg.digest
+        if len(got) == self.spec.n_chunks(sender):
+            self._verify_part(sender)
+        return self._maybe_complete()
+
+    def _verify_part(self, owner: int) -> None:
+        start, end = self.spec.parts[owner]
+        actual = tensor_digest(self._output()[start:end])
+        if actual != self._announced.get(owner):
+            raise RemoteProtocolError(f"result digest mismatch for part {owner}: announced "
+                                      f"{self._announced.get(owner)}, decoded {actual}")
+        self._parts_verified += 1
+
+    # ------------------------------------------------------------------ reduction and ending
+
+    def _output(self) -> torch.Tensor:
+        if self._out is None:
+            raise LocalProtocolError("round buffers already released")
+        return self._out
+
+    def _reduce_chunk(self, k: int) -> list[Action]:
+        spec, me = self.spec, self.my_index
+        offset, numel = spec.chunk_span(me, k)
+        start = spec.parts[me][0] + offset
+        contribs = self._pending.pop(k)
+        contribs[me] = self._codec.decode(*self._codec.encode(self._local[start:start + numel]))
+        try:
+            payload, meta = self._codec.encode(reduce_mean([contribs[i] for i in range(
+                spec.size)]))
+        except CodecError as exc:  # e.g. float32 sums overflowing to inf
+            return self._fail(f"cannot encode the mean of my chunk {k}: {exc}", (), abort=True)
+        self._output()[start:start + numel] = self._codec.decode(payload, meta)
+        self._chunk_done[k] = True
+        self._mine_reduced += 1
+        actions: list[Action] = []
+        last = len(self._chunk_done) - 1
+        if k == last:
+            self._held_last = payload  # sent once the digest of the whole part is known
+        else:
+            actions += self._send(self._others(), self._result_msg(k, payload, None))
+        if self._mine_reduced == len(self._chunk_done) and self._held_last is not None:
+            part = self._output()[spec.parts[me][0]:spec.parts[me][1]]
+            msg = self._result_msg(last, self._held_last, tensor_digest(part))
+            self._held_last = None
+            actions += self._send(self._others(), msg)
+        return actions + self._maybe_complete()
+
+    def _result_msg(self, k: int, payload: bytes, digest: str | None) -> Result:
+        spec, me = self.spec, self.my_index
+        offset, numel = spec.chunk_span(me, k)
+        return Result(**self._envelope(), owner=me, chunk=k, n_chunks=spec.n_chunks(me),
+                      offset=offset, numel=numel, codec=spec.codec, block_size=spec.block_size,
+                      contributors=tuple(range(spec.size)), payload=payload, digest=digest)
+
+    def _maybe_complete(self) -> list[Action]:
+        mine_done = self._mine_reduced == len(self._chunk_done) and self._held_last is None
+        others = sum(1 for j in range(self.spec.size)
+                     if j != self.my_index and self.spec.n_chunks(j) == 0)
+        if mine_done and self._parts_verified + others == self.spec.size - 1:
+            return self._complete()
+        return []
+
+    def _complete(self) -> list[Action]:
+        self._transition(_Event.COMPLETE)
+        self._digest = tensor_digest(self._output())
+        self._pending.clear()
+        return [Done(self._digest)]
+
+    def _fail(self, reason: str, culprits: tuple[int, ...], *, abort: bool) -> list[Action]:
+        self._transition(_Event.FAIL)
+        self._failure = RoundFailure(one_line(reason), tuple(sorted(set(culprits))))
+        self._pending.clear()
+        self._out = None  # never expose a partial average
+        actions: list[Action] = []
+        if abort:
+            note = one_line(f"member {self.my_index} gives up: {self._failure.reason}",
+                            ABORT_REASON_MAX)
+            actions += self._send(self._others(), Abort(**self._envelope(), reason=note))
+        return actions + [Failed(self._failure)]
+
+    def _timeout(self) -> list[Action]:
+        culprits = self._missing_contributors() or self._missing_owners()
+        names = ", ".join(self.spec.describe(i) for i in culprits)
+        return self._fail(f"timed out after {self.timeout:g}s waiting for {names}",
+                          culprits, abort=False)
+
+    def _missing_contributors(self) -> tuple[int, ...]:
+        missing: set[int] = set()
+        for k, done in enumerate(self._chunk_done):
+            if not done:
+                got = self._pending.get(k, {})
+                missing.update(i for i in self._others() if i not in got)
+        return tuple(sorted(missing))
+
+    def _missing_owners(self) -> tuple[int, ...]:
+        return tuple(j for j in range(self.spec.size) if j != self.my_index
+                     and len(self._results_got[j]) < self.spec.n_chunks(j))

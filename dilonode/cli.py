@@ -1,0 +1,61 @@
+"""Command line: parse arguments and dispatch to `dilonode.commands`.
+
+Nothing heavy is imported here (no torch, no hivemind) so `dilonode --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "main"]
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help="TOML run config (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set diloco.sync_every=50 (repeatable)")
+    p.add_argument("--steps", type=int, help="inner steps per worker (total_steps)")
+    p.add_argument("--mode", choices=["ddp", "diloco", "streaming"], help="diloco.mode")
+    p.add_argument("--codec", help="codec.name: float32, bfloat16, float16, int8, int4, fp4")
+    p.add_argument("--out", help="output folder (paths.out_dir)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dilonode", description="Decentralized training with Streaming DiLoCo.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser("simulate", help="M virtual workers in one process (same algorithm)")
+    _add_config_args(sim)
+    sim.add_argument("--workers", "-m", type=int, help="number of virtual workers (sim.workers)")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    prep = sub.add_parser("prepare-data", help="tokenize a folder of .txt/.jsonl into shards")
+    prep.add_argument("src", help="folder of .txt / .jsonl files")
+    prep.add_argument("out", help="output folder (train.bin, val.bin, meta.json)")
+    prep.add_argument("--tokenizer", default="bytes", help="'bytes' or a local tokenizer.json")
+    prep.add_argument("--eval-fraction", type=float, default=0.1, help="held-out share")
+    prep.add_argument("--jsonl-field", default="text", help="text field of .jsonl records")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dilonode import commands  # deferred: pulls in torch
+
+    handler = {"simulate": commands.simulate, "prepare-data": commands.prepare_data}
+    try:
+        return handler[args.command](args)
+    except KeyboardInterrupt:
+        print("dilonode: interrupted", file=sys.stderr)
+        return 130
+    except commands.UserError as exc:
+        print(f"dilonode: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Configuration models for a dilonode run, one per component, and TOML loading.
+
+Each component reads only its own model. The CLI loads a TOML file once, applies
+`--set section.field=value` overrides, and hands the frozen `RunConfig` down. Invalid input
+raises `ConfigError` whose message is one line per problem, naming field, value and rule.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "CodecConfig",
+    "ConfigError",
+    "DataConfig",
+    "DilocoConfig",
+    "InnerOptConfig",
+    "ModelConfig",
+    "NetworkConfig",
+    "PathsConfig",
+    "RunConfig",
+    "SimConfig",
+    "load_config",
+    "parse_overrides",
+]
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; `str()` is one line per bad field."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class ModelConfig(_Frozen):
+    """Which network to train."""
+
+    kind: Literal["builtin", "factory", "hf_llama"] = Field(
+        "builtin", description="builtin Llama-style decoder, a `module:function` factory, "
+        "or a Hugging Face transformers Llama built from config (no download)")
+    preset: Literal["nano", "tiny", "small", "150m", "1b"] = Field(
+        "tiny", description="size preset for builtin/hf_llama; explicit fields below override it")
+    factory: str | None = Field(
+        None, description="`package.module:function` returning an nn.Module (kind=factory)")
+    vocab_size: int | None = Field(None, ge=2, description="vocabulary size (bytes: 256)")
+    d_model: int | None = Field(None, ge=8, description="embedding width")
+    n_layers: int | None = Field(None, ge=1, description="number of transformer blocks")
+    n_heads: int | None = Field(None, ge=1, description="attention heads")
+    ffn_hidden: int | None = Field(None, ge=8, description="SwiGLU hidden width")
+    max_seq_len: int | None = Field(None, ge=8, description="longest sequence for rotary cache")
+    tie_embeddings: bool = Field(True, description="share token embedding and output head")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.kind == "factory" and (not self.factory or ":" not in self.factory):
+            raise ValueError(f"model.factory = {self.factory!r}: kind=factory needs "
+                             "'package.module:function'")
+        if self.d_model is not None and self.n_heads is not None and self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model = {self.d_model}: must be divisible by "
+                             f"model.n_heads = {self.n_heads}")
+        return self
+
+
+class DataConfig(_Frozen):
+    """Where tokens come from and how batches are cut."""
+
+    source: Literal["builtin", "text", "bin"] = Field(
+        "builtin", description="embedded corpus, a folder of .txt/.jsonl, or token shards (.bin)")
+    path: Path | None = Field(None, description="folder or file for source=text|bin")
+    bin_dtype: Literal["uint16", "uint32"] = Field("uint16", description="dtype of .bin tokens")
+    tokenizer: str = Field("bytes", description="'bytes' or a path to a local tokenizer.json")
+    jsonl_field: str = Field("text", description="field holding the text in .jsonl records")
+    seq_len: int = Field(128, ge=2, description="tokens per training sequence")
+    batch_size: int = Field(8, ge=1, description="sequences per inner step per worker")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out share of tokens")
+    eval_batches: int = Field(8, ge=1, description="batches per evaluation")
+    seed: int = Field(0, description="base seed; each worker's stream also mixes its identity")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.source != "builtin" and self.path is None:
+            raise ValueError(f"data.path = None: source={self.source} needs a path")
+        return self
+
+
+class InnerOptConfig(_Frozen):
+    """AdamW, the optimizer every worker runs alone between syncs."""
+
+    lr: float = Field(3e-3, gt=0.0, description="peak learning rate")
+    weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW beta2")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up steps, then constant")
+    grad_clip: float = Field(1.0, ge=0.0, description="global norm clip; 0 disables")
+
+
+class DilocoConfig(_Frozen):
+    """The outer algorithm: DDP, DiLoCo, or Streaming DiLoCo (names from the papers)."""
+
+    mode: Literal["ddp", "diloco", "streaming"] = Field(
+        "streaming", description="ddp averages gradients every step; diloco is P=1, tau=0, "
+        "alpha=0 whatever the fields below say; streaming uses them")
+    sync_every: int = Field(30, ge=1, description="H: inner steps between syncs of a fragment")
+    num_fragments: int = Field(3, ge=1, description="P: fragments synced on staggered offsets")
+    fragment_pattern: Literal["strided", "sequential"] = Field(
+        "strided", description="block i -> fragment i mod P (strided) or contiguous groups")
+    fragment_sync_delay: int = Field(
+        1, ge=0, description="tau: inner steps between starting a sync and merging its result")
+    fragment_update_alpha: float = Field(
+        0.5, ge=0.0, le=1.0, description="alpha: w <- alpha*w + (1-alpha)*g_new on merge")
+    outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer SGD momentum")
+    outer_nesterov: bool = Field(True, description="Nesterov momentum for the outer step")
+    outer_state_on_cpu: bool = Field(
+        True, description="keep global weights and outer momentum (float32) in host memory")
+
+    @model_validator(mode="after")
+    def _check(self) -> DilocoConfig:
+        if self.mode == "streaming" and self.fragment_sync_delay >= self.sync_every:
+            raise ValueError(
+                f"diloco.fragment_sync_delay = {self.fragment_sync_delay}: must be < "
+                f"diloco.sync_every = {self.sync_every} (a fragment's result must land before "
+                "its next sync starts)")
+        return self
+
+    def effective(self) -> DilocoConfig:
+        """The plan actually run: mode=diloco pins P=1, tau=0, alpha=0 (plain DiLoCo)."""
+        if self.mode == "diloco":
+            return self.model_copy(update={
+                "num_fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0})
+        return self
+
+
+class CodecConfig(_Frozen):
+    """How pseudo-gradients are quantized on the wire; sums are always float32."""
+
+    name: Literal["float32", "bfloat16", "float16", "int8", "int4", "fp4"] = Field(
+        "int4", description="wire format of pseudo-gradient parts")
+    block_size: int = Field(
+        64, ge=2, le=1 << 20, description="values per absmax scale (int8/int4/fp4); even")
+
+    @model_validator(mode="after")
+    def _check(self) -> CodecConfig:
+        if self.block_size % 2:
+            raise ValueError(f"codec.block_size = {self.block_size}: must be even "
+                             "(two 4-bit values share a byte)")
+        return self
+
+
+class NetworkConfig(_Frozen):
+    """How a node reaches its peers (used by the swarm daemon)."""
+
+    initial_peers: tuple[str, ...] = Field((), description="bootstrap multiaddrs")
+    host: str = Field("127.0.0.1", description="address the data path listens on")
+    port: int = Field(0, ge=0, le=65535, description="data path port; 0 picks a free one")
+    matchmaking_timeout: float = Field(5.0, gt=0.0, description="seconds to form a group")
+    allreduce_timeout: float = Field(30.0, gt=0.0, description="seconds per peer per round")
+    bandwidth_mbps: float = Field(
+        100.0, gt=0.0, description="advertised bandwidth; weights this node's butterfly part")
+
+
+class PathsConfig(_Frozen):
+    """Where a run writes logs, plots and checkpoints."""
+
+    out_dir: Path = Field(Path("runs/default"), description="logs, JSON/CSV metrics, plots")
+    checkpoint_dir: Path | None = Field(None, description="checkpoints (default out_dir/ckpt)")
+
+
+class SimConfig(_Frozen):
+    """In-process simulation of M workers."""
+
+    workers: int = Field(4, ge=1, le=256, description="M: virtual workers")
+
+
+class RunConfig(_Frozen):
+    """Everything one run needs; each component receives only its own section."""
+
+    run_id: str = Field("dilonode-default", min_length=1, max_length=128,
+                        pattern=r"^[A-Za-z0-9._-]+$", description="swarm run identifier")
+    seed: int = Field(0, description="seed for model init (identical on every worker)")
+    total_steps: int = Field(300, ge=1, description="inner steps per worker")
+    eval_every: int = Field(50, ge=1, description="inner steps between evaluations")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="cuda with bf16 autocast when available, else cpu")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    inner: InnerOptConfig = InnerOptConfig()
+    diloco: DilocoConfig = DilocoConfig()
+    codec: CodecConfig = CodecConfig()
+    network: NetworkConfig = NetworkConfig()
+    paths: PathsConfig = PathsConfig()
+    sim: SimConfig = SimConfig()
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if loc and not msg.startswith(loc):
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" = {got!r}"
+            msg = f"{loc}{got_s}: {msg}"
+        lines.append(f"config error ({source}): {msg}")
+    return "\n".join(lines)
+
+
+def _parse_value(text: str) -> Any:
+    """TOML-ish scalar parsing for `--set a.b=value` (numbers, bools, lists, else string)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """Turn ['diloco.sync_every=50', ...] into a nested dict."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"config error (--set): {item!r}: expected section.field=value")
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config error (--set): {key!r}: {part} is not a section")
+        node[parts[-1]] = _parse_value(value.strip())
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path | None = None,
+                overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load a TOML file (or defaults), apply overrides, validate; ConfigError on any problem."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config error: {path}: no such file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config error ({path}): not valid TOML: {exc}") from None
+    if overrides:
+        data = _merge(data, overrides)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None

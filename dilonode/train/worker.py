@@ -1,0 +1,226 @@
+"""One training worker: model, inner AdamW, data stream and the per-fragment outer state,
+driven step by step against a `Collective`.
+
+The simulator runs M of these in lockstep over a `LocalGroup`; the daemon runs one over the
+network. Each step has three phases so both drivers can interleave workers:
+`train_step()` (forward/backward and, outside DDP, the inner update), `launch()` (start the
+syncs the schedule asks for), `land()` (apply the results that are due). No networking here.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dilonode.algo.fragments import Fragment, assign_fragments, flatten, unflatten_into
+from dilonode.algo.outer import NonFiniteError, OuterState, merge, pseudo_gradient
+from dilonode.algo.schedule import SyncLand, SyncPlan, SyncStart
+from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
+from dilonode.config import InnerOptConfig, RunConfig
+from dilonode.train.data import TokenData
+from dilonode.train.device import autocast, pick_device
+from dilonode.train.model import build_model, lm_loss
+
+__all__ = ["Worker", "WorkerStats", "build_inner_optimizer", "inner_lr"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    """What one worker has done and sent so far."""
+
+    steps: int = 0
+    tokens: int = 0
+    last_loss: float = float("nan")
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    peak_sync_bytes: int = 0  # most payload bytes this worker sent for one sync
+    syncs: int = 0
+    rounds: dict[int, int] = field(default_factory=dict)  # fragment -> rounds applied
+    rejected: int = 0  # averaged results refused (non-finite)
+
+    def record(self, fragment: int, result: ReduceResult) -> None:
+        self.bytes_sent += result.payload_bytes_sent
+        self.bytes_received += result.payload_bytes_received
+        self.peak_sync_bytes = max(self.peak_sync_bytes, result.payload_bytes_sent)
+        self.syncs += 1
+        if fragment >= 0:
+            self.rounds[fragment] = self.rounds.get(fragment, 0) + 1
+
+
+def build_inner_optimizer(model: nn.Module, cfg: InnerOptConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def inner_lr(cfg: InnerOptConfig, step: int) -> float:
+    """Learning rate for 1-based `step`: linear warm-up, then constant."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    return cfg.lr
+
+
+class Worker:
+    """A worker's model and optimizers; see the module docstring for the step phases."""
+
+    def __init__(self, cfg: RunConfig, data: TokenData, collective: Collective,
+                 identity: int | str, device: torch.device | None = None) -> None:
+        self.cfg = cfg
+        self.algo = cfg.diloco.effective()
+        self.identity = identity
+        self.device = device or pick_device(cfg.device)
+        self.collective = collective
+        torch.manual_seed(cfg.seed)  # identical initial weights on every worker
+        self.model = build_model(cfg.model, data.vocab_size).to(self.device)
+        names, params = zip(*[(n, p) for n, p in self.model.named_parameters()
+                              if p.requires_grad], strict=True)
+        self.params: list[nn.Parameter] = list(params)
+        self.opt = build_inner_optimizer(self.model, cfg.inner)
+        self.batches = data.train_batches(identity, cfg.data.seq_len, cfg.data.batch_size,
+                                          cfg.data.seed)
+        self.step = 0
+        self.stats = WorkerStats()
+        self._grad_pending: PendingReduce | None = None
+        self.pending: dict[int, tuple[int, PendingReduce]] = {}
+        self.plan: SyncPlan | None = None
+        self.fragments: list[Fragment] = []
+        self.outer: list[OuterState] = []
+        if self.algo.mode != "ddp":
+            self._init_outer(list(names))
+
+    def _init_outer(self, names: list[str]) -> None:
+        a = self.algo
+        self.plan = SyncPlan(a.sync_every, a.num_fragments, a.fragment_sync_delay)
+        self.fragments = assign_fragments(names, a.num_fragments, a.fragment_pattern)
+        outer_device = "cpu" if a.outer_state_on_cpu else self.device
+        self.outer = [OuterState(flatten(self._frag_params(f)), a.outer_lr, a.outer_momentum,
+                                 a.outer_nesterov, outer_device) for f in self.fragments]
+
+    def _frag_params(self, frag: Fragment) -> list[nn.Parameter]:
+        return [self.params[i] for i in frag.param_indices]
+
+    # -- phase 1 -------------------------------------------------------------------------
+    def train_step(self) -> float:
+        """Forward/backward on the next batch; outside DDP also the inner AdamW update."""
+        x, y = next(self.batches)
+        x, y = x.to(self.device), y.to(self.device)
+        with autocast(self.device):
+            loss = lm_loss(self.model, x, y)
+        loss.backward()
+        self.step += 1
+        self.stats.steps = self.step
+        self.stats.tokens += x.numel()
+        self.stats.last_loss = float(loss.detach())
+        if self.algo.mode == "ddp":
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            self._grad_pending = self.collective.begin(SyncKey("grad", 0, self.step),
+                                                       flatten(grads))
+        else:
+            self._inner_update()
+        return self.stats.last_loss
+
+    def _inner_update(self) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = inner_lr(self.cfg.inner, self.step)
+        if self.cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.inner.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    # -- phase 2 -------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Start every sync the schedule places at the current step."""
+        if self.plan is None:
+            return
+        for act in self.plan.actions(self.step):
+            if isinstance(act, SyncStart):
+                self._start(act.fragment, act.round)
+
+    def _start(self, p: int, r: int) -> None:
+        if p in self.pending:
+            raise RuntimeError(f"fragment {p} round {r} started while round "
+                               f"{self.pending[p][0]} is still in flight")
+        local = flatten(self._frag_params(self.fragments[p]))  # [numel_p]
+        delta = pseudo_gradient(self.outer[p].weights, local)
+        self.pending[p] = (r, self.collective.begin(SyncKey("fragment", p, r), delta))
+
+    # -- phase 3 -------------------------------------------------------------------------
+    def land(self) -> None:
+        """Apply results due now: DDP gradients, or fragment outer steps and merges."""
+        if self._grad_pending is not None:
+            self._land_grads(self._grad_pending.wait())
+            self._grad_pending = None
+            return
+        if self.plan is None:
+            return
+        for act in self.plan.actions(self.step):
+            if isinstance(act, SyncLand):
+                self._land_fragment(act.fragment)
+
+    def drain(self) -> None:
+        """Land every sync still in flight (end of training)."""
+        for p in sorted(self.pending):
+            self._land_fragment(p)
+
+    def _land_grads(self, result: ReduceResult) -> None:
+        self.stats.record(-1, result)
+        if not bool(torch.isfinite(result.mean).all()):
+            self.stats.rejected += 1
+            log.warning("step %d: averaged gradient is non-finite; update skipped", self.step)
+            self.opt.zero_grad(set_to_none=True)
+            return
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        unflatten_into(result.mean, [p.grad for p in self.params])
+        self._inner_update()
+
+    def _land_fragment(self, p: int) -> None:
+        r, handle = self.pending.pop(p)
+        result = handle.wait()
+        self.stats.record(p, result)
+        params = self._frag_params(self.fragments[p])
+        try:
+            new_global = self.outer[p].step(result.mean)
+        except NonFiniteError as exc:
+            self.stats.rejected += 1
+            log.warning("fragment %d round %d: %s", p, r, exc)
+            return
+        merged = merge(flatten(params), new_global, self.algo.fragment_update_alpha)
+        unflatten_into(merged, params)
+
+    # -- evaluation ----------------------------------------------------------------------
+    def outer_model(self) -> nn.Module:
+        """A copy of the model holding the outer (global) weights; DDP: the weights."""
+        model = copy.deepcopy(self.model)
+        if self.algo.mode != "ddp":
+            params = [p for p in model.parameters() if p.requires_grad]
+            for frag, state in zip(self.fragments, self.outer, strict=True):
+                unflatten_into(state.weights, [params[i] for i in frag.param_indices])
+        return model
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss of the outer weights over fixed held-out batches."""
+        model = self.outer_model().eval()
+        total = 0.0
+        for x, y in batches:
+            with autocast(self.device):
+                total += float(lm_loss(model, x.to(self.device), y.to(self.device)))
+        return total / max(len(batches), 1)
+
+    def outer_flat(self) -> torch.Tensor:
+        """All outer weights as one flat float32 vector (for comparisons and digests)."""
+        if self.algo.mode == "ddp":
+            return flatten(self.params)
+        return torch.cat([s.weights.to("cpu") for s in self.outer])

@@ -1,0 +1,172 @@
+"""Wire messages of the butterfly all-reduce, as validated, immutable pydantic models.
+
+Three messages exist: `Contribution` (a member's encoded chunk of someone else's part),
+`Result` (the part owner's averaged chunk, sent back to everyone) and `Abort` (a member gives
+up the round). Each is a msgpack map whose `type` key names the message; the other keys are
+the model's fields in declaration order (protocol/README.md is the normative spec).
+
+Use `message_to_dict` / `message_from_dict` to go between models and plain maps; framing.py
+adds msgpack and the length prefix. Validation is strict (no "1" -> 1 coercion, no bools as
+ints) because everything here comes from untrusted peers. Semantic checks that need round
+context (is this the chunk we expect? does the payload length match the codec?) live in
+`dilonode.allreduce.round`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dilonode import PROTOCOL_VERSION
+from dilonode.wire.errors import RemoteProtocolError, one_line
+
+__all__ = [
+    "ABORT_REASON_MAX",
+    "MAX_MEMBERS",
+    "MESSAGE_TYPES",
+    "Abort",
+    "Contribution",
+    "Message",
+    "Result",
+    "message_from_dict",
+    "message_to_dict",
+]
+
+MAX_MEMBERS = 4096
+ABORT_REASON_MAX = 256
+_U32 = 2**32 - 1
+_U63 = 2**63 - 1
+
+Member = Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]
+U32 = Annotated[int, Field(ge=0, le=_U32)]
+U63 = Annotated[int, Field(ge=0, le=_U63)]
+
+
+class _Base(BaseModel):
+    """Fields every message carries: who sent it, for which run, fragment and round."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    version: int = Field(PROTOCOL_VERSION, ge=0, le=_U32)
+    run_id: str = Field(min_length=1, max_length=128)
+    fragment: U32
+    round: U63
+    sender: Member
+
+
+class _Chunk(_Base):
+    """Fields shared by the two messages that carry an encoded chunk of a part."""
+
+    owner: Member
+    chunk: U32
+    n_chunks: int = Field(ge=1, le=_U32)
+    offset: U63
+    numel: int = Field(ge=1, le=_U32)
+    codec: str = Field(min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")
+    block_size: int = Field(ge=1, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _chunk_in_range(self) -> _Chunk:
+        if self.chunk >= self.n_chunks:
+            raise ValueError(f"chunk: {self.chunk} must be < n_chunks {self.n_chunks}")
+        return self
+
+
+class Contribution(_Chunk):
+    """`sender`'s encoded values [offset, offset + numel) of the part owned by `owner`."""
+
+    type: Literal["contribution"] = Field("contribution", exclude=True)
+    payload: bytes
+
+
+class Result(_Chunk):
+    """The owner's averaged chunk; the last chunk carries the sha256 `digest` of the part."""
+
+    type: Literal["result"] = Field("result", exclude=True)
+    contributors: tuple[Member, ...] = Field(min_length=1, max_length=MAX_MEMBERS)
+    payload: bytes
+    digest: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+
+    @field_validator("contributors", mode="before")
+    @classmethod
+    def _list_to_tuple(cls, value: Any) -> Any:
+        # msgpack yields arrays as lists; strict mode would refuse a list for a tuple.
+        return tuple(value) if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _digest_on_last(self) -> Result:
+        last = self.chunk == self.n_chunks - 1
+        if last and self.digest is None:
+            raise ValueError("digest: required on the last chunk")
+        if not last and self.digest is not None:
+            raise ValueError("digest: only the last chunk carries it")
+        return self
+
+
+class Abort(_Base):
+    """The sender gives up the round; `reason` is for logs only."""
+
+    type: Literal["abort"] = Field("abort", exclude=True)
+    reason: str = Field("", max_length=ABORT_REASON_MAX)
+
+
+Message = Contribution | Result | Abort
+MESSAGE_TYPES: dict[str, type[Contribution] | type[Result] | type[Abort]] = {
+    "contribution": Contribution,
+    "result": Result,
+    "abort": Abort,
+}
+
+
+def message_to_dict(msg: Message) -> dict[str, Any]:
+    """The msgpack map of `msg`: `type` first, then fields in declaration order.
+
+    A `digest` of None is left out rather than sent as nil, so each message has exactly one
+    encoding (golden vectors depend on it).
+    """
+    body: dict[str, Any] = {"type": msg.type}
+    body.update(msg.model_dump(exclude={"type"}, exclude_none=True))
+    return body
+
+
+def _validation_reason(kind: str, err: ValidationError) -> str:
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    got = first.get("input")
+    shown = "" if isinstance(got, dict) else f" (got {one_line(repr(got), 60)})"
+    msg = first["msg"].removeprefix("Value error, ")
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    # Cross-field validators have no location; their message starts with the field name.
+    where = f"field {loc}: {msg}{shown}" if loc else f"field {msg}"
+    return f"invalid {kind} message: {where}{more}"
+
+
+def message_from_dict(body: Any) -> Message:
+    """Validate a decoded msgpack map into a message; RemoteProtocolError on any problem.
+
+    The version is checked before the fields so a peer on another protocol version gets
+    "version mismatch" rather than a confusing field error.
+    """
+    if not isinstance(body, dict):
+        raise RemoteProtocolError(f"message body is a {type(body).__name__}, expected a map")
+    if not all(isinstance(k, str) for k in body):
+        raise RemoteProtocolError("message map has a non-string key")
+    kind = body.get("type")
+    if kind is None:
+        raise RemoteProtocolError("message has no 'type' field")
+    model = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise RemoteProtocolError(f"unknown message type {one_line(repr(kind), 40)}")
+    if "version" not in body:
+        raise RemoteProtocolError(f"invalid {kind} message: field version: missing")
+    version = body["version"]
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            f"protocol version mismatch: expected {PROTOCOL_VERSION}, "
+            f"got {one_line(repr(version), 40)}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RemoteProtocolError(_validation_reason(kind, exc)) from None

@@ -1,0 +1,126 @@
+"""Regenerate the golden wire vectors in protocol/vectors/ (run on purpose only).
+
+    .venv/bin/python protocol/make_vectors.py           # rewrite the vectors
+    .venv/bin/python protocol/make_vectors.py --check   # exit 1 if they would change
+
+Each vector is one frame (`<name>.bin`: 4-byte length + msgpack body) plus an entry in
+`vectors.json` with the message's fields (payload as hex), and for chunk messages the float
+values that were encoded (`input`) and what the payload decodes to (`decoded`), so another
+implementation can check its framing and its codecs. Inputs are small exact binary
+fractions, so the vectors do not depend on any RNG or libm. Changing a vector is a
+protocol change: bump PROTOCOL_VERSION unless the old bytes still decode the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dilonode.algo.codecs import get_codec
+from dilonode.allreduce.round import tensor_digest
+from dilonode.wire import Abort, Contribution, Message, Result, encode_frame, message_to_dict
+
+__all__ = ["build_vectors", "main"]
+
+VECTOR_DIR = Path(__file__).resolve().parent / "vectors"
+_ENVELOPE: dict[str, Any] = {"run_id": "golden-run", "fragment": 2, "round": 7}
+
+
+def _values(numel: int, spread: int, denom: float) -> torch.Tensor:
+    """Exactly representable test values: ((i * 7) mod spread - spread // 2) / denom."""
+    i = torch.arange(numel, dtype=torch.int64)
+    return (((i * 7) % spread) - spread // 2).to(torch.float32) / denom
+
+
+def _chunk_vector(name: str, cls: type[Contribution] | type[Result], x: torch.Tensor,
+                  codec_name: str, block_size: int, **fields: Any) -> dict[str, Any]:
+    codec = get_codec(codec_name, block_size)
+    payload, meta = codec.encode(x)
+    decoded = codec.decode(payload, meta)
+    if fields.pop("with_digest", False):
+        fields["digest"] = tensor_digest(decoded)
+    msg = cls(**_ENVELOPE, **fields, numel=x.numel(), codec=codec_name, block_size=block_size,
+              payload=payload)
+    return {"name": name, "msg": msg, "input": x.tolist(), "decoded": decoded.tolist()}
+
+
+def build_vectors() -> list[dict[str, Any]]:
+    """The vectors as {name, msg, [input, decoded]} dicts, in a fixed order."""
+    return [
+        _chunk_vector("contribution_int4", Contribution, _values(100, 19, 4.0), "int4", 64,
+                      sender=1, owner=0, chunk=1, n_chunks=3, offset=128),
+        _chunk_vector("contribution_int8_odd", Contribution, _values(37, 255, 64.0), "int8",
+                      16, sender=2, owner=1, chunk=0, n_chunks=1, offset=0),
+        _chunk_vector("result_float32_last", Result, _values(10, 9, 8.0), "float32", 64,
+                      sender=0, owner=0, chunk=0, n_chunks=1, offset=0,
+                      contributors=(0, 1, 2), with_digest=True),
+        _chunk_vector("result_fp4_middle", Result, _values(20, 33, 16.0), "fp4", 8,
+                      sender=1, owner=1, chunk=0, n_chunks=2, offset=0,
+                      contributors=(0, 1)),
+        {"name": "abort", "msg": Abort(**_ENVELOPE, sender=3,
+                                       reason="member 3 gives up: timed out")},
+    ]
+
+
+def _describe(vector: dict[str, Any]) -> dict[str, Any]:
+    msg: Message = vector["msg"]
+    fields = message_to_dict(msg)
+    if "payload" in fields:
+        fields["payload"] = fields["payload"].hex()
+    if "contributors" in fields:
+        fields["contributors"] = list(fields["contributors"])
+    entry = {"name": vector["name"], "file": f"{vector['name']}.bin", "fields": fields}
+    entry.update({k: vector[k] for k in ("input", "decoded") if k in vector})
+    return entry
+
+
+def render() -> dict[str, bytes]:
+    """File name -> exact bytes of every file in protocol/vectors/."""
+    vectors = build_vectors()
+    files = {f"{v['name']}.bin": encode_frame(v["msg"]) for v in vectors}
+    doc = {"protocol_version": vectors[0]["msg"].version,
+           "vectors": [_describe(v) for v in vectors]}
+    files["vectors.json"] = (_dumps(doc) + "\n").encode()
+    return files
+
+
+def _dumps(doc: dict[str, Any]) -> str:
+    """Indented JSON, but each list of numbers on one line so the file stays readable."""
+    inline: dict[str, str] = {}
+    for entry in doc["vectors"]:
+        for key in ("input", "decoded"):
+            if key in entry:
+                tag = f"@@{entry['name']}.{key}@@"
+                inline[json.dumps(tag)] = json.dumps(entry[key])
+                entry[key] = tag
+    text = json.dumps(doc, indent=1)
+    for tag, values in inline.items():
+        text = text.replace(tag, values)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare, do not write")
+    args = parser.parse_args(argv)
+    files = render()
+    if args.check:
+        stale = [n for n, data in files.items()
+                 if not (VECTOR_DIR / n).is_file() or (VECTOR_DIR / n).read_bytes() != data]
+        for name in stale:
+            print(f"vector {name} differs from what make_vectors.py produces", file=sys.stderr)
+        return 1 if stale else 0
+    VECTOR_DIR.mkdir(exist_ok=True)
+    for name, data in files.items():
+        (VECTOR_DIR / name).write_bytes(data)
+    print(f"wrote {len(files)} files to {VECTOR_DIR}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
