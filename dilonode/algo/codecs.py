@@ -255,7 +255,7 @@ _INT4_PAIRS, _FP4_PAIRS, _INT4_BYTE_OK = _nibble_luts()
 
 # Midpoints between consecutive fp4 unit magnitudes 0, 2^-6, 2^-5, ..., 2^-1, 1: the code of
 # r = |x|/absmax is the number of midpoints strictly below r (ties round to the smaller).
-_FP4_MIDPOINTS = torch.tensor([2.0**-7] + [0.75 * 2.0**k for k in range(-5, 1)])
+_FP4_MIDPOINTS = (2.0**-7, *(0.75 * 2.0**k for k in range(-5, 1)))
 
 
 class _BlockCodec:
@@ -395,7 +395,10 @@ class _Fp4Codec(_NibbleCodec):
 
     def _codes(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         r = self._safe_divide(x, scale).abs_()  # (n,) in [0, 1]
-        code = torch.bucketize(r, _FP4_MIDPOINTS, out_int32=True).to(torch.uint8)  # (n,)
+        code = torch.zeros(r.shape, dtype=torch.uint8)  # (n,)
+        # Seven compare-and-add passes run about twice as fast as torch.bucketize here.
+        for mid in _FP4_MIDPOINTS:
+            code += r > mid
         # Sign only on nonzero codes, so the encoder never emits negative zero.
         neg = (x < 0) & (code > 0)
         return code | (neg.to(torch.uint8) << 3)

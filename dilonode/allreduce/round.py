@@ -417,8 +417,8 @@ class AllReduceRound:
     def _check_envelope(self, sender: int, msg: Message) -> None:
         s = self.spec
         if msg.version != PROTOCOL_VERSION:
-            raise RemoteProtocolError(f"{msg.type} has protocol version {msg.version}, "
-                                      f"expected {PROTOCOL_VERSION}")
+            raise RemoteProtocolError(f"{msg.type}: protocol version mismatch: expected "
+                                      f"{PROTOCOL_VERSION}, got {msg.version}")
         got = (msg.run_id, msg.fragment, msg.round)
         if got != (s.run_id, s.fragment, s.round):
             raise RemoteProtocolError(
@@ -432,7 +432,8 @@ class AllReduceRound:
         """Raise unless msg is a well-formed chunk of `owner`'s part (payload not decoded)."""
         s, what = self.spec, f"{msg.type} chunk {msg.chunk} of part {owner}"
         expected_chunks = s.n_chunks(owner)
-        if msg.n_chunks != expected_chunks:
+        # Models built without validation (model_copy) reach here too, so recheck the range.
+        if msg.n_chunks != expected_chunks or not 0 <= msg.chunk < expected_chunks:
             raise RemoteProtocolError(f"{what}: n_chunks {msg.n_chunks}, expected "
                                       f"{expected_chunks}")
         offset, numel = s.chunk_span(owner, msg.chunk)

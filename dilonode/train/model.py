@@ -52,7 +52,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"d_model": 128, "n_layers": 6, "n_heads": 4, "ffn_hidden": 384, "max_seq_len": 512},
     "small": {"d_model": 256, "n_layers": 8, "n_heads": 8, "ffn_hidden": 768,
               "max_seq_len": 1024},
-    "150m": {"d_model": 768, "n_layers": 12, "n_heads": 12, "ffn_hidden": 2048,
+    "150m": {"d_model": 768, "n_layers": 18, "n_heads": 12, "ffn_hidden": 2048,
              "max_seq_len": 2048},
     "1b": {"d_model": 2048, "n_layers": 22, "n_heads": 16, "ffn_hidden": 5632,
            "max_seq_len": 2048},

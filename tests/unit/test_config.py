@@ -1,0 +1,72 @@
+"""Config loading: every bad value is one clear line naming field, value and rule."""
+
+import pytest
+
+from dilonode.config import ConfigError, load_config, parse_overrides
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("diloco.sync_every=0", "diloco.sync_every = 0: Input should be greater than or equal to 1"),
+    ("diloco.fragment_sync_delay=30", "diloco.fragment_sync_delay = 30: must be < "
+                                      "diloco.sync_every = 30"),
+    ("codec.name='int3'", "codec.name = 'int3': Input should be"),
+    ("codec.block_size=63", "codec.block_size = 63: must be even"),
+    ("diloco.fragment_update_alpha=1.5", "diloco.fragment_update_alpha = 1.5"),
+    ("diloco.mode='fast'", "diloco.mode = 'fast'"),
+    ("data.source='text'", "data.path = None: source=text needs a path"),
+    ("model.kind='factory'", "model.factory = None: kind=factory needs"),
+    ("run_id='has space'", "run_id = 'has space'"),
+    ("diloco.bogus=1", "diloco.bogus = 1: Extra inputs are not permitted"),
+    ("inner.lr=-1", "inner.lr = -1: Input should be greater than 0"),
+])
+def test_each_bad_value_is_one_line_naming_it(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=parse_overrides([override]))
+    message = str(info.value)
+    assert "\n" not in message
+    assert expected in message
+    assert message.startswith("config error")
+
+
+def test_several_errors_one_line_each():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=parse_overrides(["diloco.sync_every=0", "inner.lr=0"]))
+    assert len(str(info.value).splitlines()) == 2
+
+
+def test_toml_file_and_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('total_steps = 7\n[diloco]\nsync_every = 11\nnum_fragments = 2\n')
+    cfg = load_config(path, parse_overrides(["diloco.num_fragments=1", "codec.name=fp4"]))
+    assert (cfg.total_steps, cfg.diloco.sync_every, cfg.diloco.num_fragments) == (7, 11, 1)
+    assert cfg.codec.name == "fp4"
+
+
+def test_bad_toml_and_missing_file_are_one_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("total_steps = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML") as info:
+        load_config(bad)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="expected section.field=value"):
+        parse_overrides(["diloco.sync_every"])
+
+
+def test_diloco_mode_pins_plain_diloco():
+    cfg = load_config(overrides={"diloco": {"mode": "diloco", "num_fragments": 3,
+                                            "fragment_sync_delay": 2}})
+    eff = cfg.diloco.effective()
+    assert (eff.num_fragments, eff.fragment_sync_delay, eff.fragment_update_alpha) == (1, 0, 0.0)
+
+
+def test_example_configs_load():
+    from pathlib import Path
+    paths = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.toml"))
+    assert len(paths) >= 4
+    for path in paths:
+        load_config(path)
