@@ -32,28 +32,42 @@ def run_configs(args: argparse.Namespace) -> dict[str, dict]:
         "sim": {"workers": args.workers},
     }
     h = args.sync_every
-    return {
+    streaming = {"mode": "streaming", "sync_every": h, "num_fragments": args.fragments,
+                 "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+    ablations = {
+        f"DiLoCo H={h} ({args.codec})": {**common, "diloco": {"mode": "diloco", "sync_every": h},
+                                         "codec": {"name": args.codec}},
+        f"Streaming H={h} P={args.fragments} tau=1 (fp32)": {
+            **common, "codec": {"name": "float32"}, "diloco": streaming},
+        f"Streaming H={h} P={args.fragments} tau=0 alpha=0 (fp32)": {
+            **common, "codec": {"name": "float32"},
+            "diloco": {**streaming, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}},
+    }
+    if args.only_ablations:
+        return ablations
+    main_runs = {
         "DDP (fp32)": {**common, "diloco": {"mode": "ddp"}, "codec": {"name": "float32"}},
         f"DiLoCo H={h} (fp32)": {**common, "diloco": {"mode": "diloco", "sync_every": h},
                                  "codec": {"name": "float32"}},
         f"Streaming H={h} P={args.fragments} tau=1 ({args.codec})": {
-            **common, "codec": {"name": args.codec},
-            "diloco": {"mode": "streaming", "sync_every": h, "num_fragments": args.fragments,
-                       "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}},
+            **common, "codec": {"name": args.codec}, "diloco": streaming},
     }
+    return main_runs | ablations if args.ablations else main_runs
 
 
 def table(results: dict[str, SimReport]) -> str:
-    ddp = next(r for r in results.values() if r.mode == "ddp")
-    diloco = next((r for r in results.values() if r.mode == "diloco"), None)
-    head = (f"{'run':<40} {'eval loss':>9} {'vs DiLoCo':>9} {'sent/worker':>12} "
+    ddp = next((r for r in results.values() if r.mode == "ddp"), None)
+    diloco = next((r for r in results.values()
+                   if r.mode == "diloco" and r.codec == "float32"), None)
+    head = (f"{'run':<48} {'eval loss':>9} {'vs DiLoCo':>9} {'sent/worker':>12} "
             f"{'vs DDP':>8} {'peak sync':>10} {'wall':>7}")
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         rel = f"{(r.final_eval_loss / diloco.final_eval_loss - 1) * 100:+.2f}%" if diloco else "-"
-        red = ddp.bytes_sent_per_worker / max(r.bytes_sent_per_worker, 1)
-        lines.append(f"{name:<40} {r.final_eval_loss:>9.4f} {rel:>9} "
-                     f"{human_bytes(r.bytes_sent_per_worker):>12} {red:>7.0f}x "
+        red = f"{ddp.bytes_sent_per_worker / max(r.bytes_sent_per_worker, 1):>7.0f}x" if ddp \
+            else "       -"
+        lines.append(f"{name:<48} {r.final_eval_loss:>9.4f} {rel:>9} "
+                     f"{human_bytes(r.bytes_sent_per_worker):>12} {red} "
                      f"{human_bytes(r.peak_sync_bytes):>10} {r.wall_s:>6.0f}s")
     return "\n".join(lines)
 
@@ -69,6 +83,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--ablations", action="store_true",
+                    help="also run DiLoCo with the streaming codec and Streaming in fp32")
+    ap.add_argument("--only-ablations", action="store_true", help="run only the ablation rows")
     ap.add_argument("--json", type=Path, help="write figures as JSON here")
     ap.add_argument("--plot", type=Path, help="write the loss/bytes plot here (PNG)")
     args = ap.parse_args()

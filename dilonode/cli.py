@@ -32,6 +32,26 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--workers", "-m", type=int, help="number of virtual workers (sim.workers)")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    run = sub.add_parser("run", help="run a training node that joins a swarm")
+    _add_config_args(run)
+    run.add_argument("--initial-peers", nargs="*", default=None, metavar="MULTIADDR",
+                     help="bootstrap multiaddrs (network.initial_peers)")
+    run.add_argument("--worker-id", help="data stream identity (default: the peer id)")
+    run.add_argument("--forever", action="store_true", help="train until stopped")
+    run.add_argument("--log-format", choices=["text", "json"], help="default: text on a TTY")
+
+    boot = sub.add_parser("bootstrap", help="run a DHT-only bootstrap peer")
+    boot.add_argument("--host", default="127.0.0.1", help="listen address")
+    boot.add_argument("--port", type=int, default=0, help="listen port (0: any)")
+    boot.add_argument("--identity", help="key file for a stable peer id")
+    boot.add_argument("--run-id", default="dilonode-default", help="run id it serves")
+    boot.add_argument("--log-format", choices=["text", "json"], help="default: text on a TTY")
+
+    swarm = sub.add_parser("swarm", help="a bootstrap and N nodes on loopback, one process each")
+    _add_config_args(swarm)
+    swarm.add_argument("--nodes", "-n", type=int, default=3, help="number of nodes")
+    swarm.add_argument("--forever", action="store_true", help="train until Ctrl+C")
+
     prep = sub.add_parser("prepare-data", help="tokenize a folder of .txt/.jsonl into shards")
     prep.add_argument("src", help="folder of .txt / .jsonl files")
     prep.add_argument("out", help="output folder (train.bin, val.bin, meta.json)")
@@ -46,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from dilonode import commands  # deferred: pulls in torch
 
-    handler = {"simulate": commands.simulate, "prepare-data": commands.prepare_data}
+    handler = {"simulate": commands.simulate, "prepare-data": commands.prepare_data,
+               "run": commands.run_node, "bootstrap": commands.bootstrap,
+               "swarm": commands.swarm}
     try:
         return handler[args.command](args)
     except KeyboardInterrupt:

@@ -38,6 +38,7 @@ class ReduceResult:
     payload_bytes_sent: int
     payload_bytes_received: int
     dropped: tuple[str, ...] = ()  # peers excluded from the round, with the reason logged
+    skipped: bool = False  # every attempt failed: `mean` is this worker's own value alone
 
 
 class PendingReduce(Protocol):

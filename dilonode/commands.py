@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 from dilonode.config import ConfigError, RunConfig, load_config, parse_overrides
 
-__all__ = ["UserError", "prepare_data", "run_config_from_args", "simulate"]
+__all__ = ["UserError", "bootstrap", "prepare_data", "run_config_from_args", "run_node",
+           "simulate", "swarm"]
 
 
 class UserError(Exception):
@@ -25,7 +29,8 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
                      ("diloco", "mode"): getattr(args, "mode", None),
                      ("codec", "name"): getattr(args, "codec", None),
                      ("paths", "out_dir"): getattr(args, "out", None),
-                     ("sim", "workers"): getattr(args, "workers", None)}
+                     ("sim", "workers"): getattr(args, "workers", None),
+                     ("network", "initial_peers"): getattr(args, "initial_peers", None)}
         for keys, value in shortcuts.items():
             if value is not None:
                 node = overrides
@@ -105,3 +110,86 @@ def prepare_data(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     print(_table([(k, str(v)) for k, v in meta.items()]))
     return 0
+
+
+def _stop_on_signals() -> threading.Event:
+    """First SIGINT/SIGTERM asks for a clean stop; a second one aborts at once."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        logging.getLogger("dilonode").warning("signal %d: stopping (again to abort)", signum)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def run_node(args: argparse.Namespace) -> int:
+    cfg = run_config_from_args(args)
+    from dilonode.logs import setup_logging
+
+    setup_logging(args.log_format)
+    stop = _stop_on_signals()
+    from dilonode.node import Node, summary_json
+
+    node = Node(cfg, worker_id=args.worker_id)
+    try:
+        node.start()
+        print(json.dumps({"event": "started", "peer_id": node.peer_id,
+                          "data_addr": node.collective.address}), flush=True)
+        summary = node.run(stop, None if args.forever else -1,
+                           on_step=_progress_printer(cfg.eval_every))
+        out = Path(cfg.paths.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(summary_json(summary) + "\n")
+        node.save_outer(out / "outer.pt")
+        print(summary_json(summary), flush=True)
+    except (ValueError, TimeoutError) as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        node.close()
+    return 0
+
+
+def _progress_printer(every: int):
+    def on_step(worker, rep) -> None:
+        if worker.step % every == 0:
+            print(json.dumps({"event": "progress", "step": worker.step, "tokens": rep.tokens,
+                              "loss": round(worker.stats.last_loss, 4),
+                              "eval_loss": round(rep.eval_history[-1][1], 4)
+                              if rep.eval_history else None,
+                              "bytes_sent": worker.stats.bytes_sent,
+                              "utilization": round(rep.compute_utilization, 4)}), flush=True)
+    return on_step
+
+
+def bootstrap(args: argparse.Namespace) -> int:
+    from dilonode.logs import setup_logging
+
+    setup_logging(args.log_format)
+    stop = _stop_on_signals()
+    from dilonode.swarm.dht import SwarmDHT
+
+    identity = Path(args.identity) if args.identity else None
+    try:
+        dht = SwarmDHT(args.run_id, [], identity, args.host, args.port).start()
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        print(json.dumps({"event": "bootstrap", "peer_id": dht.peer_id,
+                          "maddrs": dht.visible_maddrs()}), flush=True)
+        stop.wait()
+    finally:
+        dht.close()
+    return 0
+
+
+def swarm(args: argparse.Namespace) -> int:
+    cfg = run_config_from_args(args)
+    from dilonode.swarm.local import run_local_swarm
+
+    return run_local_swarm(cfg, args.nodes, config_path=args.config,
+                           overrides=args.overrides, forever=args.forever)

@@ -158,12 +158,30 @@ class NetworkConfig(_Frozen):
     """How a node reaches its peers (used by the swarm daemon)."""
 
     initial_peers: tuple[str, ...] = Field((), description="bootstrap multiaddrs")
-    host: str = Field("127.0.0.1", description="address the data path listens on")
-    port: int = Field(0, ge=0, le=65535, description="data path port; 0 picks a free one")
-    matchmaking_timeout: float = Field(5.0, gt=0.0, description="seconds to form a group")
-    allreduce_timeout: float = Field(30.0, gt=0.0, description="seconds per peer per round")
+    host: str = Field("127.0.0.1", description="address the DHT and data path listen on")
+    port: int = Field(0, ge=0, le=65535, description="data path TCP port; 0 picks a free one")
+    dht_port: int = Field(0, ge=0, le=65535, description="DHT (libp2p) port; 0 picks one")
+    identity_path: Path | None = Field(
+        None, description="libp2p private key file: a stable peer id across restarts")
+    matchmaking_window: float = Field(
+        2.0, gt=0.0, description="seconds a round waits for peers not yet registered")
+    matchmaking_timeout: float = Field(10.0, gt=0.0, description="seconds to form a group")
+    allreduce_timeout: float = Field(30.0, gt=0.0, description="seconds per all-reduce attempt")
+    max_attempts: int = Field(3, ge=1, le=10, description="attempts per round before skipping")
+    chunk_numel: int = Field(1 << 16, ge=64, description="values per pipelined chunk")
     bandwidth_mbps: float = Field(
         100.0, gt=0.0, description="advertised bandwidth; weights this node's butterfly part")
+    min_peers: int = Field(
+        1, ge=1, description="wait until this many peers (self included) are visible to start")
+    start_timeout: float = Field(120.0, gt=0.0, description="longest wait for min_peers")
+    peer_ttl: float = Field(15.0, gt=1.0, description="seconds a published peer record lives")
+
+    @model_validator(mode="after")
+    def _check(self) -> NetworkConfig:
+        if self.matchmaking_timeout <= self.matchmaking_window:
+            raise ValueError(f"network.matchmaking_timeout = {self.matchmaking_timeout}: must "
+                             f"be > network.matchmaking_window = {self.matchmaking_window}")
+        return self
 
 
 class PathsConfig(_Frozen):
@@ -258,11 +276,15 @@ def load_config(path: str | Path | None = None,
     if path is not None:
         source = str(path)
         try:
-            data = tomllib.loads(Path(path).read_text())
+            text = Path(path).read_text()
+            # JSON is what `dilonode swarm` hands its child nodes (a RunConfig dump).
+            data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
         except FileNotFoundError:
             raise ConfigError(f"config error: {path}: no such file") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config error ({path}): not valid TOML: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config error ({path}): not valid JSON: {exc}") from None
     if overrides:
         data = _merge(data, overrides)
     try:

@@ -22,13 +22,16 @@ from typing import Any
 import torch
 
 from dilonode.algo.codecs import get_codec
-from dilonode.allreduce.round import tensor_digest
+from dilonode.allreduce.round import group_digest, tensor_digest
 from dilonode.wire import Abort, Contribution, Message, Result, encode_frame, message_to_dict
+from dilonode.wire.messages import Hello
 
 __all__ = ["build_vectors", "main"]
 
 VECTOR_DIR = Path(__file__).resolve().parent / "vectors"
-_ENVELOPE: dict[str, Any] = {"run_id": "golden-run", "fragment": 2, "round": 7}
+_GROUP = group_digest(["peer-a", "peer-b", "peer-c", "peer-d"])
+_ENVELOPE: dict[str, Any] = {"run_id": "golden-run", "fragment": 2, "round": 7, "attempt": 0,
+                             "group": _GROUP}
 
 
 def _values(numel: int, spread: int, denom: float) -> torch.Tensor:
@@ -62,8 +65,12 @@ def build_vectors() -> list[dict[str, Any]]:
         _chunk_vector("result_fp4_middle", Result, _values(20, 33, 16.0), "fp4", 8,
                       sender=1, owner=1, chunk=0, n_chunks=2, offset=0,
                       contributors=(0, 1)),
-        {"name": "abort", "msg": Abort(**_ENVELOPE, sender=3,
-                                       reason="member 3 gives up: timed out")},
+        {"name": "abort", "msg": Abort(**{**_ENVELOPE, "attempt": 1}, sender=3,
+                                       reason="member 3 gives up: peer 'peer-b' (member 1): "
+                                              "connection closed", culprits=(1,))},
+        {"name": "abort_no_group", "msg": Abort(**{**_ENVELOPE, "group": ""}, sender=0,
+                                                reason="")},
+        {"name": "hello", "msg": Hello(run_id="golden-run", peer_id="peer-a")},
     ]
 
 
@@ -72,8 +79,9 @@ def _describe(vector: dict[str, Any]) -> dict[str, Any]:
     fields = message_to_dict(msg)
     if "payload" in fields:
         fields["payload"] = fields["payload"].hex()
-    if "contributors" in fields:
-        fields["contributors"] = list(fields["contributors"])
+    for key in ("contributors", "culprits"):
+        if key in fields:
+            fields[key] = list(fields[key])
     entry = {"name": vector["name"], "file": f"{vector['name']}.bin", "fields": fields}
     entry.update({k: vector[k] for k in ("input", "decoded") if k in vector})
     return entry

@@ -43,12 +43,18 @@ class WorkerStats:
     syncs: int = 0
     rounds: dict[int, int] = field(default_factory=dict)  # fragment -> rounds applied
     rejected: int = 0  # averaged results refused (non-finite)
+    skipped: int = 0  # rounds where every attempt failed and the worker went on alone
+    dropped: list[str] = field(default_factory=list)  # recent "peer: reason" exclusions
+
+    _MAX_DROPPED = 50
 
     def record(self, fragment: int, result: ReduceResult) -> None:
         self.bytes_sent += result.payload_bytes_sent
         self.bytes_received += result.payload_bytes_received
         self.peak_sync_bytes = max(self.peak_sync_bytes, result.payload_bytes_sent)
         self.syncs += 1
+        self.skipped += int(result.skipped)
+        self.dropped = (self.dropped + list(result.dropped))[-self._MAX_DROPPED:]
         if fragment >= 0:
             self.rounds[fragment] = self.rounds.get(fragment, 0) + 1
 

@@ -13,6 +13,7 @@ No I/O here: the transport reads and writes, this module only transforms bytes.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 import msgpack
 
@@ -34,24 +35,53 @@ _HEADER = struct.Struct(">I")
 # Compact only when the consumed prefix is large, so many small frames in one feed() cost
 # linear rather than quadratic copying.
 _COMPACT_AT = 1 << 16
+_COLLECT_AT = 1 << 16  # bodies at least this large are collected piecewise
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's smallest bin header for `n` bytes (bin 8/16/32), as packb writes it."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def _body_parts(msg: Message) -> list[bytes]:
+    """The msgpack body as pieces whose concatenation is `packb(message_to_dict(msg))`.
+
+    Byte strings are emitted as a bin header plus the object itself rather than packed, so
+    joining the pieces copies a payload once instead of twice (packb, then the prefix).
+    """
+    packer = msgpack.Packer(use_bin_type=True)
+    body = message_to_dict(msg)
+    parts = [packer.pack_map_header(len(body))]
+    for key, value in body.items():
+        parts.append(packer.pack(key))
+        if isinstance(value, bytes):
+            parts += [_bin_header(len(value)), value]
+        else:
+            parts.append(packer.pack(value))
+    return parts
 
 
 def encode_message(msg: Message) -> bytes:
     """The msgpack body of `msg` (no length prefix)."""
-    return msgpack.packb(message_to_dict(msg), use_bin_type=True)
+    return b"".join(_body_parts(msg))
 
 
 def encode_frame(msg: Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
     """Length prefix + msgpack body; LocalProtocolError if we would send an oversize frame."""
-    body = encode_message(msg)
-    if len(body) > max_frame_bytes:
+    parts = _body_parts(msg)
+    length = sum(len(p) for p in parts)
+    if length > max_frame_bytes:
         raise LocalProtocolError(
-            f"encode_frame: {msg.type} body is {len(body)} bytes > max_frame_bytes "
+            f"encode_frame: {msg.type} body is {length} bytes > max_frame_bytes "
             f"{max_frame_bytes}; use smaller chunks")
-    return _HEADER.pack(len(body)) + body
+    return b"".join([_HEADER.pack(length), *parts])
 
 
-def _unpack(body: bytes) -> object:
+def _unpack(body: bytes | memoryview) -> object:
     try:
         return msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
     except msgpack.ExtraData:
@@ -62,7 +92,7 @@ def _unpack(body: bytes) -> object:
         raise RemoteProtocolError(f"frame body is not valid msgpack ({reason})") from None
 
 
-def decode_message(body: bytes, *, run_id: str | None = None) -> Message:
+def decode_message(body: bytes | memoryview, *, run_id: str | None = None) -> Message:
     """Decode and validate one frame body; with `run_id`, also require that run."""
     msg = message_from_dict(_unpack(body))
     if run_id is not None and msg.run_id != run_id:
@@ -90,36 +120,77 @@ class FrameDecoder:
         self._buf = bytearray()
         self._pos = 0
         self._need: int | None = None  # body length of the frame in progress, once known
+        # A large body is collected as the received pieces and joined once when complete,
+        # instead of growing `_buf` piece by piece (reallocations copy it again and again).
+        self._pieces: list[bytes | bytearray | memoryview] | None = None
+        self._have = 0
         self._failed: RemoteProtocolError | None = None
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet part of a complete frame."""
-        return len(self._buf) - self._pos
+        return len(self._buf) - self._pos + self._have
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
         """Append `data`; return the messages it completed (possibly none)."""
+        return [msg for msg, _ in self.feed_sized(data)]
+
+    def feed_sized(self, data: bytes | bytearray | memoryview) -> list[tuple[Message, int]]:
+        """Like `feed`, with each message's whole frame size (header included) in bytes."""
+        return list(self.feed_iter(data))
+
+    def feed_iter(self, data: bytes | bytearray | memoryview,
+                  ) -> Iterator[tuple[Message, int]]:
+        """Append `data`, then yield (message, frame size) as each frame completes.
+
+        Unlike `feed`, the messages before a bad frame are yielded before the error is
+        raised, so a caller learns e.g. who said hello before sending garbage.
+        """
         if self._failed is not None:
             raise LocalProtocolError(f"FrameDecoder.feed after error: {self._failed.reason}")
-        self._buf += data
-        out: list[Message] = []
         try:
-            while (body := self._next_body()) is not None:
-                out.append(decode_message(body, run_id=self.run_id))
+            if self._pieces is not None:
+                rest = self._collect(data)
+                if rest is None:
+                    return
                 self.frames_decoded += 1
+                yield self._finish_collected()
+                data = rest
+            self._buf += data
+            while (item := self._next_message()) is not None:
+                self.frames_decoded += 1
+                yield item
         except RemoteProtocolError as exc:
             self._failed = exc
-            self._buf = bytearray()
-            self._pos = 0
+            self._buf, self._pos, self._pieces, self._have = bytearray(), 0, None, 0
             raise
-        if self._pos >= _COMPACT_AT or self._pos == len(self._buf):
-            del self._buf[: self._pos]
-            self._pos = 0
-        return out
+        finally:
+            if self._pos >= _COMPACT_AT or self._pos == len(self._buf):
+                del self._buf[: self._pos]
+                self._pos = 0
 
-    def _next_body(self) -> bytes | None:
+    def _collect(self, data: bytes | bytearray | memoryview) -> bytes | None:
+        """Add `data` to the large body; None while incomplete, else the bytes after it."""
+        assert self._pieces is not None and self._need is not None
+        piece = bytes(data) if not isinstance(data, bytes) else data  # caller may reuse it
+        self._pieces.append(piece)
+        self._have += len(piece)
+        if self._have < self._need:
+            return None
+        extra = self._have - self._need
+        self._pieces[-1] = memoryview(piece)[: len(piece) - extra]
+        return piece[len(piece) - extra:]
+
+    def _finish_collected(self) -> tuple[Message, int]:
+        assert self._pieces is not None and self._need is not None
+        body = b"".join(self._pieces)
+        length = self._need
+        self._pieces, self._have, self._need = None, 0, None
+        return decode_message(body, run_id=self.run_id), HEADER_BYTES + length
+
+    def _next_message(self) -> tuple[Message, int] | None:
         if self._need is None:
-            if self.buffered < HEADER_BYTES:
+            if len(self._buf) - self._pos < HEADER_BYTES:
                 return None
             (length,) = _HEADER.unpack_from(self._buf, self._pos)
             if length > self.max_frame_bytes:
@@ -129,10 +200,17 @@ class FrameDecoder:
                 raise RemoteProtocolError("frame announces an empty body")
             self._pos += HEADER_BYTES
             self._need = length
-        if self.buffered < self._need:
+        available = len(self._buf) - self._pos
+        if available < self._need:
+            if self._need >= _COLLECT_AT:  # large and incomplete: collect pieces from now on
+                self._pieces = [bytes(self._buf[self._pos:])]
+                self._have = available
+                self._pos = len(self._buf)
             return None
-        with memoryview(self._buf) as view:
-            body = bytes(view[self._pos: self._pos + self._need])
-        self._pos += self._need
+        length, start = self._need, self._pos
+        self._pos += length
         self._need = None
-        return body
+        # Unpack straight from the buffer: msgpack copies the payload out once, and both
+        # views are released before the buffer is resized.
+        with memoryview(self._buf) as view, view[start:start + length] as body:
+            return decode_message(body, run_id=self.run_id), HEADER_BYTES + length

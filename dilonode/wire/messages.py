@@ -1,9 +1,11 @@
 """Wire messages of the butterfly all-reduce, as validated, immutable pydantic models.
 
-Three messages exist: `Contribution` (a member's encoded chunk of someone else's part),
+Four messages exist. `Hello` opens every connection (who is speaking, for which run); the
+three round messages are `Contribution` (a member's encoded chunk of someone else's part),
 `Result` (the part owner's averaged chunk, sent back to everyone) and `Abort` (a member gives
-up the round). Each is a msgpack map whose `type` key names the message; the other keys are
-the model's fields in declaration order (protocol/README.md is the normative spec).
+up the round, naming the members it blames). Each is a msgpack map whose `type` key names
+the message; the other keys are the model's fields in declaration order
+(protocol/README.md is the normative spec).
 
 Use `message_to_dict` / `message_from_dict` to go between models and plain maps; framing.py
 adds msgpack and the length prefix. Validation is strict (no "1" -> 1 coercion, no bools as
@@ -27,8 +29,10 @@ __all__ = [
     "MESSAGE_TYPES",
     "Abort",
     "Contribution",
+    "Hello",
     "Message",
     "Result",
+    "RoundMessage",
     "message_from_dict",
     "message_to_dict",
 ]
@@ -41,17 +45,34 @@ _U63 = 2**63 - 1
 Member = Annotated[int, Field(ge=0, lt=MAX_MEMBERS)]
 U32 = Annotated[int, Field(ge=0, le=_U32)]
 U63 = Annotated[int, Field(ge=0, le=_U63)]
+# Round messages must carry these keys on the wire even though the models default them, so
+# a peer built before they existed is refused instead of silently joining attempt 0.
+_ROUND_KEYS_REQUIRED = ("attempt", "group")
 
 
-class _Base(BaseModel):
-    """Fields every message carries: who sent it, for which run, fragment and round."""
-
+class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class Hello(_Model):
+    """First frame on every connection: the connecting peer's id, run and protocol version."""
+
+    type: Literal["hello"] = Field("hello", exclude=True)
+    version: int = Field(PROTOCOL_VERSION, ge=0, le=_U32)
+    run_id: str = Field(min_length=1, max_length=128)
+    peer_id: str = Field(min_length=1, max_length=128)
+
+
+class _Base(_Model):
+    """Fields every round message carries: who sent it, for which run, fragment, round,
+    retry attempt and agreed group (`group` is the sha256 hex of the member list, or "")."""
 
     version: int = Field(PROTOCOL_VERSION, ge=0, le=_U32)
     run_id: str = Field(min_length=1, max_length=128)
     fragment: U32
     round: U63
+    attempt: U32 = 0
+    group: str = Field("", pattern=r"^([0-9a-f]{64})?$")
     sender: Member
 
 
@@ -105,14 +126,23 @@ class Result(_Chunk):
 
 
 class Abort(_Base):
-    """The sender gives up the round; `reason` is for logs only."""
+    """The sender gives up the round; `reason` is for logs, `culprits` the member indices the
+    sender blames, so that every member can leave the same peers out of the retry."""
 
     type: Literal["abort"] = Field("abort", exclude=True)
     reason: str = Field("", max_length=ABORT_REASON_MAX)
+    culprits: tuple[Member, ...] = Field((), max_length=MAX_MEMBERS)
+
+    @field_validator("culprits", mode="before")
+    @classmethod
+    def _list_to_tuple(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value
 
 
-Message = Contribution | Result | Abort
-MESSAGE_TYPES: dict[str, type[Contribution] | type[Result] | type[Abort]] = {
+RoundMessage = Contribution | Result | Abort
+Message = RoundMessage | Hello
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    "hello": Hello,
     "contribution": Contribution,
     "result": Result,
     "abort": Abort,
@@ -166,6 +196,10 @@ def message_from_dict(body: Any) -> Message:
         raise RemoteProtocolError(
             f"protocol version mismatch: expected {PROTOCOL_VERSION}, "
             f"got {one_line(repr(version), 40)}")
+    if model is not Hello:
+        for key in _ROUND_KEYS_REQUIRED:
+            if key not in body:
+                raise RemoteProtocolError(f"invalid {kind} message: field {key}: missing")
     try:
         return model.model_validate(body)
     except ValidationError as exc:

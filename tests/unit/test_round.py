@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import struct
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from dilonode import PROTOCOL_VERSION
 from dilonode.algo.butterfly import part_bounds, reduce_mean
 from dilonode.algo.codecs import CodecMeta, get_codec, max_abs_error_bound
 from dilonode.allreduce import (
@@ -24,6 +26,7 @@ from dilonode.allreduce import (
     Send,
     tensor_digest,
 )
+from dilonode.allreduce.round import group_digest
 from dilonode.wire import (
     Abort,
     Contribution,
@@ -32,6 +35,7 @@ from dilonode.wire import (
     Result,
     encode_frame,
 )
+from dilonode.wire.messages import Hello
 
 TIMEOUT = 30.0
 
@@ -236,7 +240,13 @@ CONTRIBUTION_FAULTS: list[tuple[str, str, Callable[[Message], Any], str]] = [
      "payload is"),
     ("wrong-run", "float32", _update(run_id="run-b"), "run/fragment/round"),
     ("wrong-round", "float32", _update(round=8), "run/fragment/round"),
-    ("wrong-version", "float32", _update(version=2), "version mismatch: expected 1, got 2"),
+    ("wrong-version", "float32", _update(version=PROTOCOL_VERSION + 1),
+     f"version mismatch: expected {PROTOCOL_VERSION}, got {PROTOCOL_VERSION + 1}"),
+    ("wrong-attempt", "float32", _update(attempt=1), "membership mismatch: contribution for "
+     "attempt 1 of group -, expected attempt 0"),
+    ("wrong-group", "float32", _update(group="f" * 64), "membership mismatch"),
+    ("hello-in-round", "float32", lambda m: Hello(run_id="run-a", peer_id="peer-1"),
+     "hello message inside a round"),
     ("sender-mismatch", "float32", _update(sender=2), "claims sender 2"),
     ("wrong-owner", "float32", _update(owner=2), "part of member 2"),
     ("wrong-offset", "float32", _update(offset=64), "offset/numel"),
@@ -263,9 +273,13 @@ def test_bad_contribution_fails_naming_the_peer(codec: str, fn: Callable[[Messag
     assert "\n" not in failure.reason
     # The others learn from member 0's abort long before the deadline.
     assert net.now < 100.0 + TIMEOUT
+    assert failure.exclude == (1,)
     for i in (1, 2, 3):
         assert rounds[i].failure.culprits == (0,)
         assert "aborted" in rounds[i].failure.reason
+        # Member 0's abort names member 1, so every member leaves out the same peer.
+        assert rounds[i].failure.reported == (1,)
+        assert rounds[i].failure.exclude == (1,)
 
 
 def _is_result(fn: Callable[[Result], Message]) -> Callable[[Message], Message]:
@@ -309,6 +323,67 @@ def test_abort_frame_fails_the_receiver_without_an_abort_storm() -> None:
     # Member 0 does not relay the abort; the others time out waiting for its part.
     assert net.now == 100.0 + TIMEOUT
     assert rounds[1].failure.culprits == rounds[2].failure.culprits == (0,)
+
+
+def test_group_digest_mismatch_with_the_spec_fails_naming_the_sender() -> None:
+    members = tuple(f"peer-{i}" for i in range(3))
+    spec = dataclasses.replace(make_spec(3, numel=600), group_digest=group_digest(members))
+    other = dataclasses.replace(spec, group_digest=group_digest(members[::-1]))
+    xs = make_inputs(spec)
+    rounds = [AllReduceRound(spec, 0, xs[0]), AllReduceRound(other, 1, xs[1]),
+              AllReduceRound(spec, 2, xs[2])]
+    net = MemNet(rounds)
+    net.run()
+    assert_all_failed(rounds, net)
+    assert 1 in rounds[0].failure.exclude and "membership mismatch" in rounds[0].failure.reason
+
+
+def test_group_digest_is_order_sensitive_and_validated() -> None:
+    a = group_digest(["x", "y"])
+    assert a == group_digest(("x", "y")) and a != group_digest(["y", "x"])
+    assert group_digest(["a,b"]) != group_digest(["a", "b"])
+    assert len(a) == 64
+    with pytest.raises(ValueError, match="group_digest"):
+        dataclasses.replace(make_spec(2), group_digest="ABC")
+    with pytest.raises(ValueError, match="attempt"):
+        dataclasses.replace(make_spec(2), attempt=-1)
+
+
+def test_abort_carries_the_culprits_and_receivers_report_them() -> None:
+    spec = make_spec(3)
+    r = AllReduceRound(spec, 0, make_inputs(spec)[0])
+    r.start(0.0)
+    actions = r.peer_error(2, "bad frame", 1.0)
+    aborts = [a.msg for a in actions if isinstance(a, Send)]
+    assert aborts and all(isinstance(m, Abort) and m.culprits == (2,) for m in aborts)
+    r1 = AllReduceRound(spec, 1, make_inputs(spec)[1])
+    r1.start(0.0)
+    r1.receive(0, aborts[0], 1.0)
+    assert r1.failure.culprits == (0,) and r1.failure.reported == (2,)
+    assert r1.failure.exclude == (2,)
+    # Indices outside the group are ignored; an empty report blames the sender.
+    r2 = AllReduceRound(spec, 2, make_inputs(spec)[2])
+    r2.start(0.0)
+    r2.receive(0, aborts[0].model_copy(update={"culprits": (7,), "sender": 0}), 1.0)
+    assert r2.failure.reported == () and r2.failure.exclude == (0,)
+
+
+def test_peer_gone_fails_only_while_the_peer_is_still_needed() -> None:
+    spec = make_spec(2, numel=256)
+    r0, r1 = make_rounds(spec, make_inputs(spec))
+    r0.start(0.0)
+    r1.start(0.0)
+    assert r0.peer_gone(1, "connection closed", 0.5)[-1] == Failed(r0.failure)
+    assert r0.failure.culprits == (1,) and "connection closed" in r0.failure.reason
+    # A peer that already gave us everything may leave: we only owe it our results.
+    spec3 = make_spec(3, numel=300, weights=(1.0, 1.0, 0.0))
+    xs = make_inputs(spec3)
+    rounds = make_rounds(spec3, xs)
+    starts = [r.start(0.0) for r in rounds]
+    for m in _sends(starts[2], 0):
+        rounds[0].receive(2, m, 1.0)
+    assert rounds[0].peer_gone(2, "connection closed", 1.0) == []
+    assert rounds[0].state is RoundState.RUNNING
 
 
 def test_duplicate_contribution_is_a_culprit() -> None:

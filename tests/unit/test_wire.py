@@ -28,6 +28,7 @@ from dilonode.wire import (
     encode_message,
     message_to_dict,
 )
+from dilonode.wire.messages import Hello
 
 VECTORS = Path(__file__).resolve().parents[2] / "protocol" / "vectors"
 
@@ -37,6 +38,8 @@ _envelope = {
     "run_id": st.text(min_size=1, max_size=128),
     "fragment": _u32,
     "round": st.integers(0, 2**63 - 1),
+    "attempt": _u32,
+    "group": st.one_of(st.just(""), st.text("0123456789abcdef", min_size=64, max_size=64)),
     "sender": _member,
 }
 
@@ -72,10 +75,17 @@ def results(draw: st.DrawFn) -> Result:
 
 @st.composite
 def aborts(draw: st.DrawFn) -> Abort:
-    return Abort(**draw(st.fixed_dictionaries(_envelope)), reason=draw(st.text(max_size=256)))
+    return Abort(**draw(st.fixed_dictionaries(_envelope)), reason=draw(st.text(max_size=256)),
+                 culprits=tuple(draw(st.lists(_member, max_size=10))))
 
 
-messages = st.one_of(contributions(), results(), aborts())
+@st.composite
+def hellos(draw: st.DrawFn) -> Hello:
+    return Hello(run_id=draw(st.text(min_size=1, max_size=128)),
+                 peer_id=draw(st.text(min_size=1, max_size=128)))
+
+
+messages = st.one_of(contributions(), results(), aborts(), hellos())
 
 
 def _contribution(**update: Any) -> Contribution:
@@ -130,6 +140,44 @@ def test_decoder_handles_any_split(msgs: list[Message], data: st.DataObject) -> 
     assert out == msgs
     assert decoder.buffered == 0
     assert decoder.frames_decoded == len(msgs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 200_000), min_size=1, max_size=4), st.data())
+def test_decoder_handles_large_frames_in_any_split(sizes: list[int],
+                                                  data: st.DataObject) -> None:
+    # Bodies >= 64 KiB are collected piecewise; check that path, and what follows it.
+    msgs = [_contribution(chunk=i, n_chunks=len(sizes), payload=bytes([i]) * n)
+            for i, n in enumerate(sizes)]
+    frames = [encode_frame(m) for m in msgs]
+    stream = b"".join(frames)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=20)))
+    decoder = FrameDecoder()
+    out: list[tuple[Message, int]] = []
+    for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+        out += decoder.feed_sized(bytearray(stream[a:b]))  # a buffer the caller may reuse
+    assert [m for m, _ in out] == msgs
+    assert [n for _, n in out] == [len(f) for f in frames]
+    assert decoder.buffered == 0
+
+
+@pytest.mark.parametrize("n", [0, 255, 256, 65535, 65536, 70000])
+def test_encoding_is_exactly_msgpacks(n: int) -> None:
+    msg = _contribution(payload=bytes(n))
+    assert encode_message(msg) == msgpack.packb(message_to_dict(msg), use_bin_type=True)
+    assert encode_frame(msg) == struct.pack(">I", len(encode_message(msg))) + encode_message(
+        msg)
+
+
+def test_feed_iter_yields_the_frames_before_a_bad_one() -> None:
+    decoder = FrameDecoder()
+    good = encode_frame(Hello(run_id="r", peer_id="p"))
+    it = decoder.feed_iter(good + _frame(b"\xc1"))
+    assert next(it)[0] == Hello(run_id="r", peer_id="p")
+    with pytest.raises(RemoteProtocolError, match="not valid msgpack"):
+        next(it)
+    with pytest.raises(LocalProtocolError):
+        decoder.feed(b"")
 
 
 def test_decoder_byte_by_byte_and_coalesced() -> None:
@@ -200,7 +248,7 @@ def test_wrong_run_id() -> None:
 
 
 def test_unknown_or_missing_type() -> None:
-    assert _reason(_body(type="hello")) == "unknown message type 'hello'"
+    assert _reason(_body(type="greeting")) == "unknown message type 'greeting'"
     assert "no 'type' field" in _reason(_body(type=...))
     assert "unknown message type 5" in _reason(_body(type=5))
 
@@ -225,6 +273,36 @@ def test_invalid_fields_name_the_field(update: dict[str, Any], needle: str) -> N
     assert needle in reason
 
 
+def test_round_messages_must_carry_attempt_and_group() -> None:
+    assert "field attempt: missing" in _reason(_body(attempt=...))
+    assert "field group: missing" in _reason(_body(group=...))
+    assert "field group" in _reason(_body(group="ab" * 31))
+    assert "field attempt" in _reason(_body(attempt=-1))
+    # Hello has neither: it is not about a round.
+    hello = msgpack.packb({"type": "hello", "version": PROTOCOL_VERSION, "run_id": "r",
+                           "peer_id": "p"})
+    assert decode_message(hello) == Hello(run_id="r", peer_id="p")
+    assert "field peer_id" in _reason(msgpack.packb(
+        {"type": "hello", "version": PROTOCOL_VERSION, "run_id": "r", "peer_id": ""}))
+    assert "version mismatch" in _reason(msgpack.packb(
+        {"type": "hello", "version": PROTOCOL_VERSION + 1, "run_id": "r", "peer_id": "p"}))
+
+
+def test_abort_culprits_round_trip_as_tuples() -> None:
+    a = Abort(run_id="r", fragment=0, round=0, sender=1, culprits=[2, 0])
+    assert a.culprits == (2, 0)
+    assert message_to_dict(a)["culprits"] == (2, 0)
+    assert decode_message(encode_message(a)) == a
+    body = message_to_dict(a)
+    assert "field culprits" in _reason(msgpack.packb({**body, "culprits": [4096]}))
+
+
+def test_feed_sized_reports_whole_frame_sizes() -> None:
+    frames = [encode_frame(_contribution(chunk=i, n_chunks=2)) for i in range(2)]
+    out = FrameDecoder().feed_sized(b"".join(frames))
+    assert [size for _, size in out] == [len(f) for f in frames]
+
+
 def test_result_digest_rules() -> None:
     base = message_to_dict(Result(
         run_id="r", fragment=0, round=0, sender=0, owner=0, chunk=1, n_chunks=2, offset=8,
@@ -237,8 +315,9 @@ def test_result_digest_rules() -> None:
 
 
 def test_abort_reason_is_capped_and_reasons_are_one_line() -> None:
-    body = msgpack.packb({"type": "abort", "version": 1, "run_id": "r", "fragment": 0,
-                          "round": 0, "sender": 0, "reason": "x\n" * 200})
+    body = msgpack.packb({"type": "abort", "version": PROTOCOL_VERSION, "run_id": "r",
+                          "fragment": 0, "round": 0, "attempt": 0, "group": "", "sender": 0,
+                          "reason": "x\n" * 200})
     reason = _reason(body)
     assert "field reason" in reason and len(reason) <= 512
 
@@ -264,8 +343,9 @@ def test_golden_vector(vector: dict[str, Any]) -> None:
     fields = message_to_dict(msg)
     if "payload" in fields:
         fields["payload"] = fields["payload"].hex()
-    if "contributors" in fields:
-        fields["contributors"] = list(fields["contributors"])
+    for key in ("contributors", "culprits"):
+        if key in fields:
+            fields[key] = list(fields[key])
     assert fields == vector["fields"]
     assert encode_frame(msg) == frame
     if isinstance(msg, Contribution | Result):
@@ -278,5 +358,5 @@ def test_golden_vector(vector: dict[str, Any]) -> None:
 
 def test_golden_vectors_cover_every_message_type() -> None:
     kinds = {v["fields"]["type"] for v in _vectors()}
-    assert kinds == {"contribution", "result", "abort"}
+    assert kinds == {"contribution", "result", "abort", "hello"}
     assert any("digest" in v["fields"] for v in _vectors())

@@ -1,0 +1,317 @@
+"""All-reduce benchmark: dilonode's TCP butterfly per codec vs torch.distributed gloo
+(and hivemind's DecentralizedAverager with --hivemind), N processes on 127.0.0.1.
+
+    .venv/bin/python benchmarks/allreduce.py                         # 4 procs, 10M floats
+    .venv/bin/python benchmarks/allreduce.py --numel 1000000 --rounds 3 --json out.json
+    .venv/bin/python benchmarks/allreduce.py --hivemind              # if hivemind imports
+    .venv/bin/python benchmarks/allreduce.py --inline --profile out/ # cProfile of rank 0
+
+Every process holds a different random tensor of --numel float32 values. Each measured
+round starts after a gloo barrier; its wall time is the slowest member's, and the table
+shows the median over --rounds (one extra warm-up round is not counted). "payload" is the
+codec bytes one member sends, "wire" the whole frames (msgpack map + 4-byte header), both
+against the ideal butterfly/ring volume 2(N-1)/N x encoded tensor. gloo's wire bytes are
+not observable from Python; its ideal is shown. "cpu" is process CPU seconds per member
+per round, "lag" the worst event-loop delay seen by a 5 ms probe during our rounds.
+--inline runs round work on the event loop instead of a worker thread, to measure the
+difference; --profile (rank 0, needs --inline since cProfile sees only the main thread)
+writes one pstats file per codec and prints the top entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import pstats
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dilonode.algo.butterfly import wire_bytes_ideal
+from dilonode.algo.codecs import get_codec
+from dilonode.allreduce.driver import run_round
+from dilonode.allreduce.round import GroupSpec, RoundState, group_digest
+from dilonode.allreduce.transport import DataPlane
+
+__all__ = ["main", "parse_args"]
+
+RUN = "bench"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--numel", type=int, default=10_000_000, help="float32 values per peer")
+    p.add_argument("--procs", type=int, default=4, help="peers (processes)")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds per method")
+    p.add_argument("--codecs", default="float32,bfloat16,int8,int4")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=1 << 18, help="values per frame")
+    p.add_argument("--timeout", type=float, default=300.0, help="round timeout, s")
+    p.add_argument("--sockbuf", type=int, default=4 << 20, help="SO_SNDBUF/RCVBUF, 0=kernel")
+    p.add_argument("--inline", action="store_true", help="round work on the event loop")
+    p.add_argument("--no-gloo", action="store_true")
+    p.add_argument("--hivemind", action="store_true", help="also DecentralizedAverager")
+    p.add_argument("--profile", type=Path, help="dir for rank 0 pstats (use with --inline)")
+    p.add_argument("--json", type=Path, help="write the figures here")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------- per process
+
+
+class _LagProbe:
+    """Worst lateness of a 5 ms timer: how long the event loop was kept from running."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        self.period = period
+        self.worst = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(self.period)
+            self.worst = max(self.worst, loop.time() - t - self.period)
+
+    def take(self) -> float:
+        worst, self.worst = self.worst, 0.0
+        return worst
+
+
+def _spec(args: argparse.Namespace, world: int, codec: str, fragment: int,
+          round_no: int) -> GroupSpec:
+    members = tuple(f"bench-{i}" for i in range(world))
+    return GroupSpec(run_id=RUN, fragment=fragment, round=round_no, members=members,
+                     weights=(1.0,) * world, numel=args.numel, codec=codec,
+                     block_size=args.block_size, chunk_numel=args.chunk,
+                     group_digest=group_digest(members))
+
+
+async def _ours(rank: int, world: int, x: torch.Tensor,
+                args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    plane = DataPlane(f"bench-{rank}", RUN, socket_buffer_bytes=args.sockbuf)
+    await plane.start()
+    addrs: list[Any] = [None] * world
+    dist.all_gather_object(addrs, plane.address)
+    peers = {i: a for i, a in enumerate(addrs) if i != rank}
+    probe = _LagProbe()
+    probe.start()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for fragment, codec in enumerate(args.codecs.split(",")):
+        prof = cProfile.Profile() if args.profile and rank == 0 else None
+        rows = []
+        for r in range(args.rounds + 1):
+            row = await _our_round(plane, _spec(args, world, codec, fragment, r), rank, x,
+                                   peers, args, probe, prof if r else None)
+            if r:  # round 0 warms up connections and allocations
+                rows.append(row)
+        digests: list[Any] = [None] * world
+        dist.all_gather_object(digests, rows[-1].pop("digest"))
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"{codec}: members disagree: {digests}")
+        if prof is not None:
+            _dump_profile(prof, args.profile, codec)
+        out[codec] = rows
+    await plane.aclose()
+    return out
+
+
+async def _our_round(plane: DataPlane, spec: GroupSpec, rank: int, x: torch.Tensor,
+                     peers: dict[int, str], args: argparse.Namespace, probe: _LagProbe,
+                     prof: cProfile.Profile | None) -> dict[str, Any]:
+    dist.barrier()  # blocks the loop briefly; nothing of ours is in flight between rounds
+    probe.take()
+    c0, t0 = time.process_time(), time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    res = await run_round(plane, spec, rank, x, peers, args.timeout, offload=not args.inline)
+    if prof is not None:
+        prof.disable()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if res.state is not RoundState.DONE:
+        raise RuntimeError(f"{spec.codec} round {spec.round}: {res.failure}")
+    return {"wall": wall, "cpu": cpu, "lag": probe.take(), "wire": res.bytes_sent,
+            "payload": res.payload_bytes_sent, "digest": res.digest}
+
+
+def _dump_profile(prof: cProfile.Profile, out_dir: Path, codec: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"allreduce_{codec}.pstats"
+    prof.dump_stats(path)
+    print(f"--- rank 0 profile, {codec} ({path}) ---", flush=True)
+    pstats.Stats(str(path)).sort_stats("tottime").print_stats(14)
+
+
+def _gloo(x: torch.Tensor, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for r in range(args.rounds + 1):
+        y = x.clone()
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        dist.all_reduce(y)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if r:
+            rows.append({"wall": wall, "cpu": cpu})
+    return rows
+
+
+def _hivemind(rank: int, world: int, x: torch.Tensor,
+              args: argparse.Namespace) -> list[dict[str, Any]]:
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+
+    first: list[Any] = [None] * world
+    dht = None
+    if rank == 0:
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        first[0] = [str(a) for a in dht.get_visible_maddrs()]
+    dist.all_gather_object(first, first[0] if rank == 0 else None)
+    if dht is None:
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                           initial_peers=first[0])
+    avg = DecentralizedAverager([x.clone()], dht, start=True, prefix="bench",
+                                target_group_size=world, min_group_size=world,
+                                min_matchmaking_time=1.0, request_timeout=5.0)
+    rows = []
+    for r in range(args.rounds + 1):
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        gathered = avg.step(timeout=args.timeout)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if r:
+            rows.append({"wall": wall, "cpu": cpu, "ok": gathered is not None})
+    avg.shutdown()
+    dht.shutdown()
+    return rows
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace,
+            results: Any) -> None:
+    torch.set_num_threads(1)  # one process per core is already more than this box has
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {"ours": asyncio.run(_ours(rank, world, x, args))}
+    if not args.no_gloo:
+        out["gloo"] = _gloo(x, args)
+    if args.hivemind:
+        out["hivemind"] = _hivemind(rank, world, x, args)
+    results.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.procs, port, args, results))
+             for r in range(args.procs)]
+    for proc in procs:
+        proc.start()
+    per_rank: dict[int, dict[str, Any]] = {}
+    try:
+        deadline = time.monotonic() + 3600
+        while len(per_rank) < args.procs:
+            rank, out = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            per_rank[rank] = out
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    return [per_rank[r] for r in range(args.procs)]
+
+
+def _summarize(method: str, codec: str, rows_per_rank: list[list[dict[str, Any]]],
+               args: argparse.Namespace) -> dict[str, Any]:
+    n_rounds = len(rows_per_rank[0])
+    walls = [max(rows[r]["wall"] for rows in rows_per_rank) for r in range(n_rounds)]
+    cpus = [statistics.mean(rows[r]["cpu"] for rows in rows_per_rank) for r in range(n_rounds)]
+    encoded = get_codec(codec, args.block_size).encoded_size(args.numel)
+    row: dict[str, Any] = {
+        "method": method, "codec": codec, "wall_median_s": statistics.median(walls),
+        "wall_s": walls, "cpu_per_peer_s": statistics.median(cpus),
+        "ideal_bytes_per_peer": wire_bytes_ideal(encoded, args.procs)}
+    first = rows_per_rank[0][0]
+    if "payload" in first:
+        row["payload_bytes_per_peer"] = statistics.mean(
+            rows[0]["payload"] for rows in rows_per_rank)
+        row["wire_bytes_per_peer"] = statistics.mean(rows[0]["wire"] for rows in rows_per_rank)
+        row["loop_lag_max_s"] = max(r["lag"] for rows in rows_per_rank for r in rows)
+    if "ok" in first:
+        row["failed_steps"] = sum(not r["ok"] for rows in rows_per_rank for r in rows)
+    return row
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'method':<10} {'codec':<9} {'round s':>8} {'payload/peer':>13} "
+            f"{'wire/peer':>11} {'ideal/peer':>11} {'wire/ideal':>10} {'cpu s/peer':>10} "
+            f"{'lag max':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        mb = 1e6
+        pay = f"{r['payload_bytes_per_peer'] / mb:.2f} MB" if "payload_bytes_per_peer" in r \
+            else "-"
+        wire = f"{r['wire_bytes_per_peer'] / mb:.2f} MB" if "wire_bytes_per_peer" in r else "-"
+        ratio = f"{r['wire_bytes_per_peer'] / r['ideal_bytes_per_peer']:.4f}" \
+            if "wire_bytes_per_peer" in r and r["ideal_bytes_per_peer"] else "-"
+        lag = f"{r['loop_lag_max_s'] * 1e3:.0f} ms" if "loop_lag_max_s" in r else "-"
+        lines.append(f"{r['method']:<10} {r['codec']:<9} {r['wall_median_s']:>8.3f} "
+                     f"{pay:>13} {wire:>11} {r['ideal_bytes_per_peer'] / mb:>8.2f} MB "
+                     f"{ratio:>10} {r['cpu_per_peer_s']:>10.3f} {lag:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    per_rank = _run_workers(args)
+    rows = [_summarize("dilonode", codec, [o["ours"][codec] for o in per_rank], args)
+            for codec in args.codecs.split(",")]
+    if not args.no_gloo:
+        rows.append(_summarize("gloo", "float32", [o["gloo"] for o in per_rank], args))
+    if args.hivemind:
+        rows.append(_summarize("hivemind", "float32", [o["hivemind"] for o in per_rank], args))
+    env = {"numel": args.numel, "procs": args.procs, "rounds": args.rounds,
+           "chunk": args.chunk, "inline": args.inline, "sockbuf": args.sockbuf,
+           "cpus": os.cpu_count(), "loadavg_before": load_before,
+           "loadavg_after": os.getloadavg(), "python": platform.python_version(),
+           "torch": torch.__version__, "total_s": time.perf_counter() - t0}
+    print(f"{args.procs} peers on 127.0.0.1, {args.numel:,} float32 values, median of "
+          f"{args.rounds} rounds; {os.cpu_count()} CPUs, load avg before "
+          f"{load_before[0]:.2f}, after {env['loadavg_after'][0]:.2f}")
+    print(_table(rows))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"env": env, "results": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,465 @@
+"""Drives sans-IO all-reduce rounds over a `DataPlane`, retries failed rounds, and offers the
+result to the trainer as a `dilonode.collective.Collective`.
+
+Three layers, each usable alone:
+
+* `run_round(plane, spec, my_index, local, peers, timeout)` runs one `AllReduceRound`:
+  it starts the round, feeds it what the plane delivers, ticks it at least every
+  `TICK_SECONDS`, performs its `Send`s and returns a `RoundOutcome` by the round deadline
+  whatever the peers do. Round calls (encode, decode, reduce, sha256) run in a worker thread
+  by default (`offload=True`): they release the GIL in numpy/torch/hashlib, so the event
+  loop keeps reading and writing sockets meanwhile (benchmarks/allreduce.py measures both).
+* `SwarmRounds.reduce(fragment, round, local)` is the retry policy: it asks the injected
+  `form_group(fragment, round, attempt, exclude)` for a group, runs the round, and on
+  failure retries with attempt+1, excluding every peer the failures blamed, up to
+  `max_attempts`. If no attempt succeeds it returns the node's own quantized value
+  (`decode(encode(local))`) as a group of one, flagged `skipped`; never a partial average.
+* `NetworkCollective` runs a plane and `SwarmRounds` on an event loop in a background thread
+  (uvloop when installed) and implements `Collective.begin(key, flat)`; the training thread
+  blocks only in `PendingReduce.wait()`.
+
+All protocol decisions stay in `AllReduceRound`; this module moves events and actions
+between it and the plane and keeps time with the injectable `clock`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+
+from dilonode.allreduce.round import (
+    Action,
+    AllReduceRound,
+    Failed,
+    GroupSpec,
+    RoundFailure,
+    RoundState,
+    Send,
+    group_digest,
+)
+from dilonode.allreduce.transport import DataPlane, Inbox, PeerEvent
+from dilonode.collective import ReduceResult, SyncKey
+from dilonode.wire.errors import one_line
+from dilonode.wire.messages import Abort
+
+__all__ = [
+    "GRAD_FRAGMENT",
+    "TICK_SECONDS",
+    "FormGroup",
+    "FormedGroup",
+    "LoopThread",
+    "NetworkCollective",
+    "RoundOutcome",
+    "RoundPolicy",
+    "SwarmOutcome",
+    "SwarmRounds",
+    "run_round",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TICK_SECONDS = 0.1
+ABORT_GRACE = 1.0  # seconds a failed round waits for its aborts to be written
+GRAD_FRAGMENT = 2**32 - 1  # wire fragment index used for SyncKey(kind="grad", ...)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """How one round ended for this node; `result`/`digest` only when DONE."""
+
+    state: RoundState
+    result: torch.Tensor | None
+    digest: str | None
+    failure: RoundFailure | None
+    bytes_sent: int
+    bytes_received: int
+    payload_bytes_sent: int
+    payload_bytes_received: int
+    duration: float
+    members: tuple[str, ...] = ()
+    attempt: int = 0
+    skipped: bool = False
+
+    @property
+    def excluded_peers(self) -> tuple[str, ...]:
+        """Peer ids of `failure.exclude` (empty unless FAILED)."""
+        if self.failure is None:
+            return ()
+        return tuple(self.members[i] for i in self.failure.exclude)
+
+
+async def run_round(plane: DataPlane, spec: GroupSpec, my_index: int, local: torch.Tensor,
+                    peers: Mapping[int, str], timeout: float,
+                    clock: Callable[[], float] = time.monotonic, *,
+                    offload: bool = True) -> RoundOutcome:
+    """Run this node's side of one round; `peers` maps member index -> "host:port".
+
+    Returns by `clock() >= start + timeout` (plus one batch of round work) at the latest.
+    `local` must not be modified until this returns.
+    """
+    missing = [i for i in range(spec.size) if i != my_index and i not in peers]
+    if missing:
+        raise ValueError(f"run_round: no address for member(s) {missing}")
+    rnd = AllReduceRound(spec, my_index, local, timeout=timeout)
+    key = (spec.fragment, spec.round, spec.attempt)
+    inbox = plane.register(key, spec.members)
+    try:
+        return await _RoundDriver(plane, rnd, peers, inbox, clock, offload).run()
+    finally:
+        plane.unregister(key)
+
+
+class _RoundDriver:
+    """The loop of `run_round`: one round, its inbox and the futures of its sends."""
+
+    def __init__(self, plane: DataPlane, rnd: AllReduceRound, peers: Mapping[int, str],
+                 inbox: Inbox, clock: Callable[[], float], offload: bool) -> None:
+        self.plane = plane
+        self.rnd = rnd
+        self.peers = peers
+        self.inbox = inbox
+        self.clock = clock
+        self.offload = offload
+        self.index = {pid: i for i, pid in enumerate(rnd.spec.members)}
+        self.sends: list[tuple[asyncio.Future[None], bool]] = []  # (future, is_abort)
+
+    async def run(self) -> RoundOutcome:
+        t0 = self.clock()
+        self._apply(await self._call(self.rnd.start, t0))
+        while self.rnd.state is RoundState.RUNNING:
+            wait = min(TICK_SECONDS, max(0.0, self._deadline() - self.clock()))
+            events = await self.inbox.get_batch(wait)
+            self._apply(await self._call(self._feed, events))
+        await self._flush()
+        return self._outcome(t0)
+
+    def _deadline(self) -> float:
+        assert self.rnd.deadline is not None
+        return self.rnd.deadline
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if not self.offload:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def _feed(self, events: list[PeerEvent]) -> list[Action]:
+        """Hand events to the round (in a worker thread when offloading)."""
+        rnd, actions = self.rnd, []
+        for ev in events:
+            if rnd.state is not RoundState.RUNNING:
+                break
+            member, now = self.index[ev.peer_id], self.clock()
+            if ev.kind == "message":
+                assert ev.msg is not None
+                actions += rnd.receive(member, ev.msg, now, frame_bytes=ev.frame_bytes)
+            elif ev.kind == "error":
+                actions += rnd.peer_error(member, ev.reason, now)
+            else:
+                actions += rnd.peer_gone(member, ev.reason, now)
+        return actions + rnd.tick(self.clock())
+
+    def _apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            if not isinstance(action, Send):
+                continue
+            peer_id = self.rnd.spec.members[action.to]
+            fut = self.plane.send(peer_id, self.peers[action.to], action.frame)
+            fut.add_done_callback(lambda f, p=peer_id: self._sent(p, f))
+            self.sends.append((fut, isinstance(action.msg, Abort)))
+
+    def _sent(self, peer_id: str, fut: asyncio.Future[None]) -> None:
+        if fut.cancelled() or fut.exception() is None:
+            return
+        if self.rnd.state is RoundState.RUNNING:
+            self.inbox.put(PeerEvent(peer_id, "gone", reason=f"send failed: {fut.exception()}"))
+
+    async def _flush(self) -> None:
+        """Let our last frames reach the sockets; never past the deadline."""
+        left = self._deadline() - self.clock()
+        if self.rnd.state is RoundState.FAILED:
+            for fut, is_abort in self.sends:
+                if not is_abort:
+                    fut.cancel()  # our contributions are useless now; let aborts go first
+            left = min(left, ABORT_GRACE)
+        pending = [fut for fut, _ in self.sends if not fut.done()]
+        if pending and left > 0:
+            await asyncio.wait(pending, timeout=left)
+        for fut in pending:
+            fut.cancel()
+
+    def _outcome(self, t0: float) -> RoundOutcome:
+        rnd = self.rnd
+        done = rnd.state is RoundState.DONE
+        return RoundOutcome(
+            state=rnd.state, result=rnd.result if done else None,
+            digest=rnd.digest if done else None, failure=None if done else rnd.failure,
+            bytes_sent=rnd.bytes_sent, bytes_received=rnd.bytes_received,
+            payload_bytes_sent=rnd.payload_bytes_sent,
+            payload_bytes_received=rnd.payload_bytes_received,
+            duration=self.clock() - t0, members=rnd.spec.members, attempt=rnd.spec.attempt)
+
+
+# ---------------------------------------------------------------------- retry policy
+
+
+class FormedGroup(NamedTuple):
+    """A group agreed for one attempt: what `form_group` returns.
+
+    `addrs` maps peer id -> "host:port" (a sequence aligned with `members` also works);
+    `digest` is `group_digest(members)` or whatever the matchmaker agreed on.
+    """
+
+    members: Sequence[str]
+    addrs: Mapping[str, str] | Sequence[str]
+    weights: Sequence[float]
+    my_index: int
+    digest: str
+
+
+FormGroup = Callable[[int, int, int, set[str]], FormedGroup | Awaitable[FormedGroup]]
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """How rounds are run: codec, chunking, per-attempt timeout and the number of attempts."""
+
+    codec: str = "int4"
+    block_size: int = 64
+    chunk_numel: int = 1 << 16
+    timeout: float = 30.0
+    max_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or not self.timeout > 0:
+            raise ValueError(f"RoundPolicy: max_attempts={self.max_attempts}, "
+                             f"timeout={self.timeout}: need >= 1 and > 0")
+
+
+@dataclass(frozen=True)
+class SwarmOutcome:
+    """The final outcome (DONE, or a skipped group of one) and how we got there."""
+
+    outcome: RoundOutcome
+    attempts: tuple[RoundOutcome, ...]
+    excluded: Mapping[str, str] = field(default_factory=dict)  # peer id -> reason
+    errors: tuple[str, ...] = ()  # one line per failed attempt
+
+    @property
+    def skipped(self) -> bool:
+        return self.outcome.skipped
+
+
+class SwarmRounds:
+    """Runs (fragment, round) reductions with retries; see the module docstring."""
+
+    def __init__(self, plane: DataPlane, form_group: FormGroup,
+                 policy: RoundPolicy | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, offload: bool = True) -> None:
+        self.plane = plane
+        self.form_group = form_group
+        self.policy = policy or RoundPolicy()
+        self.clock = clock
+        self.offload = offload
+
+    async def reduce(self, fragment: int, round_no: int, local: torch.Tensor) -> SwarmOutcome:
+        """Average `local` (1-D float32) with a group, retrying without the culprits."""
+        excluded: dict[str, str] = {}
+        attempts: list[RoundOutcome] = []
+        errors: list[str] = []
+        for attempt in range(self.policy.max_attempts):
+            try:
+                spec, my_index, peers = await self._prepare(fragment, round_no, attempt,
+                                                            set(excluded), local)
+            except Exception as exc:  # a matchmaking failure must not kill the daemon
+                errors.append(one_line(f"attempt {attempt}: no group: {exc}"))
+                log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
+                continue
+            out = await run_round(self.plane, spec, my_index, local, peers,
+                                  self.policy.timeout, self.clock, offload=self.offload)
+            attempts.append(out)
+            if out.state is RoundState.DONE:
+                return SwarmOutcome(out, tuple(attempts), excluded, tuple(errors))
+            assert out.failure is not None
+            errors.append(one_line(f"attempt {attempt}: {out.failure.reason}"))
+            log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
+            for peer_id in out.excluded_peers:
+                if peer_id != self.plane.peer_id:
+                    excluded.setdefault(peer_id, out.failure.reason)
+        alone = self._alone(fragment, round_no, self.policy.max_attempts, local)
+        return SwarmOutcome(alone, tuple(attempts), excluded, tuple(errors))
+
+    async def _prepare(self, fragment: int, round_no: int, attempt: int, exclude: set[str],
+                       local: torch.Tensor) -> tuple[GroupSpec, int, dict[int, str]]:
+        formed = self.form_group(fragment, round_no, attempt, exclude)
+        group = await formed if inspect.isawaitable(formed) else formed
+        members = tuple(group.members)
+        p = self.policy
+        spec = GroupSpec(run_id=self.plane.run_id, fragment=fragment, round=round_no,
+                         members=members, weights=tuple(group.weights), numel=local.numel(),
+                         codec=p.codec, block_size=p.block_size, chunk_numel=p.chunk_numel,
+                         attempt=attempt, group_digest=group.digest)
+        me = group.my_index
+        if not 0 <= me < len(members) or members[me] != self.plane.peer_id:
+            raise ValueError(f"group {list(members)} does not hold us "
+                             f"({self.plane.peer_id!r}) at index {group.my_index}")
+        addrs = group.addrs
+        if not isinstance(addrs, Mapping):
+            addrs = dict(zip(members, addrs, strict=True))
+        peers = {i: addrs[pid] for i, pid in enumerate(members) if i != group.my_index}
+        return spec, group.my_index, peers
+
+    def _alone(self, fragment: int, round_no: int, attempt: int,
+               local: torch.Tensor) -> RoundOutcome:
+        """Group of one: the node's own value, quantized like every contribution."""
+        me = (self.plane.peer_id,)
+        p = self.policy
+        spec = GroupSpec(run_id=self.plane.run_id, fragment=fragment, round=round_no,
+                         members=me, weights=(1.0,), numel=local.numel(), codec=p.codec,
+                         block_size=p.block_size, chunk_numel=p.chunk_numel,
+                         attempt=min(attempt, 2**32 - 1), group_digest=group_digest(me))
+        t0 = self.clock()
+        rnd = AllReduceRound(spec, 0, local, timeout=p.timeout)
+        actions = rnd.start(t0)
+        assert not any(isinstance(a, Failed) for a in actions)
+        return RoundOutcome(state=rnd.state, result=rnd.result, digest=rnd.digest,
+                            failure=None, bytes_sent=0, bytes_received=0,
+                            payload_bytes_sent=0, payload_bytes_received=0,
+                            duration=self.clock() - t0, members=me, attempt=spec.attempt,
+                            skipped=True)
+
+
+# ---------------------------------------------------------------------- collective
+
+
+class LoopThread:
+    """An asyncio event loop (uvloop when installed and wanted) in a daemon thread."""
+
+    def __init__(self, name: str = "dilonode-net", *, use_uvloop: bool = True) -> None:
+        self.name = name
+        self.use_uvloop = use_uvloop
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("LoopThread.start: already started")
+        self.loop = _new_loop(self.use_uvloop)
+        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        assert self.loop is not None
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop from any other thread."""
+        if self.loop is None:
+            coro.close()
+            raise RuntimeError("LoopThread.submit: not started")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the loop and block the calling thread for its result."""
+        return self.submit(coro).result(timeout)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        if self.loop is None or self._thread is None:
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
+        self.loop, self._thread = None, None
+
+
+def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
+    if use_uvloop:
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+class _NetPending:
+    """`PendingReduce` backed by a concurrent.futures.Future from the network thread."""
+
+    def __init__(self, fut: concurrent.futures.Future[ReduceResult]) -> None:
+        self._fut = fut
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def wait(self, timeout: float | None = None) -> ReduceResult:
+        """Block until the reduction ends; TimeoutError after `timeout` seconds."""
+        return self._fut.result(timeout)
+
+
+class NetworkCollective:
+    """`Collective` over the network: a `DataPlane` and `SwarmRounds` in a loop thread.
+
+    `start()` brings up the thread and the plane and returns the plane's address; `close()`
+    tears both down. `begin(key, flat)` copies `flat`, so the caller may reuse its buffer.
+    SyncKey kind "fragment" uses its fragment index on the wire, kind "grad" the reserved
+    index `GRAD_FRAGMENT`.
+    """
+
+    def __init__(self, peer_id: str, run_id: str, form_group: FormGroup,
+                 policy: RoundPolicy | None = None, *, host: str = "127.0.0.1", port: int = 0,
+                 use_uvloop: bool = True, offload: bool = True,
+                 plane_options: Mapping[str, Any] | None = None) -> None:
+        self.plane = DataPlane(peer_id, run_id, host, port, **dict(plane_options or {}))
+        self.rounds = SwarmRounds(self.plane, form_group, policy, offload=offload)
+        self.thread = LoopThread(f"dilonode-net-{peer_id}", use_uvloop=use_uvloop)
+
+    @property
+    def address(self) -> str:
+        return self.plane.address
+
+    def start(self, timeout: float = 10.0) -> str:
+        self.thread.start()
+        self.thread.run(self.plane.start(), timeout)
+        return self.plane.address
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self.thread.loop is not None:
+            with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+                self.thread.run(self.plane.aclose(), timeout)
+        self.thread.stop()
+
+    def __enter__(self) -> NetworkCollective:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def begin(self, key: SyncKey, flat: torch.Tensor) -> _NetPending:
+        fragment = key.fragment if key.kind == "fragment" else GRAD_FRAGMENT
+        local = flat.detach().to("cpu", torch.float32).flatten().clone()
+        return _NetPending(self.thread.submit(self._reduce(fragment, key.round, local)))
+
+    async def _reduce(self, fragment: int, round_no: int, local: torch.Tensor) -> ReduceResult:
+        swarm = await self.rounds.reduce(fragment, round_no, local)
+        out = swarm.outcome
+        assert out.result is not None
+        dropped = tuple(f"{peer}: {reason}" for peer, reason in swarm.excluded.items())
+        if out.skipped:
+            dropped += (f"(averaging skipped after {len(swarm.errors)} failed attempt(s))",)
+        return ReduceResult(
+            mean=out.result, group_size=len(out.members),
+            payload_bytes_sent=sum(a.payload_bytes_sent for a in swarm.attempts),
+            payload_bytes_received=sum(a.payload_bytes_received for a in swarm.attempts),
+            dropped=dropped)

@@ -1,0 +1,565 @@
+"""TCP data plane of the all-reduce: moves frames between peers and routes them to rounds.
+
+`DataPlane` owns one listening socket and, per peer, one persistent outgoing connection.
+Connections are one-way: a node writes only on the connections it opened and reads only on
+the ones it accepted, so there is never a question of which of two connections to use.
+Every connection starts with a `Hello` (protocol version, run id, peer id); the acceptor
+checks it and from then on attributes every frame on that connection to that peer.
+
+Usage (all on one asyncio event loop):
+
+    plane = DataPlane("peer-a", "run-1")
+    await plane.start()                      # listens; plane.address is "host:port"
+    inbox = plane.register((fragment, round, attempt), members)
+    fut = plane.send("peer-b", "127.0.0.1:4242", frame)   # resolves once written
+    events = await inbox.get_batch(timeout=0.1)           # PeerEvents for that round
+    plane.unregister(key)
+    await plane.aclose()
+
+Nothing here decides anything about the protocol: frames are decoded (`FrameDecoder`), and
+round messages are handed, with the peer id of their connection, to the `Inbox` of the round
+registered under their (fragment, round, attempt); `dilonode.allreduce.driver` feeds them
+to the sans-IO `AllReduceRound`. Problems become `PeerEvent`s too: a frame that does not
+decode, or a bad first frame, is a peer *error* (the round fails naming the peer); a lost
+connection is the peer being *gone* (the round fails only if it still needs that peer).
+
+Frames for a key nobody registered yet are kept for `pending_ttl` seconds, because peers
+start a round a few ms apart; count and bytes are bounded, and whatever overflows or
+expires is dropped with a log line. Inboxes are bounded too: above `max_queued_bytes` of
+undelivered frames the plane stops reading from its sockets until the rounds catch up.
+Counters (bytes, frames, rejections, drops) are in `stats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal, cast
+
+from dilonode.wire.errors import RemoteProtocolError, one_line
+from dilonode.wire.framing import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, encode_frame
+from dilonode.wire.messages import Hello, Message, RoundMessage
+
+__all__ = [
+    "DataPlane",
+    "EventKind",
+    "Inbox",
+    "PeerEvent",
+    "PeerUnreachable",
+    "RoundKey",
+    "parse_address",
+]
+
+log = logging.getLogger(__name__)
+
+RoundKey = tuple[int, int, int]  # (fragment, round, attempt)
+EventKind = Literal["message", "error", "gone"]
+
+_READ_LIMIT = 1 << 20
+_WRITE_HIGH_WATER = 1 << 20
+_RECENT_KEYS = 256  # finished keys remembered, so their late frames are dropped quietly
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """"host:port" -> (host, port); ValueError on anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {address!r}: expected 'host:port'")
+    return host.strip("[]"), int(port)
+
+
+class PeerUnreachable(ConnectionError):
+    """A frame could not be written to a peer (connect failed, connection lost)."""
+
+
+@dataclass(frozen=True)
+class PeerEvent:
+    """What the plane has for a round: a message from a peer, or a problem with a peer.
+
+    `kind` is "message" (`msg`, `frame_bytes` set), "error" (the peer sent something
+    undecodable: fail naming it) or "gone" (its connection was lost); `reason` is one line.
+    """
+
+    peer_id: str
+    kind: EventKind
+    msg: RoundMessage | None = None
+    frame_bytes: int = 0
+    reason: str = ""
+
+
+class Inbox:
+    """Events for one registered round, in arrival order; read by one driver."""
+
+    def __init__(self, key: RoundKey, members: frozenset[str], plane: DataPlane) -> None:
+        self.key = key
+        self.members = members
+        self._plane = plane
+        self._events: deque[PeerEvent] = deque()
+        self._bytes = 0
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def put(self, event: PeerEvent) -> None:
+        """Queue an event (also used by the driver for its own send failures)."""
+        self._events.append(event)
+        self._bytes += event.frame_bytes
+        self._plane._queued(event.frame_bytes)
+        self._ready.set()
+
+    async def get_batch(self, timeout: float, *, max_items: int = 64,
+                        max_bytes: int = 64 << 20) -> list[PeerEvent]:
+        """Up to `max_items` events (at least one if any arrives within `timeout` s)."""
+        if not self._events and timeout > 0:
+            self._ready.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), timeout)
+        out: list[PeerEvent] = []
+        taken = 0
+        while self._events and len(out) < max_items and (not out or taken < max_bytes):
+            event = self._events.popleft()
+            out.append(event)
+            taken += event.frame_bytes
+        self._bytes -= taken
+        self._plane._queued(-taken)
+        return out
+
+    def _discard(self) -> None:
+        self._plane._queued(-self._bytes)
+        self._events.clear()
+        self._bytes = 0
+
+
+@dataclass
+class _Pending:
+    """Frames (and peer problems) for a key that no round registered yet."""
+
+    events: list[PeerEvent] = field(default_factory=list)
+    nbytes: int = 0
+    peers: set[str] = field(default_factory=set)
+    overflowed: bool = False
+    expiry: asyncio.TimerHandle | None = None
+
+
+class _Inbound(asyncio.Protocol):
+    """One accepted connection: Hello first, then round messages from that peer."""
+
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+        self.peer_id: str | None = None
+        self.remote = "?"
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.decoder = FrameDecoder(max_frame_bytes=plane.max_frame_bytes, run_id=plane.run_id)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses but have the same API.
+        self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        self.remote = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.plane._configure(transport.get_extra_info("socket"))
+        self.plane._inbound.add(self)
+        self.plane.stats["connections_in"] += 1
+        if self.plane._reading_paused:
+            self.transport.pause_reading()
+        asyncio.get_running_loop().call_later(self.plane.connect_timeout, self._hello_due)
+
+    def _hello_due(self) -> None:
+        if self.peer_id is None and not self.closed:
+            self.plane._reject(self, f"no hello within {self.plane.connect_timeout:g}s")
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.plane.stats["bytes_in"] += len(data)
+        try:
+            for msg, size in self.decoder.feed_iter(data):
+                self._dispatch(msg, size)
+                if self.closed:
+                    return
+        except RemoteProtocolError as exc:
+            self.plane._reject(self, exc.reason)
+
+    def _dispatch(self, msg: Message, size: int) -> None:
+        if self.peer_id is None:
+            if not isinstance(msg, Hello):
+                raise RemoteProtocolError(f"expected hello as the first frame, got {msg.type}")
+            self.peer_id = msg.peer_id
+            return
+        if isinstance(msg, Hello):
+            raise RemoteProtocolError("second hello on one connection")
+        self.plane.stats["frames_in"] += 1
+        self.plane._route(self.peer_id, msg, size)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.plane._inbound.discard(self)
+        if not self.closed:
+            self.closed = True
+            reason = f"connection lost ({exc})" if exc else "connection closed"
+            self.plane._peer_problem(self.peer_id, "gone", reason)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class _Outbound:
+    """The persistent connection to one peer and the queue of frames to write on it."""
+
+    def __init__(self, plane: DataPlane, peer_id: str, address: str) -> None:
+        self.plane = plane
+        self.peer_id = peer_id
+        self.address = address
+        self.queue: deque[tuple[bytes, asyncio.Future[None]]] = deque()
+        self.wake = asyncio.Event()
+        self.writer: asyncio.StreamWriter | None = None
+        self.watch: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] = asyncio.get_running_loop().create_task(
+            self._run(), name=f"dataplane-send-{peer_id}")
+
+    def submit(self, frame: bytes) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.queue.append((frame, fut))
+        self.wake.set()
+        return fut
+
+    async def _run(self) -> None:
+        while True:
+            if not self.queue:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            frame, fut = self.queue.popleft()
+            if fut.done():  # cancelled by its round: skip it
+                continue
+            try:
+                await self._write(frame)
+            except (OSError, TimeoutError) as exc:
+                reason = one_line(f"{type(exc).__name__}: {exc}".rstrip(": "), 200)
+                if not fut.done():
+                    fut.set_exception(PeerUnreachable(reason))
+                self._fail_all(reason)
+                continue
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _write(self, frame: bytes) -> None:
+        if self.writer is None or self.writer.is_closing():
+            await self._connect()
+        assert self.writer is not None
+        self.writer.write(frame)
+        await self.writer.drain()
+        self.plane.stats["bytes_out"] += len(frame)
+        self.plane.stats["frames_out"] += 1
+
+    async def _connect(self) -> None:
+        host, port = parse_address(self.address)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, limit=_READ_LIMIT), self.plane.connect_timeout)
+        self.plane._configure(writer.get_extra_info("socket"))
+        writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        writer.write(encode_frame(Hello(run_id=self.plane.run_id, peer_id=self.plane.peer_id)))
+        self.writer = writer
+        self.plane.stats["connections_out"] += 1
+        self.watch = asyncio.get_running_loop().create_task(self._watch(reader, writer))
+
+    async def _watch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The peer never writes on our connection: any read result means it is closing."""
+        with contextlib.suppress(OSError):
+            await reader.read(1)
+        if self.writer is writer:
+            self._drop_connection()
+            if self.queue:
+                self._fail_all("connection closed by the peer")
+            # else: nothing lost; the next frame reconnects
+
+    def _drop_connection(self) -> None:
+        if self.writer is not None:
+            self.writer.transport.abort()
+            self.writer = None
+
+    def _fail_all(self, reason: str) -> None:
+        """Nothing queued can reach the peer on this connection; the next send reconnects."""
+        self._drop_connection()
+        self.plane.stats["send_failures"] += 1
+        log.info("data plane %s: sending to %s at %s failed: %s", self.plane.peer_id,
+                 self.peer_id, self.address, reason)
+        while self.queue:
+            _, fut = self.queue.popleft()
+            if not fut.done():
+                fut.set_exception(PeerUnreachable(reason))
+
+    async def aclose(self, grace: float) -> None:
+        """Let queued frames go out and flush the socket, each for up to `grace` s; close."""
+        queued = [fut for _, fut in self.queue if not fut.done()]
+        if queued and grace > 0:
+            await asyncio.wait(queued, timeout=grace)
+        self.task.cancel()
+        if self.watch is not None:
+            self.watch.cancel()
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.close()
+            try:
+                await asyncio.wait_for(writer.wait_closed(), grace)
+            except (OSError, TimeoutError):
+                writer.transport.abort()
+        for _, fut in self.queue:
+            fut.cancel()
+        self.queue.clear()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+class DataPlane:
+    """TCP server and client for round frames; see the module docstring.
+
+    `max_frame_bytes` bounds one frame, `connect_timeout` one connection attempt;
+    `pending_ttl`, `max_pending_frames` (per key), `max_pending_keys` and
+    `max_pending_bytes` (all keys) bound frames waiting for their round; `max_queued_bytes`
+    bounds frames waiting in registered inboxes before reading pauses;
+    `socket_buffer_bytes` sets SO_SNDBUF/SO_RCVBUF (0 leaves the kernel's autotuning).
+    """
+
+    def __init__(self, peer_id: str, run_id: str, host: str = "127.0.0.1", port: int = 0, *,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, connect_timeout: float = 5.0,
+                 pending_ttl: float = 10.0, max_pending_frames: int = 100_000,
+                 max_pending_keys: int = 64, max_pending_bytes: int = 512 << 20,
+                 max_queued_bytes: int = 512 << 20, socket_buffer_bytes: int = 4 << 20) -> None:
+        Hello(run_id=run_id, peer_id=peer_id)  # validates both ids (ValidationError)
+        self.peer_id = peer_id
+        self.run_id = run_id
+        self.host = host
+        self.port = port
+        self.max_frame_bytes = max_frame_bytes
+        self.connect_timeout = connect_timeout
+        self.pending_ttl = pending_ttl
+        self.max_pending_frames = max_pending_frames
+        self.max_pending_keys = max_pending_keys
+        self.max_pending_bytes = max_pending_bytes
+        self.max_queued_bytes = max_queued_bytes
+        self.socket_buffer_bytes = socket_buffer_bytes
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("bytes_in", "bytes_out", "frames_in", "frames_out", "connections_in",
+             "connections_out", "rejected_connections", "rejected_hellos", "dropped_frames",
+             "late_frames", "stray_frames", "send_failures"), 0)
+        self._server: asyncio.Server | None = None
+        self._rounds: dict[RoundKey, Inbox] = {}
+        self._pending: dict[RoundKey, _Pending] = {}
+        self._pending_bytes = 0
+        self._recent: deque[RoundKey] = deque(maxlen=_RECENT_KEYS)
+        self._inbound: set[_Inbound] = set()
+        self._outbound: dict[str, _Outbound] = {}
+        self._queued_total = 0
+        self._reading_paused = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def address(self) -> str:
+        """"host:port" that peers connect to (the real port once started)."""
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind and listen."""
+        if self._server is not None:
+            raise RuntimeError("DataPlane.start: already started")
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # Set before listen() so accepted sockets inherit it and the TCP window scales.
+            self._configure(sock)
+            sock.bind((self.host, self.port))
+            sock.setblocking(False)
+            self._server = await asyncio.get_running_loop().create_server(
+                lambda: _Inbound(self), sock=sock, backlog=256)
+        except BaseException:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
+        log.debug("data plane %s listening on %s", self.peer_id, self.address)
+
+    async def aclose(self, grace: float = 1.0) -> None:
+        """Stop listening, flush outgoing frames for up to `grace` s, close everything."""
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        await asyncio.gather(*(out.aclose(grace) for out in self._outbound.values()))
+        self._outbound.clear()
+        for conn in list(self._inbound):
+            conn.close()
+        for key in list(self._pending):
+            self._drop_pending(key, None)
+        for inbox in self._rounds.values():
+            inbox._discard()
+        if self._server is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), grace)
+
+    async def __aenter__(self) -> DataPlane:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _configure(self, sock: socket.socket | None) -> None:
+        if sock is None:
+            return
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.socket_buffer_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.socket_buffer_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.socket_buffer_bytes)
+
+    # ------------------------------------------------------------------ rounds
+
+    def register(self, key: RoundKey, members: Iterable[str]) -> Inbox:
+        """Start receiving for round `key` from `members`; frames that came early are
+        delivered first."""
+        if key in self._rounds:
+            raise RuntimeError(f"DataPlane.register: round {key} is already registered")
+        inbox = Inbox(key, frozenset(members) - {self.peer_id}, self)
+        self._rounds[key] = inbox
+        pending = self._pending.get(key)
+        if pending is not None:
+            for event in pending.events:
+                if event.peer_id in inbox.members:
+                    inbox.put(event)
+                else:
+                    self.stats["stray_frames"] += event.kind == "message"
+            self._drop_pending(key, None)
+        return inbox
+
+    def is_registered(self, key: RoundKey) -> bool:
+        return key in self._rounds
+
+    def unregister(self, key: RoundKey) -> None:
+        """Stop receiving for `key`; later frames for it are dropped and counted."""
+        inbox = self._rounds.pop(key, None)
+        if inbox is not None:
+            inbox._discard()
+        self._recent.append(key)
+
+    def send(self, peer_id: str, address: str, frame: bytes) -> asyncio.Future[None]:
+        """Queue `frame` to `peer_id` at `address` ("host:port").
+
+        The future resolves once the frame is handed to the socket, or fails with
+        `PeerUnreachable`; cancel it to skip a frame that was not written yet. Frames to one
+        peer are written in order, each peer's queue by its own task.
+        """
+        if self._closed:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            fut.set_exception(PeerUnreachable("data plane closed"))
+            return fut
+        out = self._outbound.get(peer_id)
+        if out is None or out.address != address:
+            if out is not None:
+                asyncio.get_running_loop().create_task(out.aclose(0.0))
+            out = self._outbound[peer_id] = _Outbound(self, peer_id, address)
+        return out.submit(frame)
+
+    # ------------------------------------------------------------------ routing
+
+    def _route(self, peer_id: str, msg: Message, size: int) -> None:
+        assert not isinstance(msg, Hello)
+        key = (msg.fragment, msg.round, msg.attempt)
+        inbox = self._rounds.get(key)
+        if inbox is not None:
+            if peer_id in inbox.members:
+                inbox.put(PeerEvent(peer_id, "message", msg, size))
+            else:
+                self.stats["stray_frames"] += 1
+                log.debug("data plane %s: dropped a %s for round %s from non-member %s",
+                          self.peer_id, msg.type, key, peer_id)
+        elif key in self._recent:
+            self.stats["late_frames"] += 1
+        else:
+            self._hold(key, PeerEvent(peer_id, "message", msg, size))
+
+    def _hold(self, key: RoundKey, event: PeerEvent) -> None:
+        pending = self._pending.get(key)
+        if pending is None:
+            if len(self._pending) >= self.max_pending_keys:
+                self._overflow(key, None, "too many rounds waiting to be registered")
+                return
+            pending = self._pending[key] = _Pending()
+            pending.expiry = asyncio.get_running_loop().call_later(
+                self.pending_ttl, self._drop_pending, key, "no round registered in time")
+        if (len(pending.events) >= self.max_pending_frames
+                or self._pending_bytes + event.frame_bytes > self.max_pending_bytes):
+            self._overflow(key, pending, "early-frame buffer full")
+            return
+        pending.events.append(event)
+        pending.nbytes += event.frame_bytes
+        pending.peers.add(event.peer_id)
+        self._pending_bytes += event.frame_bytes
+
+    def _overflow(self, key: RoundKey, pending: _Pending | None, reason: str) -> None:
+        self.stats["dropped_frames"] += 1
+        if pending is None or not pending.overflowed:
+            log.warning("data plane %s: dropping frames for round %s: %s", self.peer_id, key,
+                        reason)
+        if pending is not None:
+            pending.overflowed = True
+
+    def _drop_pending(self, key: RoundKey, reason: str | None) -> None:
+        pending = self._pending.pop(key, None)
+        if pending is None:
+            return
+        if pending.expiry is not None:
+            pending.expiry.cancel()
+        self._pending_bytes -= pending.nbytes
+        frames = sum(e.kind == "message" for e in pending.events)
+        if reason is not None and frames:
+            self.stats["dropped_frames"] += frames
+            log.warning("data plane %s: dropped %d frame(s) for round %s: %s", self.peer_id,
+                        frames, key, reason)
+
+    def _peer_problem(self, peer_id: str | None, kind: EventKind, reason: str) -> None:
+        """Tell every round that involves `peer_id`, registered or waiting, about it."""
+        if peer_id is None:
+            return
+        event = PeerEvent(peer_id, kind, reason=reason)
+        for inbox in self._rounds.values():
+            if peer_id in inbox.members:
+                inbox.put(event)
+        for pending in self._pending.values():
+            if peer_id in pending.peers:  # its frames there may be incomplete now
+                pending.events.append(event)
+
+    def _reject(self, conn: _Inbound, reason: str) -> None:
+        """A peer sent something we cannot accept: log one line, count, close, report."""
+        who = conn.peer_id or "an unidentified peer"
+        log.warning("data plane %s: rejected connection from %s (%s): %s", self.peer_id, who,
+                    conn.remote, reason)
+        self.stats["rejected_connections"] += 1
+        if conn.peer_id is None:
+            self.stats["rejected_hellos"] += 1
+        conn.close()
+        self._peer_problem(conn.peer_id, "error", reason)
+
+    # ------------------------------------------------------------------ flow control
+
+    def _queued(self, delta: int) -> None:
+        """Pause every socket while registered inboxes hold too much, resume at half."""
+        self._queued_total += delta
+        if not self._reading_paused and self._queued_total > self.max_queued_bytes:
+            self._reading_paused = True
+            for conn in self._inbound:
+                if conn.transport is not None and not conn.closed:
+                    conn.transport.pause_reading()
+        elif self._reading_paused and self._queued_total <= self.max_queued_bytes // 2:
+            self._reading_paused = False
+            for conn in self._inbound:
+                if conn.transport is not None and not conn.closed:
+                    conn.transport.resume_reading()

@@ -1,0 +1,300 @@
+"""`SwarmDHT`: the node's handle on the swarm's hivemind DHT (peer discovery, matchmaking board).
+
+hivemind is used only for the DHT, the libp2p peer identity and connectivity; tensors never
+travel through it. Usage::
+
+    with SwarmDHT(run_id, initial_peers, identity_path=Path("ckpt/identity.key")) as dht:
+        print(dht.peer_id, dht.visible_maddrs())    # give the maddrs to other nodes
+        dht.publish(PeerRecord(peer_id=dht.peer_id, run_id=run_id, ...), ttl=30.0)
+        peers = dht.fetch_peers(timeout=5.0)        # valid records of this run only
+
+The constructor does no I/O; `start()` forks hivemind's DHT process (which runs a `p2pd`
+child) and `close()` shuts both down within `shutdown_timeout` plus a second or two.
+Every DHT call takes a timeout and raises `TimeoutError` when it runs out. Records that
+fail `decode_record` are logged at WARNING (once per distinct record and reason, then at
+DEBUG, so a heartbeat loop does not flood the log) and counted in `rejected_records`.
+
+`import hivemind` costs seconds, so it happens in `start()`, never at module import.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing as mp
+import re
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NamedTuple
+
+from dilonode.swarm.records import (
+    RUN_ID_PATTERN,
+    PeerRecord,
+    decode_record,
+    encode_record,
+    peers_key,
+)
+
+__all__ = ["RawEntry", "SwarmDHT"]
+
+log = logging.getLogger(__name__)
+
+# Distinct (key, subkey, reason) triples remembered to log each at WARNING only once.
+_MAX_REMEMBERED_REJECTIONS = 1024
+_hivemind_ready = False
+_hivemind_lock = threading.Lock()
+
+
+class RawEntry(NamedTuple):
+    """One subkey's value as read from the DHT, before any validation."""
+
+    value: bytes
+    expiration: float
+
+
+def _import_hivemind() -> Any:
+    """Import hivemind once and undo its process-wide logging side effects."""
+    global _hivemind_ready
+    with _hivemind_lock:
+        import hivemind
+        from hivemind.utils.logging import use_hivemind_log_handler
+
+        if not _hivemind_ready:
+            # hivemind renames WARNING to "WARN" for every logger in the process and installs
+            # its own INFO-level handler; route its records through the application's logging
+            # instead and keep only its warnings (its INFO lines are p2pd chatter).
+            logging.addLevelName(logging.WARNING, "WARNING")
+            use_hivemind_log_handler("nowhere")
+            logging.getLogger("hivemind").setLevel(logging.WARNING)
+            _hivemind_ready = True
+        return hivemind
+
+
+def _ensure_fork_start_method() -> None:
+    # The DHT is a ForkProcess, but hivemind's MPFuture locks and pipes come from the default
+    # context; hivemind is only tested with "fork" there, so make it the default in
+    # spawn-started processes (e.g. torch.multiprocessing workers) before the first DHT.
+    if mp.get_start_method() != "fork":
+        log.info("switching the multiprocessing start method to 'fork' for hivemind")
+        mp.set_start_method("fork", force=True)
+
+
+async def _node_peer_id(_dht: Any, node: Any) -> str:
+    return node.peer_id.to_base58()
+
+
+async def _node_visible_maddrs(_dht: Any, node: Any) -> list[str]:
+    return [str(m) for m in await node.get_visible_maddrs()]
+
+
+def _host_maddr(host: str, port: int) -> str:
+    family = "ip6" if ":" in host else "ip4"
+    return f"/{family}/{host}/tcp/{port}"
+
+
+class SwarmDHT:
+    """A hivemind DHT node joined to a run's swarm; thread-safe, blocking, bounded calls."""
+
+    def __init__(
+        self,
+        run_id: str,
+        initial_peers: Sequence[str] = (),
+        identity_path: Path | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        start_timeout: float = 30.0,
+        op_timeout: float = 10.0,
+        shutdown_timeout: float = 3.0,
+    ) -> None:
+        if not re.fullmatch(RUN_ID_PATTERN, run_id):
+            raise ValueError(f"run_id {run_id!r} does not match {RUN_ID_PATTERN}")
+        self.run_id = run_id
+        self.initial_peers = list(initial_peers)
+        self.identity_path = identity_path
+        self.host_maddr = _host_maddr(host, port)
+        self.start_timeout = start_timeout
+        self.op_timeout = op_timeout
+        self.shutdown_timeout = shutdown_timeout
+        self.rejected_records = 0
+        self._dht: Any = None
+        self._peer_id: str | None = None
+        # A multiprocessing Connection is not safe for concurrent sends from several threads.
+        self._send_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._seen_rejections: set[tuple[str, str, str]] = set()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> SwarmDHT:
+        """Start the DHT process and join `initial_peers`; raises if it is not ready in time."""
+        if self._dht is not None:
+            raise RuntimeError("SwarmDHT already started")
+        hivemind = _import_hivemind()
+        _ensure_fork_start_method()
+        if self.identity_path is not None:
+            # hivemind writes a new key file when missing, but not its directory.
+            self.identity_path.parent.mkdir(parents=True, exist_ok=True)
+        dht = hivemind.DHT(
+            initial_peers=self.initial_peers or None,
+            start=False,
+            host_maddrs=[self.host_maddr],
+            identity_path=None if self.identity_path is None else str(self.identity_path),
+            shutdown_timeout=self.shutdown_timeout,
+            startup_timeout=self.start_timeout,
+        )
+        t0 = time.monotonic()
+        try:
+            dht.run_in_background(await_ready=True, timeout=self.start_timeout)
+            self._dht = dht
+            self._peer_id = self._call(dht.run_coroutine, _node_peer_id, timeout=self.op_timeout)
+        except BaseException:
+            self._dht = None
+            self._stop_process(dht)
+            raise
+        log.info("DHT up in %.2fs as %s (%d initial peers)", time.monotonic() - t0,
+                 self._peer_id, len(self.initial_peers))
+        return self
+
+    def close(self) -> None:
+        """Shut the DHT process down; idempotent, returns within a few seconds."""
+        dht, self._dht = self._dht, None
+        if dht is not None:
+            self._stop_process(dht)
+
+    def _stop_process(self, dht: Any) -> None:
+        if not dht.is_alive():
+            return
+        # shutdown() asks the node to stop p2pd cleanly, waits shutdown_timeout, then SIGTERMs.
+        with self._send_lock:
+            try:
+                dht.shutdown()
+            except (OSError, ValueError) as exc:  # pipe already broken: fall through to kill
+                log.debug("DHT shutdown request failed: %s", exc)
+        dht.join(1.0)
+        if dht.is_alive():
+            log.warning("DHT process %s ignored SIGTERM; killing it", dht.pid)
+            dht.kill()
+            dht.join(1.0)
+
+    def __enter__(self) -> SwarmDHT:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- identity --------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self._dht is not None
+
+    @property
+    def peer_id(self) -> str:
+        """This node's libp2p peer id (base58); stable across restarts with `identity_path`."""
+        if self._peer_id is None:
+            raise RuntimeError("SwarmDHT not started")
+        return self._peer_id
+
+    def visible_maddrs(self, timeout: float | None = None) -> list[str]:
+        """Multiaddrs (with /p2p/<peer id>) other nodes can pass as `initial_peers`."""
+        return self._call(self._running().run_coroutine, _node_visible_maddrs, timeout=timeout)
+
+    # -- raw access (also the matchmaking board) -------------------------------------------
+
+    def store_raw(self, key: str, subkey: str, value: bytes, ttl: float,
+                  timeout: float | None = None) -> bool:
+        """Store `value` under (key, subkey) until DHT time now + ttl; False if refused.
+
+        hivemind keeps, per subkey, the value with the latest expiration, so a store with
+        an earlier expiration than the current one is refused (returns False).
+        """
+        from hivemind.utils import get_dht_time
+
+        dht = self._running()
+        return bool(self._call(dht.store, key, value, get_dht_time() + ttl, subkey=subkey,
+                               timeout=timeout))
+
+    def get_raw(self, key: str, timeout: float | None = None) -> dict[str, RawEntry]:
+        """The latest unexpired values of every subkey of `key` (empty if none)."""
+        found = self._call(self._running().get, key, latest=True, timeout=timeout)
+        if found is None:
+            return {}
+        if not isinstance(found.value, dict):
+            self.note_rejected(key, "", "value stored without a subkey")
+            return {}
+        out: dict[str, RawEntry] = {}
+        for subkey, item in found.value.items():
+            if not isinstance(subkey, str) or not isinstance(item.value, bytes):
+                self.note_rejected(key, repr(subkey), "subkey or value of the wrong type")
+                continue
+            out[subkey] = RawEntry(item.value, float(item.expiration_time))
+        return out
+
+    def note_rejected(self, key: str, subkey: str, reason: str) -> None:
+        """Count an unusable record; log it at WARNING the first time it is seen."""
+        with self._count_lock:
+            self.rejected_records += 1
+            fresh = (key, subkey, reason) not in self._seen_rejections
+            if fresh and len(self._seen_rejections) < _MAX_REMEMBERED_REJECTIONS:
+                self._seen_rejections.add((key, subkey, reason))
+        log.log(logging.WARNING if fresh else logging.DEBUG,
+                "ignoring DHT record %s[%s]: %s", key, subkey, reason)
+
+    # -- peer records ----------------------------------------------------------------------
+
+    def publish(self, record: PeerRecord, ttl: float, timeout: float | None = None) -> bool:
+        """Publish this node's PeerRecord for `ttl` seconds (stamps `expires_at`)."""
+        from hivemind.utils import get_dht_time
+
+        if record.run_id != self.run_id or record.peer_id != self.peer_id:
+            raise ValueError(f"record of {record.peer_id}@{record.run_id} published by "
+                             f"{self.peer_id}@{self.run_id}")
+        expires_at = get_dht_time() + ttl
+        stamped = record.model_copy(update={"expires_at": expires_at})
+        dht = self._running()
+        return bool(self._call(dht.store, peers_key(self.run_id), encode_record(stamped),
+                               expires_at, subkey=record.peer_id, timeout=timeout))
+
+    def fetch_peers(self, timeout: float | None = None) -> list[PeerRecord]:
+        """Valid, unexpired PeerRecords of this run and protocol version, sorted by peer id."""
+        from hivemind.utils import get_dht_time
+
+        key = peers_key(self.run_id)
+        now = get_dht_time()
+        peers = []
+        for subkey, entry in sorted(self.get_raw(key, timeout=timeout).items()):
+            try:
+                record = decode_record(PeerRecord, entry.value, self.run_id)
+            except ValueError as exc:
+                self.note_rejected(key, subkey, str(exc))
+                continue
+            if record.peer_id != subkey:
+                self.note_rejected(key, subkey, f"record names peer {record.peer_id}")
+            elif record.expires_at > now:
+                peers.append(record)
+        return peers
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _running(self) -> Any:
+        if self._dht is None:
+            raise RuntimeError("SwarmDHT not started (or closed)")
+        return self._dht
+
+    def _call(self, method: Any, *args: Any, timeout: float | None, **kwargs: Any) -> Any:
+        """Send one request to the DHT process and wait at most `timeout` for its answer."""
+        limit = self.op_timeout if timeout is None else timeout
+        with self._send_lock:
+            future = method(*args, return_future=True, **kwargs)
+        try:
+            return future.result(timeout=max(limit, 0.0))
+        # Distinct classes on Python 3.10, aliases from 3.11 on.
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            future.cancel()
+            name = getattr(method, "__name__", "call")
+            raise TimeoutError(f"DHT {name} got no answer within {limit:.1f}s") from None

@@ -1,0 +1,161 @@
+"""What a node publishes in the swarm DHT, and the DHT keys it publishes under.
+
+Pure data, no hivemind: `dilonode.swarm.dht` stores the bytes made here and hands read bytes
+back to `decode_record`, which is the one place that decides whether a foreign record is
+usable. Two kinds exist:
+
+* `PeerRecord`: a node's presence in a run (where its TCP data path listens, its bandwidth,
+  its step), stored under `peers_key(run_id)` with the peer id as subkey and refreshed by a
+  heartbeat before it expires.
+* `GroupEntry`: a node's registration for one matchmaking attempt of one fragment round,
+  stored under `group_key(run_id, fragment, round, attempt)` with the peer id as subkey.
+
+Encoding is a msgpack map of the model's fields. `decode_record` checks the protocol
+version first, then the run id, then every field, and raises `ValueError` with a one-line
+reason so callers can log and count a bad record without a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dilonode import PROTOCOL_VERSION
+
+__all__ = [
+    "MAX_RECORD_BYTES",
+    "RUN_ID_PATTERN",
+    "GroupEntry",
+    "PeerRecord",
+    "Record",
+    "decode_record",
+    "encode_record",
+    "group_key",
+    "peers_key",
+]
+
+# Records are small; anything bigger is garbage or abuse and is refused before msgpack
+# allocates anything for it.
+MAX_RECORD_BYTES = 64 * 1024
+# Same rule as RunConfig.run_id: keeps keys and the group digest unambiguous.
+RUN_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+# libp2p peer ids in their base58 text form.
+_PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{1,128}$"
+_KEY_PREFIX = "dilonode"
+
+R = TypeVar("R", bound="Record")
+
+
+def _check_data_addr(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not 'host:port' with port 1..65535")
+    return value
+
+
+def _check_finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{value} is not finite")
+    return value
+
+
+class Record(BaseModel):
+    """Fields every published record carries; strict so a peer's types are never coerced."""
+
+    # extra="ignore": a peer of the same protocol version may add optional fields without
+    # breaking older readers; incompatible changes bump PROTOCOL_VERSION instead.
+    model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
+
+    peer_id: str = Field(pattern=_PEER_ID_PATTERN)
+    run_id: str = Field(pattern=RUN_ID_PATTERN)
+    version: int = Field(PROTOCOL_VERSION, ge=1)
+    data_addr: str = Field(description="'host:port' of the node's TCP data path")
+
+    @field_validator("data_addr")
+    @classmethod
+    def _data_addr(cls, value: str) -> str:
+        return _check_data_addr(value)
+
+
+class PeerRecord(Record):
+    """A node's presence in a run; `expires_at` is stamped by `SwarmDHT.publish`."""
+
+    bandwidth_mbps: float = Field(ge=0.0)
+    step: int = Field(ge=0)
+    status: dict[str, Any] | None = None
+    expires_at: float = Field(0.0, description="DHT time after which the record is void")
+
+    @field_validator("bandwidth_mbps", "expires_at")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        return _check_finite(value)
+
+
+class GroupEntry(Record):
+    """A node's registration for one matchmaking attempt; `bandwidth_mbps` is its weight."""
+
+    fragment: int = Field(ge=0, lt=2**32)
+    round: int = Field(ge=0, lt=2**63)
+    attempt: int = Field(ge=0, lt=2**32)
+    bandwidth_mbps: float = Field(gt=0.0)
+
+    @field_validator("bandwidth_mbps")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        return _check_finite(value)
+
+
+def peers_key(run_id: str) -> str:
+    """DHT key holding every PeerRecord of a run (subkey: peer id)."""
+    return f"{_KEY_PREFIX}/{run_id}/peers"
+
+
+def group_key(run_id: str, fragment: int, round: int, attempt: int) -> str:
+    """DHT key of one matchmaking attempt (subkey: peer id)."""
+    return f"{_KEY_PREFIX}/{run_id}/group/{fragment}/{round}/{attempt}"
+
+
+def encode_record(record: Record) -> bytes:
+    """The msgpack bytes that `decode_record` accepts."""
+    return msgpack.packb(record.model_dump(mode="python"), use_bin_type=True)
+
+
+def _one_line(kind: type[Record], exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "record"
+        parts.append(f"{where}: {err['msg']}")
+    # Pydantic messages are one line today; flatten anyway so the log line stays one line.
+    return f"{kind.__name__}: " + "; ".join(parts).replace("\n", " ")
+
+
+def decode_record(kind: type[R], raw: bytes, run_id: str) -> R:
+    """Parse `raw` as a `kind` of run `run_id` and this protocol version.
+
+    Raises ValueError with a one-line reason for bytes that are not a msgpack map, a
+    different protocol version (checked first, so a newer peer is named as such), a
+    different run id, or any invalid field.
+    """
+    if not isinstance(raw, bytes | bytearray):
+        raise ValueError(f"{kind.__name__}: expected bytes, got {type(raw).__name__}")
+    if len(raw) > MAX_RECORD_BYTES:
+        raise ValueError(f"{kind.__name__}: {len(raw)} bytes > {MAX_RECORD_BYTES}")
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        detail = (str(exc) or type(exc).__name__).replace("\n", " ")[:80]
+        raise ValueError(f"{kind.__name__}: not msgpack ({detail})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{kind.__name__}: expected a msgpack map, got {type(data).__name__}")
+    version = data.get("version")
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise ValueError(f"{kind.__name__}: protocol version {version!r} != {PROTOCOL_VERSION}")
+    if data.get("run_id") != run_id:
+        raise ValueError(f"{kind.__name__}: run id {data.get('run_id')!r} != {run_id!r}")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(_one_line(kind, exc)) from None

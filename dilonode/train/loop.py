@@ -1,0 +1,67 @@
+"""The training thread's loop for one networked node: step a `Worker`, account compute vs
+waiting time, evaluate, and stop promptly when asked.
+
+No networking here: the Worker's `Collective` hides it. The daemon (`dilonode.node`) runs this
+on the main thread while the all-reduce runs in the background.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dilonode.train.worker import Worker
+
+__all__ = ["LoopReport", "train_loop"]
+
+
+@dataclass
+class LoopReport:
+    """What one node's training thread did."""
+
+    steps: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0  # time inside train_step (forward, backward, inner update)
+    sync_wait_s: float = 0.0  # time blocked in launch/land (waiting on the network)
+    wall_s: float = 0.0
+    eval_history: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss)
+    stopped_early: bool = False
+
+    @property
+    def compute_utilization(self) -> float:
+        return self.compute_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
+               eval_batches: list[tuple[torch.Tensor, torch.Tensor]], stop: threading.Event,
+               on_step: Callable[[Worker, LoopReport], None] | None = None) -> LoopReport:
+    """Run until `total_steps` (None: until `stop`), then land syncs still in flight."""
+    rep = LoopReport()
+    t_start = time.perf_counter()
+    while not stop.is_set() and (total_steps is None or worker.step < total_steps):
+        t0 = time.perf_counter()
+        worker.train_step()
+        t1 = time.perf_counter()
+        worker.launch()
+        worker.land()
+        t2 = time.perf_counter()
+        rep.compute_s += t1 - t0
+        rep.sync_wait_s += t2 - t1
+        rep.steps, rep.tokens = worker.step, worker.stats.tokens
+        rep.wall_s = time.perf_counter() - t_start
+        if worker.step % eval_every == 0:
+            rep.eval_history.append((worker.step, worker.evaluate(eval_batches)))
+        if on_step:
+            on_step(worker, rep)
+    rep.stopped_early = stop.is_set()
+    t0 = time.perf_counter()
+    worker.drain()
+    rep.sync_wait_s += time.perf_counter() - t0
+    if not rep.eval_history or rep.eval_history[-1][0] != worker.step:
+        rep.eval_history.append((worker.step, worker.evaluate(eval_batches)))
+    rep.wall_s = time.perf_counter() - t_start
+    return rep

@@ -1,0 +1,210 @@
+"""SwarmDHT and matchmaking on a real hivemind swarm: a bootstrap node and three peers.
+
+Everything listens on 127.0.0.1 with ephemeral ports. Waits poll a condition against a
+deadline; nothing sleeps a fixed time to synchronise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+pytest.importorskip("hivemind")
+
+from dilonode.swarm.dht import SwarmDHT  # noqa: E402
+from dilonode.swarm.matchmaking import Group, MatchmakingError, form_group  # noqa: E402
+from dilonode.swarm.records import (  # noqa: E402
+    GroupEntry,
+    PeerRecord,
+    encode_record,
+    peers_key,
+)
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+RUN = "dht-test"
+HOST = "127.0.0.1"
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T | None], deadline_s: float = 20.0, every: float = 0.2) -> T:
+    """Poll `probe` until it returns something truthy; fail after `deadline_s`."""
+    end = time.monotonic() + deadline_s
+    while True:
+        got = probe()
+        if got:
+            return got
+        if time.monotonic() > end:
+            pytest.fail(f"condition not met within {deadline_s}s (last: {got!r})")
+        time.sleep(every)
+
+
+def _records_if(node: SwarmDHT, ok: Callable[[set[str]], bool]) -> dict[str, PeerRecord] | None:
+    """The node's current valid peer records by id, or None while `ok(ids)` is false."""
+    by_id = {r.peer_id: r for r in node.fetch_peers(timeout=5)}
+    return by_id if ok(set(by_id)) else None
+
+
+def _ids(node: SwarmDHT) -> set[str]:
+    return {r.peer_id for r in node.fetch_peers(timeout=5)}
+
+
+def _peer_record(dht: SwarmDHT, port: int) -> PeerRecord:
+    return PeerRecord(peer_id=dht.peer_id, run_id=RUN, data_addr=f"{HOST}:{port}",
+                      bandwidth_mbps=float(port % 97 + 1), step=0)
+
+
+@pytest.fixture(scope="module")
+def boot() -> Iterator[SwarmDHT]:
+    with SwarmDHT(RUN, [], host=HOST) as node:
+        yield node
+
+
+@pytest.fixture(scope="module")
+def peers(boot: SwarmDHT) -> Iterator[list[SwarmDHT]]:
+    maddrs = boot.visible_maddrs()
+    assert maddrs and all(m.startswith(f"/ip4/{HOST}/tcp/") for m in maddrs)
+    nodes = [SwarmDHT(RUN, maddrs, host=HOST) for _ in range(3)]
+    try:
+        for node in nodes:
+            node.start()
+        yield nodes
+    finally:
+        for node in nodes:
+            node.close()
+
+
+@pytest.mark.timeout(120)
+def test_peers_see_each_other(peers: list[SwarmDHT]) -> None:
+    for i, node in enumerate(peers):
+        assert node.publish(_peer_record(node, 5000 + i), ttl=60.0)
+    want = {node.peer_id for node in peers}
+    for node in peers:
+        by_id = wait_for(lambda n=node: _records_if(n, lambda ids: want <= ids))
+        for i, other in enumerate(peers):
+            assert by_id[other.peer_id].data_addr == f"{HOST}:{5000 + i}"
+            assert by_id[other.peer_id].expires_at > time.time()
+
+
+@pytest.mark.timeout(120)
+def test_foreign_records_are_ignored_and_counted(
+        peers: list[SwarmDHT], caplog: pytest.LogCaptureFixture) -> None:
+    writer, reader = peers[0], peers[1]
+    alien = PeerRecord(peer_id="QmForeign", run_id="another-run", data_addr=f"{HOST}:1",
+                       bandwidth_mbps=1.0, step=0)
+    key = peers_key(RUN)
+    assert writer.store_raw(key, "QmForeign", encode_record(alien), ttl=60.0)
+    assert writer.store_raw(key, "QmGarbage", b"\xc1 not msgpack", ttl=60.0)
+    before = reader.rejected_records
+
+    def valid_ids_once_both_rejected() -> tuple[set[str]] | None:
+        ids = _ids(reader)
+        return (ids,) if reader.rejected_records >= before + 2 else None
+
+    with caplog.at_level(logging.WARNING, logger="dilonode.swarm.dht"):
+        (ids,) = wait_for(valid_ids_once_both_rejected)
+    assert "QmForeign" not in ids and "QmGarbage" not in ids
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "run id 'another-run' != 'dht-test'" in warned and "not msgpack" in warned
+
+
+@pytest.mark.timeout(120)
+def test_expired_record_disappears(boot: SwarmDHT, peers: list[SwarmDHT]) -> None:
+    with SwarmDHT(RUN, boot.visible_maddrs(), host=HOST) as brief:
+        assert brief.publish(_peer_record(brief, 6000), ttl=6.0)
+    # Its DHT process is gone; the other nodes still hold the record until it expires.
+    seen = wait_for(lambda: _records_if(peers[0], lambda ids: brief.peer_id in ids),
+                    deadline_s=5.0, every=0.1)
+    expires_at = seen[brief.peer_id].expires_at
+    wait_for(lambda: all(brief.peer_id not in _ids(n) for n in peers), deadline_s=15.0)
+    assert time.time() >= expires_at - 0.5  # dropped at expiry, not lost early
+
+
+@pytest.mark.timeout(120)
+def test_identity_persists_across_restart(boot: SwarmDHT, tmp_path: Path) -> None:
+    identity = tmp_path / "keys" / "node.key"
+    first = SwarmDHT(RUN, boot.visible_maddrs(), identity_path=identity, host=HOST)
+    with first:
+        peer_id = first.peer_id
+    assert identity.is_file()
+    with SwarmDHT(RUN, boot.visible_maddrs(), identity_path=identity, host=HOST) as again:
+        assert again.peer_id == peer_id
+    with SwarmDHT(RUN, boot.visible_maddrs(), host=HOST) as anonymous:
+        assert anonymous.peer_id != peer_id
+
+
+def _entry(node: SwarmDHT, port: int, fragment: int, attempt: int) -> GroupEntry:
+    return GroupEntry(peer_id=node.peer_id, run_id=RUN, data_addr=f"{HOST}:{port}",
+                      bandwidth_mbps=float(10 + port % 7), fragment=fragment, round=4,
+                      attempt=attempt)
+
+
+@pytest.mark.timeout(120)
+def test_form_group_agrees(peers: list[SwarmDHT]) -> None:
+    def join(i: int) -> Group:
+        node = peers[i]
+        return form_group(node, RUN, 1, 4, 0, _entry(node, 7000 + i, 1, 0),
+                          window=2.0, timeout=10.0, poll_interval=0.25)
+
+    with ThreadPoolExecutor(len(peers)) as pool:
+        groups = list(pool.map(join, range(len(peers))))
+    expected = tuple(sorted(node.peer_id for node in peers))
+    assert all(g.members == expected for g in groups)
+    assert len({g.digest() for g in groups}) == 1
+    assert len({(g.data_addrs, g.weights) for g in groups}) == 1
+    assert sorted(g.my_index for g in groups) == [0, 1, 2]
+    for node, g in zip(peers, groups, strict=True):
+        assert g.members[g.my_index] == node.peer_id
+        assert g.data_addrs[g.my_index] == f"{HOST}:{7000 + peers.index(node)}"
+
+
+@pytest.mark.timeout(120)
+def test_group_of_one(peers: list[SwarmDHT]) -> None:
+    node = peers[2]
+    t0 = time.monotonic()
+    group = form_group(node, RUN, 3, 4, 5, _entry(node, 7100, 3, 5), window=0.5, timeout=5.0)
+    assert time.monotonic() - t0 < 5.0
+    assert group.members == (node.peer_id,) and group.my_index == 0
+    other = form_group(node, RUN, 3, 4, 6, _entry(node, 7100, 3, 6), window=0.0, timeout=5.0)
+    assert other.digest() != group.digest()  # the attempt is part of the digest
+
+
+@pytest.mark.timeout(120)
+def test_close_is_fast_and_idempotent(boot: SwarmDHT) -> None:
+    node = SwarmDHT(RUN, boot.visible_maddrs(), host=HOST)
+    node.close()  # never started: a no-op
+    node.start()
+    t0 = time.monotonic()
+    node.close()
+    assert time.monotonic() - t0 < 5.0
+    node.close()
+    with pytest.raises(RuntimeError):
+        node.fetch_peers(timeout=1)
+
+
+@pytest.mark.timeout(120)
+def test_calls_time_out_when_the_dht_process_is_stuck(boot: SwarmDHT) -> None:
+    node = SwarmDHT(RUN, boot.visible_maddrs(), host=HOST, shutdown_timeout=1.0).start()
+    pid = node._dht.pid  # white-box: freeze the DHT process to simulate a hang
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            node.fetch_peers(timeout=1.0)
+        with pytest.raises(MatchmakingError):
+            form_group(node, RUN, 9, 4, 0, _entry(node, 7200, 9, 0), window=0.5, timeout=1.5)
+        assert time.monotonic() - t0 < 5.0
+        t0 = time.monotonic()
+        node.close()  # SIGTERM stays pending on a stopped process: close() must SIGKILL
+        assert time.monotonic() - t0 < 6.0
+    finally:
+        if node.started:
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,140 @@
+"""Real nodes on loopback, each in its own process: DHT + data plane + trainer.
+
+Slow by nature (a DHT per node); each test has a hard timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("hivemind")
+
+from dilonode.config import load_config  # noqa: E402
+from dilonode.sim import simulate  # noqa: E402
+from dilonode.swarm.local import LocalSwarm  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BASE = {
+    "run_id": "swarm-test", "seed": 5, "eval_every": 6, "device": "cpu",
+    "model": {"preset": "nano"},
+    "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
+    "inner": {"lr": 3e-3, "warmup_steps": 0},
+    "diloco": {"mode": "streaming", "sync_every": 6, "num_fragments": 3,
+               "fragment_sync_delay": 1, "fragment_update_alpha": 0.5},
+    "codec": {"name": "float32"},
+    "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 40.0,
+                "allreduce_timeout": 20.0, "max_attempts": 2},
+}
+
+
+def _cfg(tmp_path, **over):
+    merged = {**BASE, **over, "paths": {"out_dir": str(tmp_path)}}
+    return load_config(overrides=merged)
+
+
+@pytest.mark.timeout(420)
+def test_three_nodes_match_the_simulator(tmp_path):
+    cfg = _cfg(tmp_path, total_steps=12)
+    swarm = LocalSwarm(cfg, 3)
+    try:
+        swarm.start()
+        summaries = swarm.follow()
+    finally:
+        swarm.stop()
+    assert sorted(summaries) == ["node-0", "node-1", "node-2"], summaries
+    assert {s["outer_digest"] for s in summaries.values()} != set()
+    for s in summaries.values():
+        assert s["skipped_rounds"] == 0, s["dropped_peers"]
+        assert s["rounds_per_fragment"] == {"0": 2, "1": 2, "2": 2}
+    # every node holds the same outer weights, equal to the simulator's run of this config
+    states = [torch.load(tmp_path / f"node-{i}" / "outer.pt") for i in range(3)]
+    captured = {}
+    simulate(cfg.model_copy(update={"sim": cfg.sim.model_copy(update={"workers": 3})}),
+             on_step=lambda step, ws: captured.update(state=ws[0].outer_model().state_dict())
+             if step == cfg.total_steps else None)
+    for state in states:
+        for name, ref in captured["state"].items():
+            torch.testing.assert_close(state[name], ref, atol=1e-5, rtol=0, msg=name)
+    moved = max((states[0][k] - captured["state"][k]).abs().max() for k in states[0])
+    assert moved <= 1e-5
+
+
+def _start_node(tmp_path, cfg_path, maddrs, i, *extra):
+    log = (tmp_path / f"n{i}.log").open("w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "dilonode.cli", "run", "--config", str(cfg_path),
+         "--worker-id", str(i), "--out", str(tmp_path / f"node-{i}"), "--log-format", "json",
+         "--initial-peers", *maddrs, *extra],
+        stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def _wait_for(proc, event, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        ev = json.loads(line)
+        if ev.get("event") == event:
+            return ev
+    raise AssertionError(f"no {event!r} event within {timeout} s")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_a_node_cleanly_within_seconds(tmp_path, sig):
+    cfg = _cfg(tmp_path, total_steps=100000)
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(cfg.model_dump_json())
+    swarm = LocalSwarm(cfg, 0)
+    try:
+        swarm.start_bootstrap()
+        node = _start_node(tmp_path, cfg_path, swarm.maddrs, 0)
+        _wait_for(node, "progress", 180)
+        t0 = time.monotonic()
+        node.send_signal(sig)
+        summary = _wait_for(node, "summary", 30)
+        assert node.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 15, "node took too long to stop"
+        assert summary["stopped_early"] is True
+    finally:
+        swarm.stop()
+
+
+@pytest.mark.timeout(420)
+def test_sigkilled_node_costs_the_others_at_most_a_timeout(tmp_path):
+    cfg = _cfg(tmp_path, total_steps=30, network={**BASE["network"], "min_peers": 3,
+                                                  "allreduce_timeout": 8.0,
+                                                  "matchmaking_window": 4.0,
+                                                  "matchmaking_timeout": 10.0})
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(cfg.model_dump_json())
+    swarm = LocalSwarm(cfg, 0)
+    try:
+        swarm.start_bootstrap()
+        nodes = [_start_node(tmp_path, cfg_path, swarm.maddrs, i) for i in range(3)]
+        _wait_for(nodes[2], "progress", 240)  # all three are training
+        nodes[2].kill()
+        t0 = time.monotonic()
+        summaries = [_wait_for(n, "summary", 240) for n in nodes[:2]]
+        elapsed = time.monotonic() - t0
+        for n in nodes[:2]:
+            assert n.wait(timeout=30) == 0
+    finally:
+        swarm.stop()
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    for s in summaries:
+        assert s["steps"] == 30
+    # survivors agree: after the kill they average among themselves, same outer weights
+    assert summaries[0]["outer_digest"] == summaries[1]["outer_digest"]
+    assert elapsed < 200

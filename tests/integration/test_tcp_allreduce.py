@@ -1,0 +1,274 @@
+"""The TCP all-reduce end to end on 127.0.0.1: separate OS processes, a peer SIGKILLed mid-
+round and the retry that excludes it, Hello rejection, and `NetworkCollective` in threads.
+
+Child processes are started with multiprocessing "spawn" and driven over a Pipe: each child
+starts a `DataPlane`, reports its address, receives one command and reports its outcome.
+Every wait has a deadline; synchronization is on pipes and events, never on sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+
+from dilonode import PROTOCOL_VERSION
+from dilonode.algo.butterfly import butterfly_average
+from dilonode.algo.codecs import get_codec
+from dilonode.allreduce.driver import (
+    FormedGroup,
+    NetworkCollective,
+    RoundPolicy,
+    SwarmRounds,
+    run_round,
+)
+from dilonode.allreduce.round import (
+    AllReduceRound,
+    GroupSpec,
+    Send,
+    group_digest,
+    tensor_digest,
+)
+from dilonode.allreduce.transport import DataPlane
+from dilonode.collective import SyncKey
+from dilonode.wire.framing import encode_frame
+from dilonode.wire.messages import Hello
+
+RUN = "tcp-it"
+NUMEL = 60_000
+CODEC = "int8"
+IDS = ("node-0", "node-1", "node-2")
+WAIT = 45.0  # deadline for any one cross-process wait
+
+
+def _inputs(index: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(100 + index))
+
+
+def _static_group(me: str, addrs: dict[str, str]) -> Any:
+    """form_group over a fixed peer list: everyone not excluded, in a fixed order."""
+    def form(fragment: int, round_no: int, attempt: int, exclude: set[str]) -> FormedGroup:
+        members = [p for p in sorted(addrs) if p not in exclude or p == me]
+        return FormedGroup(members, {p: addrs[p] for p in members}, [1.0] * len(members),
+                           members.index(me), group_digest(members))
+    return form
+
+
+def _spec(members: tuple[str, ...], attempt: int = 0) -> GroupSpec:
+    return GroupSpec(run_id=RUN, fragment=0, round=5, members=members,
+                     weights=(1.0,) * len(members), numel=NUMEL, codec=CODEC, block_size=64,
+                     chunk_numel=4096, attempt=attempt, group_digest=group_digest(members))
+
+
+# ---------------------------------------------------------------------- child processes
+
+
+def _child(index: int, conn: Connection, started: Any) -> None:
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(_child_main(index, conn, started))
+
+
+async def _child_main(index: int, conn: Connection, started: Any) -> None:
+    plane = DataPlane(IDS[index], RUN)
+    await plane.start()
+    conn.send(plane.address)
+    loop = asyncio.get_running_loop()
+    if not await loop.run_in_executor(None, conn.poll, WAIT):
+        return
+    command, addrs, timeout = conn.recv()
+    try:
+        if command == "round":
+            conn.send(await _one_round(plane, index, addrs, timeout))
+        elif command == "swarm":
+            conn.send(await _swarm(plane, index, addrs, timeout))
+        elif command == "victim":
+            await _victim(plane, index, addrs, timeout, started)
+    finally:
+        await plane.aclose()
+
+
+async def _one_round(plane: DataPlane, index: int, addrs: dict[str, str],
+                     timeout: float) -> dict[str, Any]:
+    peers = {i: addrs[p] for i, p in enumerate(IDS) if i != index}
+    out = await run_round(plane, _spec(IDS), index, _inputs(index), peers, timeout)
+    return {"state": out.state.value, "digest": out.digest, "stats": plane.stats}
+
+
+async def _swarm(plane: DataPlane, index: int, addrs: dict[str, str],
+                 timeout: float) -> dict[str, Any]:
+    policy = RoundPolicy(codec=CODEC, block_size=64, chunk_numel=4096, timeout=timeout)
+    swarm = SwarmRounds(plane, _static_group(IDS[index], addrs), policy)
+    result = await swarm.reduce(0, 5, _inputs(index))
+    return {"attempts": [(a.state.value, a.excluded_peers, a.duration, a.members)
+                         for a in result.attempts],
+            "state": result.outcome.state.value, "digest": result.outcome.digest,
+            "skipped": result.skipped, "excluded": dict(result.excluded)}
+
+
+async def _victim(plane: DataPlane, index: int, addrs: dict[str, str], timeout: float,
+                  started: Any) -> None:
+    """Join the round, send only the first chunk to each owner, then hang until killed."""
+    spec = _spec(IDS)
+    rnd = AllReduceRound(spec, index, _inputs(index), timeout=timeout)
+    plane.register((spec.fragment, spec.round, spec.attempt), spec.members)
+    sends = [a for a in rnd.start(asyncio.get_running_loop().time()) if isinstance(a, Send)]
+    first = [a for a in sends if a.msg.type == "contribution" and a.msg.chunk == 0]
+    assert first and len(first) < len(sends)
+    await asyncio.gather(*(plane.send(IDS[a.to], addrs[IDS[a.to]], a.frame) for a in first))
+    started.set()
+    await asyncio.Event().wait()
+
+
+class _Cluster:
+    """Three spawned node processes with their pipes."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.started = ctx.Event()
+        pipes = [ctx.Pipe() for _ in IDS]
+        self.conns = [parent for parent, _ in pipes]
+        self.procs = [ctx.Process(target=_child, args=(i, child, self.started), daemon=True)
+                      for i, (_, child) in enumerate(pipes)]
+        for proc in self.procs:
+            proc.start()
+        self.addrs = {IDS[i]: self.recv(i) for i in range(len(IDS))}
+
+    def recv(self, i: int) -> Any:
+        assert self.conns[i].poll(WAIT), f"node {i} did not answer within {WAIT}s"
+        return self.conns[i].recv()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+
+
+@pytest.fixture
+def cluster() -> Iterator[_Cluster]:
+    c = _Cluster()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _expected(indices: list[int]) -> str:
+    mean, _, _ = butterfly_average([_inputs(i) for i in indices], [1.0] * len(indices),
+                                   get_codec(CODEC, 64))
+    return tensor_digest(mean)
+
+
+# ---------------------------------------------------------------------- tests
+
+
+@pytest.mark.timeout(60)
+def test_three_processes_agree(cluster: _Cluster) -> None:
+    for conn in cluster.conns:
+        conn.send(("round", cluster.addrs, 20.0))
+    outs = [cluster.recv(i) for i in range(3)]
+    assert [o["state"] for o in outs] == ["done"] * 3
+    assert {o["digest"] for o in outs} == {_expected([0, 1, 2])}
+    assert all(o["stats"]["rejected_connections"] == 0 for o in outs)
+
+
+@pytest.mark.timeout(60)
+def test_killed_peer_is_named_and_the_retry_completes_without_it(cluster: _Cluster) -> None:
+    timeout = 15.0
+    cluster.conns[2].send(("victim", cluster.addrs, timeout))
+    for i in (0, 1):
+        cluster.conns[i].send(("swarm", cluster.addrs, timeout))
+    assert cluster.started.wait(WAIT), "victim never sent its first contributions"
+    os.kill(cluster.procs[2].pid, signal.SIGKILL)
+    outs = [cluster.recv(i) for i in (0, 1)]
+    for out in outs:
+        (state0, excluded0, duration0, members0), (state1, _, _, members1) = out["attempts"]
+        assert (state0, excluded0, members0) == ("failed", ("node-2",), IDS)
+        assert duration0 < timeout  # the lost connection is noticed, not waited out
+        assert (state1, members1) == ("done", ("node-0", "node-1"))
+        assert out["state"] == "done" and not out["skipped"]
+        assert list(out["excluded"]) == ["node-2"]
+    assert {o["digest"] for o in outs} == {_expected([0, 1])}
+
+
+async def _raw_hello(plane: DataPlane, body: bytes) -> bytes:
+    host, port = plane.address.rsplit(":", 1)
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5.0)
+    writer.write(len(body).to_bytes(4, "big") + body)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), 5.0)  # b"" once the plane closes it
+    finally:
+        writer.close()
+
+
+@pytest.mark.timeout(30)
+def test_wrong_run_or_version_hello_is_rejected(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> dict[str, int]:
+        async with DataPlane("node-a", RUN) as plane:
+            wrong_run = encode_frame(Hello(run_id="other-run", peer_id="node-b"))[4:]
+            assert await _raw_hello(plane, wrong_run) == b""
+            wrong_version = msgpack.packb({"type": "hello", "version": PROTOCOL_VERSION + 1,
+                                           "run_id": RUN, "peer_id": "node-c"})
+            assert await _raw_hello(plane, wrong_version) == b""
+            not_hello = msgpack.packb({"type": "abort", "version": PROTOCOL_VERSION})
+            assert await _raw_hello(plane, not_hello) == b""
+            return dict(plane.stats)
+
+    with caplog.at_level(logging.WARNING, logger="dilonode.allreduce.transport"):
+        stats = asyncio.run(main())
+    assert stats["rejected_hellos"] == stats["rejected_connections"] == 3
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all("\n" not in line for line in lines)
+    assert "hello message for run 'other-run', expected 'tcp-it'" in lines[0]
+    assert (f"protocol version mismatch: expected {PROTOCOL_VERSION}, "
+            f"got {PROTOCOL_VERSION + 1}") in lines[1]
+    assert "invalid abort message" in lines[2]
+
+
+@pytest.mark.timeout(60)
+def test_network_collective_in_threads_returns_identical_means() -> None:
+    torch.set_num_threads(1)
+    policy = RoundPolicy(codec="int4", block_size=64, chunk_numel=2048, timeout=20.0)
+    addrs: dict[str, str] = {}
+    nodes = [NetworkCollective(pid, RUN, _static_group(pid, addrs), policy) for pid in IDS]
+    results: dict[tuple[int, int], Any] = {}
+    try:
+        for pid, node in zip(IDS, nodes, strict=True):
+            addrs[pid] = node.start()
+        flats = {(i, r): torch.randn(NUMEL) for i in range(3) for r in range(2)}
+
+        def train(i: int) -> None:
+            for r in range(2):  # two syncs reuse the same connections
+                pending = nodes[i].begin(SyncKey("fragment", r, r), flats[(i, r)])
+                results[(i, r)] = pending.wait(timeout=WAIT)
+
+        threads = [threading.Thread(target=train, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT + 5)
+    finally:
+        for node in nodes:
+            node.close()
+    codec = get_codec("int4", 64)
+    for r in range(2):
+        expected, _, _ = butterfly_average([flats[(i, r)] for i in range(3)], [1.0] * 3, codec)
+        for i in range(3):
+            res = results[(i, r)]
+            assert torch.equal(res.mean, expected)
+            assert res.group_size == 3 and res.dropped == ()
+            assert res.payload_bytes_sent > 0
+    assert all(node.plane.stats["connections_out"] == 2 for node in nodes)
