@@ -12,7 +12,9 @@ shows the median over --rounds (one extra warm-up round is not counted). "payloa
 codec bytes one member sends, "wire" the whole frames (msgpack map + 4-byte header), both
 against the ideal butterfly/ring volume 2(N-1)/N x encoded tensor. gloo's wire bytes are
 not observable from Python; its ideal is shown. "cpu" is process CPU seconds per member
-per round, "lag" the worst event-loop delay seen by a 5 ms probe during our rounds.
+per round (for hivemind only the calling process: its averaging runs in helper processes,
+and its round time includes matchmaking), "lag" the worst event-loop delay seen by a 5 ms
+probe during our rounds.
 --inline runs round work on the event loop instead of a worker thread, to measure the
 difference; --profile (rank 0, needs --inline since cProfile sees only the main thread)
 writes one pstats file per codec and prints the top entries.
@@ -174,6 +176,10 @@ def _hivemind(rank: int, world: int, x: torch.Tensor,
               args: argparse.Namespace) -> list[dict[str, Any]]:
     import hivemind
     from hivemind.averaging import DecentralizedAverager
+
+    # The averager is a multiprocessing.Process holding unpicklable state: it needs fork,
+    # while this worker was spawned and so inherited the spawn start method.
+    mp.set_start_method("fork", force=True)
 
     first: list[Any] = [None] * world
     dht = None

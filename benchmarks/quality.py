@@ -33,26 +33,27 @@ def run_configs(args: argparse.Namespace) -> dict[str, dict]:
     }
     h = args.sync_every
     streaming = {"mode": "streaming", "sync_every": h, "num_fragments": args.fragments,
-                 "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+                 "fragment_sync_delay": args.tau, "fragment_update_alpha": args.alpha}
     ablations = {
         f"DiLoCo H={h} ({args.codec})": {**common, "diloco": {"mode": "diloco", "sync_every": h},
                                          "codec": {"name": args.codec}},
-        f"Streaming H={h} P={args.fragments} tau=1 (fp32)": {
+        f"Streaming H={h} P={args.fragments} tau={args.tau} alpha={args.alpha} (fp32)": {
             **common, "codec": {"name": "float32"}, "diloco": streaming},
         f"Streaming H={h} P={args.fragments} tau=0 alpha=0 (fp32)": {
             **common, "codec": {"name": "float32"},
             "diloco": {**streaming, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}},
     }
     if args.only_ablations:
-        return ablations
+        return {k: v for k, v in ablations.items() if args.runs is None or args.runs in k}
     main_runs = {
         "DDP (fp32)": {**common, "diloco": {"mode": "ddp"}, "codec": {"name": "float32"}},
         f"DiLoCo H={h} (fp32)": {**common, "diloco": {"mode": "diloco", "sync_every": h},
                                  "codec": {"name": "float32"}},
-        f"Streaming H={h} P={args.fragments} tau=1 ({args.codec})": {
+        f"Streaming H={h} P={args.fragments} tau={args.tau} alpha={args.alpha} ({args.codec})": {
             **common, "codec": {"name": args.codec}, "diloco": streaming},
     }
-    return main_runs | ablations if args.ablations else main_runs
+    runs = main_runs | ablations if args.ablations else main_runs
+    return {k: v for k, v in runs.items() if args.runs is None or args.runs in k}
 
 
 def table(results: dict[str, SimReport]) -> str:
@@ -79,6 +80,9 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=100, help="H")
     ap.add_argument("--fragments", type=int, default=3, help="P for streaming")
     ap.add_argument("--codec", default="int4", help="streaming codec: int4 or fp4")
+    ap.add_argument("--tau", type=int, default=1, help="streaming fragment_sync_delay")
+    ap.add_argument("--alpha", type=float, default=0.5, help="streaming fragment_update_alpha")
+    ap.add_argument("--runs", help="only the runs whose name contains this text")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)

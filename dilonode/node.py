@@ -2,20 +2,18 @@
 
 `Node(cfg, worker_id=...)` does no I/O. `start()` joins the DHT (hivemind, in its own
 process; started first because it forks), brings up the all-reduce data plane on a background
-event loop, publishes this node's peer record and waits for `network.min_peers`. `run(stop)`
+event loop, publishes this node's peer record (`Membership`) and waits for
+`network.min_peers`. `run(stop)`
 trains on the calling thread until `total_steps` or until `stop` is set, then lands in-flight
 syncs. `close()` withdraws the peer record and shuts everything down within seconds.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
 import threading
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +21,7 @@ from typing import Any
 from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolicy
 from dilonode.config import RunConfig
 from dilonode.swarm.dht import SwarmDHT
-from dilonode.swarm.matchmaking import form_group
-from dilonode.swarm.records import GroupEntry, PeerRecord
+from dilonode.swarm.membership import Membership
 
 __all__ = ["Node", "NodeSummary"]
 
@@ -60,8 +57,7 @@ class Node:
         self.dht: SwarmDHT | None = None
         self.collective: NetworkCollective | None = None
         self.worker: Any = None
-        self._heartbeat_stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
+        self.membership: Membership | None = None
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -73,15 +69,23 @@ class Node:
                              max_attempts=net.max_attempts)
         self.collective = NetworkCollective(self.dht.peer_id, self.cfg.run_id, self._form,
                                             policy, host=net.host, port=net.port)
-        self.collective.start()
-        self._publish()
-        self._heartbeat = threading.Thread(target=self._beat, name="dilonode-heartbeat",
-                                           daemon=True)
-        self._heartbeat.start()
-        self._wait_for_peers()
+        address = self.collective.start()
+        self.membership = Membership(self.dht, self.cfg.run_id, net, address, self._status)
+        self.membership.start()
+        self.membership.wait_for_peers(net.min_peers, net.start_timeout)
         self._build_worker()
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())
+
+    async def _form(self, fragment: int, round_no: int, attempt: int,
+                    exclude: set[str]) -> FormedGroup:
+        # The collective is created before membership (membership needs its address).
+        assert self.membership is not None
+        return await self.membership.form(fragment, round_no, attempt, exclude)
+
+    def _status(self) -> dict[str, Any]:
+        w = self.worker
+        return {"step": w.step if w is not None else 0, "worker": self.worker_id}
 
     @property
     def peer_id(self) -> str:
@@ -89,7 +93,7 @@ class Node:
         return self.dht.peer_id
 
     def _build_worker(self) -> None:
-        # Imported late: torch and the model are heavy and must come after the DHT's fork.
+        # Built after the DHT has forked, so its process does not carry a copy of the model.
         from dilonode.train.data import load_data
         from dilonode.train.worker import Worker
 
@@ -100,76 +104,12 @@ class Node:
 
     def close(self) -> None:
         """Withdraw the peer record, stop the data plane and the DHT (idempotent)."""
-        self._heartbeat_stop.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=5)
-        if self.dht is not None and self.dht.started:
-            try:
-                self._publish(leaving=True)
-            except Exception as exc:  # leaving must not fail because the DHT is unwell
-                log.warning("could not withdraw peer record: %s", exc)
+        if self.membership is not None:
+            self.membership.close()
         if self.collective is not None:
             self.collective.close()
         if self.dht is not None:
             self.dht.close()
-
-    # -- DHT records and groups ----------------------------------------------------------
-    def _publish(self, leaving: bool = False) -> None:
-        assert self.dht is not None and self.collective is not None
-        step = self.worker.step if self.worker is not None else 0
-        status: dict[str, Any] = {"leaving": True} if leaving else {"worker": self.worker_id}
-        record = PeerRecord(peer_id=self.dht.peer_id, run_id=self.cfg.run_id,
-                            data_addr=self.collective.address,
-                            bandwidth_mbps=self.cfg.network.bandwidth_mbps, step=step,
-                            status=status)
-        self.dht.publish(record, ttl=self.cfg.network.peer_ttl + (1.0 if leaving else 0.0))
-
-    def _beat(self) -> None:
-        while not self._heartbeat_stop.wait(self.cfg.network.peer_ttl / 3):
-            try:
-                self._publish()
-            except Exception as exc:  # a missed heartbeat is retried at the next one
-                log.warning("heartbeat failed: %s", exc)
-
-    def live_peers(self) -> list[PeerRecord]:
-        assert self.dht is not None
-        return [r for r in self.dht.fetch_peers()
-                if not (r.status or {}).get("leaving")]
-
-    def _wait_for_peers(self) -> None:
-        need, deadline = self.cfg.network.min_peers, time.monotonic() + \
-            self.cfg.network.start_timeout
-        while len(seen := self.live_peers()) < need:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"network.min_peers = {need}: only {len(seen)} peer(s) "
-                                   f"visible after {self.cfg.network.start_timeout} s")
-            time.sleep(0.2)
-
-    async def _form(self, fragment: int, round_no: int, attempt: int,
-                    exclude: set[str]) -> FormedGroup:
-        return await asyncio.to_thread(self._form_blocking, fragment, round_no, attempt,
-                                       exclude)
-
-    def _form_blocking(self, fragment: int, round_no: int, attempt: int,
-                       exclude: set[str]) -> FormedGroup:
-        assert self.dht is not None and self.collective is not None
-        net = self.cfg.network
-        expected = {r.peer_id for r in self.live_peers()} - exclude
-        me = GroupEntry(peer_id=self.dht.peer_id, run_id=self.cfg.run_id,
-                        data_addr=self.collective.address, fragment=fragment, round=round_no,
-                        attempt=attempt, bandwidth_mbps=net.bandwidth_mbps)
-        group = form_group(self.dht, self.cfg.run_id, fragment, round_no, attempt, me,
-                           net.matchmaking_window, net.matchmaking_timeout,
-                           poll_interval=0.05, expected=expected)
-        if exclude & set(group.members):
-            keep = [i for i, m in enumerate(group.members) if m not in exclude]
-            group = dataclasses.replace(
-                group, members=tuple(group.members[i] for i in keep),
-                data_addrs=tuple(group.data_addrs[i] for i in keep),
-                weights=tuple(group.weights[i] for i in keep),
-                my_index=[group.members[i] for i in keep].index(self.dht.peer_id))
-        return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
-                           group.digest())
 
     # -- training --------------------------------------------------------------------------
     def run(self, stop: threading.Event, total_steps: int | None = -1,

@@ -221,13 +221,15 @@ class _Outbound:
         self.wake = asyncio.Event()
         self.writer: asyncio.StreamWriter | None = None
         self.watch: asyncio.Task[None] | None = None
-        self.task: asyncio.Task[None] = asyncio.get_running_loop().create_task(
-            self._run(), name=f"dataplane-send-{peer_id}")
+        self.task: asyncio.Task[None] | None = None  # the writer, started by the first frame
 
     def submit(self, frame: bytes) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
         self.queue.append((frame, fut))
         self.wake.set()
+        if self.task is None:
+            self.task = loop.create_task(self._run(), name=f"dataplane-send-{self.peer_id}")
         return fut
 
     async def _run(self) -> None:
@@ -241,6 +243,9 @@ class _Outbound:
                 continue
             try:
                 await self._write(frame)
+            except asyncio.CancelledError:
+                fut.cancel()  # closing: whoever waits on this frame must not hang
+                raise
             except (OSError, TimeoutError) as exc:
                 reason = one_line(f"{type(exc).__name__}: {exc}".rstrip(": "), 200)
                 if not fut.done():
@@ -301,7 +306,8 @@ class _Outbound:
         queued = [fut for _, fut in self.queue if not fut.done()]
         if queued and grace > 0:
             await asyncio.wait(queued, timeout=grace)
-        self.task.cancel()
+        if self.task is not None:
+            self.task.cancel()
         if self.watch is not None:
             self.watch.cancel()
         writer, self.writer = self.writer, None
@@ -314,8 +320,9 @@ class _Outbound:
         for _, fut in self.queue:
             fut.cancel()
         self.queue.clear()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        if self.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
 
 
 class DataPlane:

@@ -272,3 +272,96 @@ def test_network_collective_in_threads_returns_identical_means() -> None:
             assert res.group_size == 3 and res.dropped == ()
             assert res.payload_bytes_sent > 0
     assert all(node.plane.stats["connections_out"] == 2 for node in nodes)
+
+
+# ---------------------------------------------------------------------- in-process details
+
+
+async def _until(cond: Any, timeout: float = 10.0) -> None:
+    """Wait for `cond()` to hold, yielding to the loop; fail at the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+def _frames(spec: GroupSpec, sender: int) -> list[Send]:
+    rnd = AllReduceRound(spec, sender, _inputs(sender), timeout=10.0)
+    return [a for a in rnd.start(0.0) if isinstance(a, Send)]
+
+
+@pytest.mark.timeout(30)
+def test_early_frames_wait_for_their_round_and_expire(caplog: pytest.LogCaptureFixture) -> None:
+    spec = _spec(IDS[:2])
+
+    async def main() -> tuple[int, int, dict[str, int]]:
+        async with DataPlane(IDS[0], RUN, pending_ttl=0.3) as a, DataPlane(IDS[1], RUN) as b:
+            sends = [s for s in _frames(spec, 1) if s.to == 0]
+            await asyncio.gather(*(b.send(IDS[0], a.address, s.frame) for s in sends))
+            await _until(lambda: a.stats["frames_in"] == len(sends))
+            early = len(a.register((0, 5, 0), spec.members))  # delivered on registration
+            a.unregister((0, 5, 0))
+            late = _spec(IDS[:2], attempt=1)  # nobody registers attempt 1 in time
+            await asyncio.gather(*(b.send(IDS[0], a.address, s.frame)
+                                   for s in _frames(late, 1) if s.to == 0))
+            await _until(lambda: a.stats["dropped_frames"] == len(sends))
+            return early, len(sends), dict(a.stats)
+
+    with caplog.at_level(logging.WARNING, logger="dilonode.allreduce.transport"):
+        early, sent, stats = asyncio.run(main())
+    assert early == sent and stats["late_frames"] == 0
+    assert any("no round registered in time" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(30)
+def test_all_attempts_failing_keeps_the_own_quantized_value() -> None:
+    async def main() -> Any:
+        async with DataPlane(IDS[0], RUN) as plane:
+            dead = DataPlane(IDS[1], RUN)
+            await dead.start()
+            await dead.aclose()  # nothing listens there any more
+
+            def form(fragment: int, round_no: int, attempt: int,
+                     exclude: set[str]) -> FormedGroup:  # ignores exclude on purpose
+                return FormedGroup(IDS[:2], [plane.address, dead.address], [1.0, 1.0], 0,
+                                   group_digest(IDS[:2]))
+
+            policy = RoundPolicy(codec="int4", chunk_numel=4096, timeout=5.0, max_attempts=2)
+            return await SwarmRounds(plane, form, policy).reduce(0, 5, _inputs(0))
+
+    out = asyncio.run(main())
+    codec = get_codec("int4", 64)
+    assert out.skipped and out.outcome.members == (IDS[0],)
+    assert [a.state.value for a in out.attempts] == ["failed", "failed"]
+    assert all(a.duration < 5.0 for a in out.attempts)  # refused connections, no timeouts
+    assert torch.equal(out.outcome.result, codec.decode(*codec.encode(_inputs(0))))
+    assert list(out.excluded) == [IDS[1]] and len(out.errors) == 2
+
+
+@pytest.mark.timeout(30)
+def test_aclose_is_bounded_when_the_peer_stops_reading() -> None:
+    async def main() -> float:
+        accepted: list[asyncio.StreamWriter] = []
+
+        async def never_read(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.append(writer)
+
+        server = await asyncio.start_server(never_read, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        plane = DataPlane(IDS[0], RUN)
+        await plane.start()
+        frame = encode_frame(Hello(run_id=RUN, peer_id="x"))[:4] + bytes(8 << 20)
+        futs = [plane.send("stuck", f"127.0.0.1:{port}", frame) for _ in range(16)]
+        await _until(lambda: accepted and plane.stats["frames_out"] > 0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await plane.aclose(grace=0.5)
+        elapsed = loop.time() - t0
+        assert all(f.done() for f in futs)
+        for w in accepted:
+            w.close()
+        server.close()
+        return elapsed
+
+    assert asyncio.run(main()) < 2.0
