@@ -123,7 +123,8 @@ async def _ours(rank: int, world: int, x: torch.Tensor,
             if r:  # round 0 warms up connections and allocations
                 rows.append(row)
         digests: list[Any] = [None] * world
-        dist.all_gather_object(digests, rows[-1].pop("digest"))
+        await asyncio.get_running_loop().run_in_executor(
+            None, dist.all_gather_object, digests, rows[-1].pop("digest"))
         if len(set(digests)) != 1:
             raise RuntimeError(f"{codec}: members disagree: {digests}")
         if prof is not None:
@@ -136,7 +137,8 @@ async def _ours(rank: int, world: int, x: torch.Tensor,
 async def _our_round(plane: DataPlane, spec: GroupSpec, rank: int, x: torch.Tensor,
                      peers: dict[int, str], args: argparse.Namespace, probe: _LagProbe,
                      prof: cProfile.Profile | None) -> dict[str, Any]:
-    dist.barrier()  # blocks the loop briefly; nothing of ours is in flight between rounds
+    # In a thread: the loop must keep writing the frames that earlier rounds left queued.
+    await asyncio.get_running_loop().run_in_executor(None, dist.barrier)
     probe.take()
     c0, t0 = time.process_time(), time.perf_counter()
     if prof is not None:

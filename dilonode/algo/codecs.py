@@ -177,9 +177,10 @@ class _FloatCodec:
     def encode(self, x: torch.Tensor) -> tuple[bytes, CodecMeta]:
         x = _as_float32_vector(x)
         if self._dtype == torch.float32:
-            if not bool(torch.isfinite(x).all()):
-                _raise_non_finite(x)
             bits = x.numpy()  # (n,) float32, shares x's memory; only read below
+            # numpy's isfinite is several times faster than torch's on one CPU thread.
+            if not bool(np.isfinite(bits).all()):
+                _raise_non_finite(x)
         else:
             h = x.to(self._dtype)  # (n,) round-to-nearest-even
             if not bool(torch.isfinite(h).all()):
@@ -207,7 +208,7 @@ class _FloatCodec:
         out = torch.from_numpy(native)  # (n,) owns a fresh copy, never aliases data
         if self._dtype != torch.float32:
             out = out.view(self._dtype).to(torch.float32)
-        if not bool(torch.isfinite(out).all()):
+        if not bool(np.isfinite(out.numpy()).all()):
             bad = n - int(torch.isfinite(out).sum())
             raise CodecError(f"{self.name} payload holds {bad} non-finite value(s)")
         return out

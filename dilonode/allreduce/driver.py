@@ -5,15 +5,15 @@ Three layers, each usable alone:
 
 * `run_round(plane, spec, my_index, local, peers, timeout)` runs one `AllReduceRound`:
   it starts the round, feeds it what the plane delivers, ticks it at least every
-  `TICK_SECONDS`, performs its `Send`s and returns a `RoundOutcome` by the round deadline
-  whatever the peers do. Round calls (encode, decode, reduce, sha256) run in a worker thread
-  by default (`offload=True`): they release the GIL in numpy/torch/hashlib, so the event
-  loop keeps reading and writing sockets meanwhile. Measured with benchmarks/allreduce.py
-  (4 processes, 10M values, 2 shared cores): round time is the same either way (the box is
-  CPU-bound), but the worst event-loop stall drops from 260-340 ms inline to 100-150 ms
-  offloaded, i.e. heartbeats, DHT traffic and other rounds keep running. Set the process's
-  torch threads to 1 (or few): intra-op threads oversubscribed on shared cores made small
-  tensor ops up to 50x slower in our measurements.
+  `TICK_SECONDS`, performs its `Send`s and returns a `RoundOutcome` as soon as the round
+  ends, by its deadline whatever the peers do. Round calls (encode, decode, reduce,
+  sha256) run in a worker thread by default (`offload=True`): they release the GIL in
+  numpy/torch/hashlib, so the event loop keeps reading and writing sockets meanwhile.
+  Measured with benchmarks/allreduce.py (4 processes, 10M values, 2 shared cores): round
+  time is the same within noise either way (the box is CPU-bound), but the worst
+  event-loop stall drops from 125-210 ms inline to 20-46 ms offloaded, so heartbeats, DHT
+  traffic and other rounds keep running. Keep the process's torch threads at 1 (or few):
+  oversubscribed intra-op threads on shared cores made small tensor ops up to 50x slower.
 * `SwarmRounds.reduce(fragment, round, local)` is the retry policy: it asks the injected
   `form_group(fragment, round, attempt, exclude)` for a group, runs the round, and on
   failure retries with attempt+1, excluding every peer the failures blamed, up to
@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -75,7 +76,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TICK_SECONDS = 0.1
-ABORT_GRACE = 1.0  # seconds a failed round waits for its aborts to be written
 GRAD_FRAGMENT = 2**32 - 1  # wire fragment index used for SyncKey(kind="grad", ...)
 
 
@@ -110,8 +110,10 @@ async def run_round(plane: DataPlane, spec: GroupSpec, my_index: int, local: tor
                     offload: bool = True) -> RoundOutcome:
     """Run this node's side of one round; `peers` maps member index -> "host:port".
 
-    Returns by `clock() >= start + timeout` (plus one batch of round work) at the latest.
-    `local` must not be modified until this returns.
+    Returns as soon as the round is DONE or FAILED, by `clock() >= start + timeout` (plus
+    one batch of round work) at the latest; frames still queued then are written by the
+    plane in the background (`DataPlane.aclose` flushes them). `local` must not be
+    modified until this returns.
     """
     missing = [i for i in range(spec.size) if i != my_index and i not in peers]
     if missing:
@@ -146,7 +148,7 @@ class _RoundDriver:
             wait = min(TICK_SECONDS, max(0.0, self._deadline() - self.clock()))
             events = await self.inbox.get_batch(wait)
             self._apply(await self._call(self._feed, events))
-        await self._flush()
+        self._settle()
         return self._outcome(t0)
 
     def _deadline(self) -> float:
@@ -180,7 +182,7 @@ class _RoundDriver:
                 continue
             peer_id = self.rnd.spec.members[action.to]
             fut = self.plane.send(peer_id, self.peers[action.to], action.frame)
-            fut.add_done_callback(lambda f, p=peer_id: self._sent(p, f))
+            fut.add_done_callback(functools.partial(self._sent, peer_id))
             self.sends.append((fut, isinstance(action.msg, Abort)))
 
     def _sent(self, peer_id: str, fut: asyncio.Future[None]) -> None:
@@ -189,19 +191,14 @@ class _RoundDriver:
         if self.rnd.state is RoundState.RUNNING:
             self.inbox.put(PeerEvent(peer_id, "gone", reason=f"send failed: {fut.exception()}"))
 
-    async def _flush(self) -> None:
-        """Let our last frames reach the sockets; never past the deadline."""
-        left = self._deadline() - self.clock()
+    def _settle(self) -> None:
+        """Frames still queued keep going out after we return (the plane owns them), except
+        a failed round's contributions and results: useless now, and skipping them lets its
+        aborts go out first."""
         if self.rnd.state is RoundState.FAILED:
             for fut, is_abort in self.sends:
                 if not is_abort:
-                    fut.cancel()  # our contributions are useless now; let aborts go first
-            left = min(left, ABORT_GRACE)
-        pending = [fut for fut, _ in self.sends if not fut.done()]
-        if pending and left > 0:
-            await asyncio.wait(pending, timeout=left)
-        for fut in pending:
-            fut.cancel()
+                    fut.cancel()
 
     def _outcome(self, t0: float) -> RoundOutcome:
         rnd = self.rnd
@@ -464,11 +461,9 @@ class NetworkCollective:
         swarm = await self.rounds.reduce(fragment, round_no, local)
         out = swarm.outcome
         assert out.result is not None
-        dropped = tuple(f"{peer}: {reason}" for peer, reason in swarm.excluded.items())
-        if out.skipped:
-            dropped += (f"(averaging skipped after {len(swarm.errors)} failed attempt(s))",)
         return ReduceResult(
             mean=out.result, group_size=len(out.members),
             payload_bytes_sent=sum(a.payload_bytes_sent for a in swarm.attempts),
             payload_bytes_received=sum(a.payload_bytes_received for a in swarm.attempts),
-            dropped=dropped)
+            dropped=tuple(f"{peer}: {reason}" for peer, reason in swarm.excluded.items()),
+            skipped=out.skipped)

@@ -37,7 +37,7 @@ import contextlib
 import logging
 import socket
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
@@ -63,6 +63,21 @@ EventKind = Literal["message", "error", "gone"]
 _READ_LIMIT = 1 << 20
 _WRITE_HIGH_WATER = 1 << 20
 _RECENT_KEYS = 256  # finished keys remembered, so their late frames are dropped quietly
+
+
+async def _bounded(aw: Awaitable[object], timeout: float) -> bool:
+    """Await `aw` for at most `timeout` s (cancelling it after); True if it finished.
+
+    Never raises what `aw` raised and never waits longer, so closing cannot hang.
+    """
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=max(0.0, timeout))
+    if not done:
+        task.cancel()
+        return False
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it as never retrieved
+    return True
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -118,8 +133,7 @@ class Inbox:
         """Up to `max_items` events (at least one if any arrives within `timeout` s)."""
         if not self._events and timeout > 0:
             self._ready.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), timeout)
+            await _bounded(self._ready.wait(), timeout)
         out: list[PeerEvent] = []
         taken = 0
         while self._events and len(out) < max_items and (not out or taken < max_bytes):
@@ -228,7 +242,7 @@ class _Outbound:
         fut: asyncio.Future[None] = loop.create_future()
         self.queue.append((frame, fut))
         self.wake.set()
-        if self.task is None:
+        if self.task is None or self.task.done():
             self.task = loop.create_task(self._run(), name=f"dataplane-send-{self.peer_id}")
         return fut
 
@@ -246,7 +260,7 @@ class _Outbound:
             except asyncio.CancelledError:
                 fut.cancel()  # closing: whoever waits on this frame must not hang
                 raise
-            except (OSError, TimeoutError) as exc:
+            except (OSError, TimeoutError, ValueError) as exc:  # ValueError: bad address
                 reason = one_line(f"{type(exc).__name__}: {exc}".rstrip(": "), 200)
                 if not fut.done():
                     fut.set_exception(PeerUnreachable(reason))
@@ -266,8 +280,10 @@ class _Outbound:
 
     async def _connect(self) -> None:
         host, port = parse_address(self.address)
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=_READ_LIMIT), self.plane.connect_timeout)
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+        # races with the connect completing, and aclose() would then wait for a live task.
+        async with asyncio.timeout(self.plane.connect_timeout):
+            reader, writer = await asyncio.open_connection(host, port, limit=_READ_LIMIT)
         self.plane._configure(writer.get_extra_info("socket"))
         writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         writer.write(encode_frame(Hello(run_id=self.plane.run_id, peer_id=self.plane.peer_id)))
@@ -313,16 +329,13 @@ class _Outbound:
         writer, self.writer = self.writer, None
         if writer is not None:
             writer.close()
-            try:
-                await asyncio.wait_for(writer.wait_closed(), grace)
-            except (OSError, TimeoutError):
+            if not await _bounded(writer.wait_closed(), grace):
                 writer.transport.abort()
         for _, fut in self.queue:
             fut.cancel()
         self.queue.clear()
         if self.task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+            await _bounded(asyncio.shield(self.task), grace)
 
 
 class DataPlane:
@@ -409,8 +422,7 @@ class DataPlane:
         for inbox in self._rounds.values():
             inbox._discard()
         if self._server is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), grace)
+            await _bounded(self._server.wait_closed(), grace)
 
     async def __aenter__(self) -> DataPlane:
         await self.start()

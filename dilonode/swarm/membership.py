@@ -33,6 +33,10 @@ class Membership:
                  status: Callable[[], dict[str, Any]] | None = None) -> None:
         self.dht, self.run_id, self.net, self.data_addr = dht, run_id, net, data_addr
         self.status = status or (lambda: {})
+        # Peer records can be briefly missing from a DHT read: peers that were in our groups
+        # within one record ttl are expected too (a dead one costs a window, as its record does).
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -88,7 +92,7 @@ class Membership:
 
     def form_blocking(self, fragment: int, round_no: int, attempt: int,
                       exclude: set[str]) -> FormedGroup:
-        expected = {r.peer_id for r in self.live_peers()} - exclude
+        expected = self._expected(exclude)
         me = GroupEntry(peer_id=self.dht.peer_id, run_id=self.run_id, data_addr=self.data_addr,
                         fragment=fragment, round=round_no, attempt=attempt,
                         bandwidth_mbps=self.net.bandwidth_mbps)
@@ -96,8 +100,18 @@ class Membership:
                            self.net.matchmaking_window, self.net.matchmaking_timeout,
                            poll_interval=0.05, expected=expected)
         group = _without(group, exclude, self.dht.peer_id)
+        now = time.monotonic()
+        with self._lock:
+            self._seen.update({m: now for m in group.members})
         return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
                            group.digest())
+
+
+    def _expected(self, exclude: set[str]) -> set[str]:
+        now, ttl = time.monotonic(), self.net.peer_ttl
+        with self._lock:
+            recent = {p for p, t in self._seen.items() if now - t < ttl}
+        return ({r.peer_id for r in self.live_peers()} | recent) - exclude
 
 
 def _without(group: Group, exclude: set[str], me: str) -> Group:

@@ -189,7 +189,7 @@ def test_hf_llama_kind() -> None:
 def test_param_count_150m_on_meta_device() -> None:
     with torch.device("meta"):
         model = build_model(ModelConfig(preset="150m"), 32000)
-    assert 100_000_000 < param_count(model) < 150_000_000
+    assert 140_000_000 < param_count(model) < 160_000_000  # ~150M with a 32k vocab
 
 
 def test_pick_device_and_autocast() -> None:

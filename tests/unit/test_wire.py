@@ -236,7 +236,7 @@ def test_wrong_version_names_expected_and_got() -> None:
     assert "version mismatch" in _reason(_body(version="1"))
     # Checked before the fields, so a future message shape still reports the version.
     future = msgpack.packb({"type": "contribution", "version": 99, "new_field": 1})
-    assert "expected 1, got 99" in _reason(future)
+    assert f"expected {PROTOCOL_VERSION}, got 99" in _reason(future)
 
 
 def test_wrong_run_id() -> None:
