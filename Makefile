@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: setup demo test lint bench-quality clean
+.PHONY: setup demo simulate test lint bench-quality bench-overlap bench-allreduce clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# A bootstrap peer and 3 training nodes on loopback, one process each (bounded: --steps).
 demo: $(STAMP)
+	$(VENV)/bin/dilonode swarm --nodes 3 --config configs/demo.toml $(DEMO_ARGS)
+
+# The same algorithm with 4 virtual workers in one process, exact byte counts and a plot.
+simulate: $(STAMP)
 	$(VENV)/bin/dilonode simulate --config configs/demo.toml $(DEMO_ARGS)
 
 test: $(STAMP)
@@ -30,7 +35,13 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy dilonode/algo
 
 bench-quality: $(STAMP)
-	$(PY) benchmarks/quality.py --json runs/bench/quality.json
+	$(PY) benchmarks/quality.py --json runs/bench/quality.json --plot docs/img/quality.png
+
+bench-overlap: $(STAMP)
+	$(PY) benchmarks/overlap.py --json runs/bench/overlap.json
+
+bench-allreduce: $(STAMP)
+	$(PY) benchmarks/allreduce.py --hivemind --json runs/bench/allreduce.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .hypothesis

@@ -39,6 +39,7 @@ class ReduceResult:
     payload_bytes_received: int
     dropped: tuple[str, ...] = ()  # peers excluded from the round, with the reason logged
     skipped: bool = False  # every attempt failed: `mean` is this worker's own value alone
+    members: tuple[str, ...] = ()  # who averaged, in summation order (networked rounds)
 
 
 class PendingReduce(Protocol):

@@ -22,7 +22,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import multiprocessing as mp
+import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -95,6 +97,35 @@ def _host_maddr(host: str, port: int) -> str:
     return f"/{family}/{host}/tcp/{port}"
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """In a forked child: get SIGKILL when the parent dies (Linux), so a SIGKILLed node
+    leaves no DHT process behind still answering for its peer id."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: the parent's close() is the only way down
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _orphan_safe(dht_class: Any) -> Any:
+    """hivemind.DHT subclass whose process dies with the process that started it."""
+
+    class OrphanSafeDHT(dht_class):  # type: ignore[misc, valid-type]
+        def run(self) -> None:
+            _die_with_parent(self._dilonode_parent)
+            super().run()
+
+        def run_in_background(self, *args: Any, **kwargs: Any) -> Any:
+            self._dilonode_parent = os.getpid()
+            return super().run_in_background(*args, **kwargs)
+
+    return OrphanSafeDHT
+
+
 class SwarmDHT:
     """A hivemind DHT node joined to a run's swarm; thread-safe, blocking, bounded calls."""
 
@@ -138,7 +169,7 @@ class SwarmDHT:
         if self.identity_path is not None:
             # hivemind writes a new key file when missing, but not its directory.
             self.identity_path.parent.mkdir(parents=True, exist_ok=True)
-        dht = hivemind.DHT(
+        dht = _orphan_safe(hivemind.DHT)(
             initial_peers=self.initial_peers or None,
             start=False,
             host_maddrs=[self.host_maddr],

@@ -9,6 +9,7 @@ SIGTERM stops the children cleanly (SIGTERM, then SIGKILL after a grace period).
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -52,7 +53,11 @@ class LocalSwarm:
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log_dir = self.out / name
         log_dir.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1,
+        # N processes on one machine: give each its share of cores, or torch's thread pools
+        # oversubscribe them and small tensor ops slow down by an order of magnitude.
+        threads = max(1, (os.cpu_count() or 1) // max(self.n, 1))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
                                 stderr=(log_dir / "stderr.log").open("w"))
         threading.Thread(target=_pump, args=(name, proc.stdout, self.events),
                          daemon=True).start()

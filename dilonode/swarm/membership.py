@@ -36,6 +36,7 @@ class Membership:
         # Peer records can be briefly missing from a DHT read: peers that were in our groups
         # within one record ttl are expected too (a dead one costs a window, as its record does).
         self._seen: dict[str, float] = {}
+        self._live: tuple[float, list[PeerRecord]] = (float("-inf"), [])
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -73,8 +74,13 @@ class Membership:
             except Exception as exc:  # a missed heartbeat is retried at the next one
                 log.warning("heartbeat failed: %s", exc)
 
-    def live_peers(self) -> list[PeerRecord]:
-        return [r for r in self.dht.fetch_peers() if not (r.status or {}).get("leaving")]
+    def live_peers(self, max_age: float = 0.0) -> list[PeerRecord]:
+        """Peers with a fresh record that are not leaving; reuses a read up to `max_age` s."""
+        fetched_at, peers = self._live
+        if time.monotonic() - fetched_at > max_age:
+            peers = [r for r in self.dht.fetch_peers() if not (r.status or {}).get("leaving")]
+            self._live = (time.monotonic(), peers)
+        return peers
 
     def wait_for_peers(self, need: int, timeout: float) -> list[PeerRecord]:
         deadline = time.monotonic() + timeout
@@ -111,7 +117,9 @@ class Membership:
         now, ttl = time.monotonic(), self.net.peer_ttl
         with self._lock:
             recent = {p for p, t in self._seen.items() if now - t < ttl}
-        return ({r.peer_id for r in self.live_peers()} | recent) - exclude
+        # Every round asks; one DHT read a second is plenty (records live peer_ttl seconds).
+        live = {r.peer_id for r in self.live_peers(max_age=1.0)}
+        return (live | recent) - exclude
 
 
 def _without(group: Group, exclude: set[str], me: str) -> Group:

@@ -88,6 +88,25 @@ def _wait_for(proc, event, timeout):
     raise AssertionError(f"no {event!r} event within {timeout} s")
 
 
+def _wait_no_process_with(text: str, deadline: float) -> None:
+    """Wait until no process has `text` in its command line (its DHT child included)."""
+    from pathlib import Path
+
+    while True:
+        left = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if text in cmdline.read_bytes().decode(errors="replace"):
+                    left.append(cmdline.parent.name)
+            except OSError:
+                continue
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes {left} outlived a SIGKILLed node")
+        time.sleep(0.1)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_a_node_cleanly_within_seconds(tmp_path, sig):
@@ -124,6 +143,7 @@ def test_sigkilled_node_costs_the_others_at_most_a_timeout(tmp_path):
         _wait_for(nodes[2], "progress", 240)  # all three are training
         nodes[2].kill()
         t0 = time.monotonic()
+        _wait_no_process_with(str(tmp_path / "node-2"), deadline=time.monotonic() + 15)
         summaries = [_wait_for(n, "summary", 240) for n in nodes[:2]]
         elapsed = time.monotonic() - t0
         for n in nodes[:2]:
