@@ -40,6 +40,7 @@ class ReduceResult:
     dropped: tuple[str, ...] = ()  # peers excluded from the round, with the reason logged
     skipped: bool = False  # every attempt failed: `mean` is this worker's own value alone
     members: tuple[str, ...] = ()  # who averaged, in summation order (networked rounds)
+    attempts: int = 1  # group formations tried (1 + retries)
 
 
 class PendingReduce(Protocol):

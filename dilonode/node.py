@@ -41,6 +41,7 @@ class NodeSummary:
     bytes_received: int = 0
     rounds_per_fragment: dict[int, int] = field(default_factory=dict)
     skipped_rounds: int = 0
+    retried_rounds: int = 0
     dropped_peers: list[str] = field(default_factory=list)
     compute_utilization: float = 0.0
     wall_s: float = 0.0
@@ -131,6 +132,7 @@ class Node:
             steps=rep.steps, tokens=rep.tokens, final_eval_loss=rep.eval_history[-1][1],
             bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
             rounds_per_fragment=dict(sorted(st.rounds.items())), skipped_rounds=st.skipped,
+            retried_rounds=st.retried,
             dropped_peers=list(st.dropped), compute_utilization=rep.compute_utilization,
             wall_s=rep.wall_s, outer_digest=hashlib.sha256(flat).hexdigest(),
             stopped_early=rep.stopped_early)

@@ -466,4 +466,5 @@ class NetworkCollective:
             payload_bytes_sent=sum(a.payload_bytes_sent for a in swarm.attempts),
             payload_bytes_received=sum(a.payload_bytes_received for a in swarm.attempts),
             dropped=tuple(f"{peer}: {reason}" for peer, reason in swarm.excluded.items()),
-            skipped=out.skipped, members=tuple(out.members))
+            skipped=out.skipped, members=tuple(out.members),
+            attempts=len(swarm.attempts) + sum("no group" in e for e in swarm.errors))

@@ -137,13 +137,14 @@ def _table(summaries: dict[str, dict]) -> str:
     from dilonode.commands import human_bytes
 
     head = (f"{'node':<8} {'steps':>6} {'tokens':>10} {'eval loss':>9} {'sent':>10} "
-            f"{'rounds/fragment':<24} {'skipped':>7} {'util':>6}")
+            f"{'rounds/fragment':<24} {'retried':>7} {'skipped':>7} {'util':>6}")
     rows = [head, "-" * len(head)]
     for name in sorted(summaries):
         s = summaries[name]
         rounds = ",".join(f"{k}:{v}" for k, v in s["rounds_per_fragment"].items())
         rows.append(f"{name:<8} {s['steps']:>6} {s['tokens']:>10} {s['final_eval_loss']:>9.4f} "
-                    f"{human_bytes(s['bytes_sent']):>10} {rounds:<24} {s['skipped_rounds']:>7} "
+                    f"{human_bytes(s['bytes_sent']):>10} {rounds:<24} {s['retried_rounds']:>7} "
+                    f"{s['skipped_rounds']:>7} "
                     f"{s['compute_utilization'] * 100:>5.1f}%")
     digests = {s["outer_digest"] for s in summaries.values()}
     rows.append(f"outer weights identical on all nodes: {len(digests) == 1}")

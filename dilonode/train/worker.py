@@ -44,6 +44,7 @@ class WorkerStats:
     rounds: dict[int, int] = field(default_factory=dict)  # fragment -> rounds applied
     rejected: int = 0  # averaged results refused (non-finite)
     skipped: int = 0  # rounds where every attempt failed and the worker went on alone
+    retried: int = 0  # rounds that needed more than one attempt
     dropped: list[str] = field(default_factory=list)  # recent "peer: reason" exclusions
 
     _MAX_DROPPED = 50
@@ -54,6 +55,7 @@ class WorkerStats:
         self.peak_sync_bytes = max(self.peak_sync_bytes, result.payload_bytes_sent)
         self.syncs += 1
         self.skipped += int(result.skipped)
+        self.retried += int(result.attempts > 1)
         self.dropped = (self.dropped + list(result.dropped))[-self._MAX_DROPPED:]
         if fragment >= 0:
             self.rounds[fragment] = self.rounds.get(fragment, 0) + 1

@@ -51,7 +51,8 @@ def main(argv: list[str]) -> None:
                 digest = hashlib.sha256(res.mean.numpy().tobytes()).hexdigest()
                 print(json.dumps({"event": "round", "fragment": p, "round": r,
                                   "members": list(res.members), "skipped": res.skipped,
-                                  "digest": digest, "dropped": list(res.dropped)}),
+                                  "digest": digest, "dropped": list(res.dropped),
+                                  "attempts": res.attempts}),
                       file=out, flush=True)
     finally:
         member.close()

@@ -83,10 +83,11 @@ def _check(outputs: list[str]) -> None:
                 results[(ev["fragment"], ev["round"])].append(ev)
     assert len(results) == ROUNDS * FRAGMENTS >= 1000
     codec = get_codec("int4")
-    skipped = shared = 0
+    skipped = shared = retried = 0
     for (p, r), evs in results.items():
         assert len(evs) == NODES
         for ev in evs:
+            retried += ev["attempts"] > 1
             if ev["skipped"]:
                 skipped += 1
                 continue
@@ -100,5 +101,5 @@ def _check(outputs: list[str]) -> None:
             shared += len(members) == NODES
     total = ROUNDS * FRAGMENTS * NODES
     print(f"\nsoak: {len(results)} fragment rounds, {total} node-results, "
-          f"{shared} in full groups, {skipped} skipped (went on alone)")
+          f"{shared} in full groups, {retried} retried, {skipped} skipped (went on alone)")
     assert shared >= total * 0.5, "most rounds should include every node"
