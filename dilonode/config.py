@@ -160,6 +160,9 @@ class NetworkConfig(_Frozen):
     initial_peers: tuple[str, ...] = Field((), description="bootstrap multiaddrs")
     host: str = Field("127.0.0.1", description="address the DHT and data path listen on")
     port: int = Field(0, ge=0, le=65535, description="data path TCP port; 0 picks a free one")
+    announce_host: str | None = Field(
+        None, description="address peers dial for the data path (default: host); set it when "
+        "host is 0.0.0.0 or behind a NAT port-forward")
     dht_port: int = Field(0, ge=0, le=65535, description="DHT (libp2p) port; 0 picks one")
     identity_path: Path | None = Field(
         None, description="libp2p private key file: a stable peer id across restarts")
@@ -178,6 +181,9 @@ class NetworkConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> NetworkConfig:
+        if self.host in ("0.0.0.0", "::") and not self.announce_host:
+            raise ValueError(f"network.host = {self.host!r}: peers cannot dial a wildcard "
+                             "address; set network.announce_host to this machine's address")
         if self.matchmaking_timeout <= self.matchmaking_window:
             raise ValueError(f"network.matchmaking_timeout = {self.matchmaking_timeout}: must "
                              f"be > network.matchmaking_window = {self.matchmaking_window}")

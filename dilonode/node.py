@@ -71,6 +71,8 @@ class Node:
         self.collective = NetworkCollective(self.dht.peer_id, self.cfg.run_id, self._form,
                                             policy, host=net.host, port=net.port)
         address = self.collective.start()
+        if net.announce_host:
+            address = f"{net.announce_host}:{address.rsplit(':', 1)[1]}"
         self.membership = Membership(self.dht, self.cfg.run_id, net, address, self._status)
         self.membership.start()
         self.membership.wait_for_peers(net.min_peers, net.start_timeout)

@@ -18,6 +18,7 @@ from dilonode.config import ConfigError, load_config, parse_overrides
     ("run_id='has space'", "run_id = 'has space'"),
     ("diloco.bogus=1", "diloco.bogus = 1: Extra inputs are not permitted"),
     ("inner.lr=-1", "inner.lr = -1: Input should be greater than 0"),
+    ("network.host='0.0.0.0'", "network.host = '0.0.0.0': peers cannot dial a wildcard"),
 ])
 def test_each_bad_value_is_one_line_naming_it(override, expected):
     with pytest.raises(ConfigError) as info:
