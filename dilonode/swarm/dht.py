@@ -30,17 +30,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from dilonode.swarm.records import (
     RUN_ID_PATTERN,
     PeerRecord,
+    Record,
     decode_record,
     encode_record,
     peers_key,
 )
 
-__all__ = ["RawEntry", "SwarmDHT"]
+__all__ = ["RawEntry", "SwarmDHT", "decode_entries"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,27 @@ log = logging.getLogger(__name__)
 _MAX_REMEMBERED_REJECTIONS = 1024
 _hivemind_ready = False
 _hivemind_lock = threading.Lock()
+
+
+R = TypeVar("R", bound=Record)
+
+
+def decode_entries(board: Any, key: str, raw: dict[str, RawEntry], kind: type[R],
+                   run_id: str) -> dict[str, R]:
+    """Decode the subkey entries of one DHT key; an entry that does not decode, or that names
+    a peer other than its subkey, is dropped and reported through `board.note_rejected`."""
+    out: dict[str, R] = {}
+    for subkey, entry in raw.items():
+        try:
+            record = decode_record(kind, entry.value, run_id)
+        except ValueError as exc:
+            board.note_rejected(key, subkey, str(exc))
+            continue
+        if record.peer_id != subkey:
+            board.note_rejected(key, subkey, f"entry names peer {record.peer_id}")
+        else:
+            out[subkey] = record
+    return out
 
 
 class RawEntry(NamedTuple):
@@ -297,18 +319,9 @@ class SwarmDHT:
 
         key = peers_key(self.run_id)
         now = get_dht_time()
-        peers = []
-        for subkey, entry in sorted(self.get_raw(key, timeout=timeout).items()):
-            try:
-                record = decode_record(PeerRecord, entry.value, self.run_id)
-            except ValueError as exc:
-                self.note_rejected(key, subkey, str(exc))
-                continue
-            if record.peer_id != subkey:
-                self.note_rejected(key, subkey, f"record names peer {record.peer_id}")
-            elif record.expires_at > now:
-                peers.append(record)
-        return peers
+        records = decode_entries(self, key, self.get_raw(key, timeout=timeout), PeerRecord,
+                                 self.run_id)
+        return [r for _, r in sorted(records.items()) if r.expires_at > now]
 
     # -- plumbing --------------------------------------------------------------------------
 

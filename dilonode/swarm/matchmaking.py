@@ -29,8 +29,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
-from dilonode.swarm.dht import RawEntry
-from dilonode.swarm.records import GroupEntry, decode_record, encode_record, group_key
+from dilonode.swarm.dht import RawEntry, decode_entries
+from dilonode.swarm.records import GroupEntry, encode_record, group_key
 
 __all__ = ["Group", "GroupBoard", "MatchmakingError", "form_group"]
 
@@ -100,15 +100,8 @@ def _check_args(board: GroupBoard, run_id: str, fragment: int, round: int, attem
 def _valid_entries(board: GroupBoard, key: str, raw: dict[str, RawEntry],
                    me: GroupEntry) -> dict[str, GroupEntry]:
     out = {}
-    for subkey, entry in raw.items():
-        try:
-            got = decode_record(GroupEntry, entry.value, me.run_id)
-        except ValueError as exc:
-            board.note_rejected(key, subkey, str(exc))
-            continue
-        if got.peer_id != subkey:
-            board.note_rejected(key, subkey, f"entry names peer {got.peer_id}")
-        elif (got.fragment, got.round, got.attempt) != (me.fragment, me.round, me.attempt):
+    for subkey, got in decode_entries(board, key, raw, GroupEntry, me.run_id).items():
+        if (got.fragment, got.round, got.attempt) != (me.fragment, me.round, me.attempt):
             board.note_rejected(key, subkey, "entry for another fragment/round/attempt")
         else:
             out[subkey] = got
