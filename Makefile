@@ -32,7 +32,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dilonode tests benchmarks protocol
-	$(VENV)/bin/mypy dilonode/algo
+	$(VENV)/bin/mypy --strict dilonode/algo dilonode/wire
 
 bench-quality: $(STAMP)
 	$(PY) benchmarks/quality.py --json runs/bench/quality.json --plot docs/img/quality.png
