@@ -23,7 +23,7 @@ from dilonode.config import RunConfig
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
 
-__all__ = ["Node", "NodeSummary"]
+__all__ = ["Node", "NodeSummary", "summary_json"]
 
 log = logging.getLogger(__name__)
 

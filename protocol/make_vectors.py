@@ -23,7 +23,7 @@ import torch
 
 from dilonode.algo.codecs import get_codec
 from dilonode.allreduce.round import group_digest, tensor_digest
-from dilonode.wire import Abort, Contribution, Message, Result, encode_frame, message_to_dict
+from dilonode.wire import Abort, Contribution, Message, Result, encode_frame, message_to_json
 from dilonode.wire.messages import Hello
 
 __all__ = ["build_vectors", "main"]
@@ -76,13 +76,8 @@ def build_vectors() -> list[dict[str, Any]]:
 
 def _describe(vector: dict[str, Any]) -> dict[str, Any]:
     msg: Message = vector["msg"]
-    fields = message_to_dict(msg)
-    if "payload" in fields:
-        fields["payload"] = fields["payload"].hex()
-    for key in ("contributors", "culprits"):
-        if key in fields:
-            fields[key] = list(fields[key])
-    entry = {"name": vector["name"], "file": f"{vector['name']}.bin", "fields": fields}
+    entry = {"name": vector["name"], "file": f"{vector['name']}.bin",
+             "fields": message_to_json(msg)}
     entry.update({k: vector[k] for k in ("input", "decoded") if k in vector})
     return entry
 

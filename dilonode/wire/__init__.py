@@ -23,6 +23,7 @@ from dilonode.wire.messages import (
     Result,
     message_from_dict,
     message_to_dict,
+    message_to_json,
 )
 
 __all__ = [
@@ -44,5 +45,6 @@ __all__ = [
     "encode_message",
     "message_from_dict",
     "message_to_dict",
+    "message_to_json",
     "one_line",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "RoundMessage",
     "message_from_dict",
     "message_to_dict",
+    "message_to_json",
 ]
 
 MAX_MEMBERS = 4096
@@ -158,6 +159,17 @@ def message_to_dict(msg: Message) -> dict[str, Any]:
     body: dict[str, Any] = {"type": msg.type}
     body.update(msg.model_dump(exclude={"type"}, exclude_none=True))
     return body
+
+
+def message_to_json(msg: Message) -> dict[str, Any]:
+    """`message_to_dict` in JSON terms (payload as hex, lists for tuples): golden vectors."""
+    fields = message_to_dict(msg)
+    if "payload" in fields:
+        fields["payload"] = fields["payload"].hex()
+    for key in ("contributors", "culprits"):
+        if key in fields:
+            fields[key] = list(fields[key])
+    return fields
 
 
 def _validation_reason(kind: str, err: ValidationError) -> str:

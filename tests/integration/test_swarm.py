@@ -50,7 +50,7 @@ def test_three_nodes_match_the_simulator(tmp_path):
     finally:
         swarm.stop()
     assert sorted(summaries) == ["node-0", "node-1", "node-2"], summaries
-    assert {s["outer_digest"] for s in summaries.values()} != set()
+    assert len({s["outer_digest"] for s in summaries.values()}) == 1, "nodes disagree"
     for s in summaries.values():
         assert s["skipped_rounds"] == 0, s["dropped_peers"]
         assert s["rounds_per_fragment"] == {"0": 2, "1": 2, "2": 2}
@@ -63,8 +63,6 @@ def test_three_nodes_match_the_simulator(tmp_path):
     for state in states:
         for name, ref in captured["state"].items():
             torch.testing.assert_close(state[name], ref, atol=1e-5, rtol=0, msg=name)
-    moved = max((states[0][k] - captured["state"][k]).abs().max() for k in states[0])
-    assert moved <= 1e-5
 
 
 def _start_node(tmp_path, cfg_path, maddrs, i, *extra):
