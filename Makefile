@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: setup demo simulate test lint bench-quality bench-overlap bench-allreduce clean
+.PHONY: setup demo simulate test lint bench-quality bench-overlap bench-allreduce clean \
+	bench-wan bench-join bench-churn bench-byzantine
 
 setup: $(STAMP)
 
@@ -27,11 +28,11 @@ simulate: $(STAMP)
 	$(VENV)/bin/dilonode simulate --config configs/demo.toml $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check dilonode tests benchmarks protocol
+	$(VENV)/bin/ruff check dilonode tests benchmarks protocol deploy
 	$(PY) -m pytest -q -ra tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dilonode tests benchmarks protocol
+	$(VENV)/bin/ruff check dilonode tests benchmarks protocol deploy
 	$(VENV)/bin/mypy --strict dilonode/algo dilonode/wire
 
 bench-quality: $(STAMP)
@@ -42,6 +43,19 @@ bench-overlap: $(STAMP)
 
 bench-allreduce: $(STAMP)
 	$(PY) benchmarks/allreduce.py --hivemind --json runs/bench/allreduce.json
+
+bench-byzantine: $(STAMP)
+	$(PY) benchmarks/byzantine.py --steps 300 --sync-every 30 --json runs/bench/byzantine.json
+
+# The WAN test bed (deploy/testbed.py) needs root: network namespaces, veth, tbf.
+bench-wan: $(STAMP)
+	$(PY) benchmarks/wan.py --rates 100,20 --json runs/bench/wan.json
+
+bench-join: $(STAMP)
+	$(PY) benchmarks/join.py --rates 100 --json runs/bench/join.json
+
+bench-churn: $(STAMP)
+	$(PY) benchmarks/churn.py --json runs/bench/churn.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .hypothesis

@@ -17,7 +17,9 @@ and its round time includes matchmaking), "lag" the worst event-loop delay seen 
 probe during our rounds.
 --inline runs round work on the event loop instead of a worker thread, to measure the
 difference; --profile (rank 0, needs --inline since cProfile sees only the main thread)
-writes one pstats file per codec and prints the top entries.
+writes one pstats file per codec and prints the top entries by CPU time. Our peers run on
+uvloop, as the daemon does (--loop asyncio for the standard loop); --reuse-output writes
+every round's result into one preallocated buffer (run_round(out=...)).
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="round timeout, s")
     p.add_argument("--sockbuf", type=int, default=4 << 20, help="SO_SNDBUF/RCVBUF, 0=kernel")
     p.add_argument("--inline", action="store_true", help="round work on the event loop")
+    p.add_argument("--reuse-output", action="store_true",
+                   help="write every round's result into one preallocated buffer "
+                        "(run_round(out=...)); the daemon allocates a fresh one per round")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                   help="event loop of our peers (the daemon uses uvloop when installed)")
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--hivemind", action="store_true", help="also DecentralizedAverager")
     p.add_argument("--profile", type=Path, help="dir for rank 0 pstats (use with --inline)")
@@ -113,13 +120,15 @@ async def _ours(rank: int, world: int, x: torch.Tensor,
     peers = {i: a for i, a in enumerate(addrs) if i != rank}
     probe = _LagProbe()
     probe.start()
+    buf = torch.empty(args.numel) if args.reuse_output else None
     out: dict[str, list[dict[str, Any]]] = {}
     for fragment, codec in enumerate(args.codecs.split(",")):
-        prof = cProfile.Profile() if args.profile and rank == 0 else None
+        # CPU time, not wall: on a shared box waiting for a core would swamp the profile.
+        prof = cProfile.Profile(time.process_time) if args.profile and rank == 0 else None
         rows = []
         for r in range(args.rounds + 1):
             row = await _our_round(plane, _spec(args, world, codec, fragment, r), rank, x,
-                                   peers, args, probe, prof if r else None)
+                                   peers, args, probe, prof if r else None, buf)
             if r:  # round 0 warms up connections and allocations
                 rows.append(row)
         digests: list[Any] = [None] * world
@@ -136,14 +145,16 @@ async def _ours(rank: int, world: int, x: torch.Tensor,
 
 async def _our_round(plane: DataPlane, spec: GroupSpec, rank: int, x: torch.Tensor,
                      peers: dict[int, str], args: argparse.Namespace, probe: _LagProbe,
-                     prof: cProfile.Profile | None) -> dict[str, Any]:
+                     prof: cProfile.Profile | None,
+                     buf: torch.Tensor | None) -> dict[str, Any]:
     # In a thread: the loop must keep writing the frames that earlier rounds left queued.
     await asyncio.get_running_loop().run_in_executor(None, dist.barrier)
     probe.take()
     c0, t0 = time.process_time(), time.perf_counter()
     if prof is not None:
         prof.enable()
-    res = await run_round(plane, spec, rank, x, peers, args.timeout, offload=not args.inline)
+    res = await run_round(plane, spec, rank, x, peers, args.timeout, offload=not args.inline,
+                          out=buf)
     if prof is not None:
         prof.disable()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -214,7 +225,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace,
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(rank))
-    out: dict[str, Any] = {"ours": asyncio.run(_ours(rank, world, x, args))}
+    factory = None
+    if args.loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        out: dict[str, Any] = {"ours": runner.run(_ours(rank, world, x, args))}
     if not args.no_gloo:
         out["gloo"] = _gloo(x, args)
     if args.hivemind:
@@ -308,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_summarize("hivemind", "float32", [o["hivemind"] for o in per_rank], args))
     env = {"numel": args.numel, "procs": args.procs, "rounds": args.rounds,
            "chunk": args.chunk, "inline": args.inline, "sockbuf": args.sockbuf,
+           "loop": args.loop, "reuse_output": args.reuse_output,
            "cpus": os.cpu_count(), "loadavg_before": load_before,
            "loadavg_after": os.getloadavg(), "python": platform.python_version(),
            "torch": torch.__version__, "total_s": time.perf_counter() - t0}

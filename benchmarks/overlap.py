@@ -1,8 +1,9 @@
 """Overlap benchmark: share of wall time the training thread spends computing while fragment
 syncs run in the background, for real nodes (`dilonode swarm`) on loopback.
 
-Each node's training loop times `train_step` (compute) against `launch` + `land` (blocked on
-the network); evaluation is disabled so the ratio is compute / (compute + sync wait + rest).
+Utilization is the share of each node's wall time its training thread was not blocked waiting
+for a sync result (the wait inside `land`); the stricter "step share" counts only `train_step`
+(so pseudo-gradient extraction, outer steps and merges count against it). Evaluation is off.
 
     python benchmarks/overlap.py --nodes 3 --json runs/bench/overlap.json
 """
@@ -39,8 +40,11 @@ def run(args: argparse.Namespace, tau: int, out: Path) -> dict:
     finally:
         swarm.stop()
     utils = [s["compute_utilization"] for s in summaries.values()]
+    shares = [s["step_share"] for s in summaries.values()]
     return {"tau": tau, "nodes": len(summaries), "utilization_min": min(utils),
             "utilization_mean": sum(utils) / len(utils),
+            "step_share_mean": sum(shares) / len(shares),
+            "sync_wait_s_max": max(s["sync_wait_s"] for s in summaries.values()),
             "skipped_rounds": sum(s["skipped_rounds"] for s in summaries.values()),
             "rounds": summaries[min(summaries)]["rounds_per_fragment"],
             "identical_outer": len({s["outer_digest"] for s in summaries.values()}) == 1}
@@ -64,11 +68,12 @@ def main() -> None:
     for tau in (int(t) for t in args.taus.split(",")):
         t0 = time.perf_counter()
         rows.append(run(args, tau, args.out) | {"wall_s": round(time.perf_counter() - t0, 1)})
-    print(f"{'tau':>4} {'nodes':>5} {'util min':>9} {'util mean':>9} {'skipped':>7} "
-          f"{'identical':>9} {'wall':>7}")
+    print(f"{'tau':>4} {'nodes':>5} {'util min':>9} {'util mean':>9} {'step share':>10} "
+          f"{'max wait':>8} {'skipped':>7} {'identical':>9} {'wall':>7}")
     for r in rows:
         print(f"{r['tau']:>4} {r['nodes']:>5} {r['utilization_min'] * 100:>8.1f}% "
-              f"{r['utilization_mean'] * 100:>8.1f}% {r['skipped_rounds']:>7} "
+              f"{r['utilization_mean'] * 100:>8.1f}% {r['step_share_mean'] * 100:>9.1f}% "
+              f"{r['sync_wait_s_max']:>7.2f}s {r['skipped_rounds']:>7} "
               f"{str(r['identical_outer']):>9} {r['wall_s']:>6.0f}s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

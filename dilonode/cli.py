@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bootstrap multiaddrs (network.initial_peers)")
     run.add_argument("--worker-id", help="data stream identity (default: the peer id)")
     run.add_argument("--forever", action="store_true", help="train until stopped")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the newest valid checkpoint (checkpoint.dir)")
     run.add_argument("--log-format", choices=["text", "json"], help="default: text on a TTY")
 
     boot = sub.add_parser("bootstrap", help="run a DHT-only bootstrap peer")
@@ -46,11 +48,31 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--identity", help="key file for a stable peer id")
     boot.add_argument("--run-id", default="dilonode-default", help="run id it serves")
     boot.add_argument("--log-format", choices=["text", "json"], help="default: text on a TTY")
+    boot.add_argument("--status-host", default="127.0.0.1",
+                      help="status endpoint (swarm view) listen address")
+    boot.add_argument("--status-port", type=int, default=0, help="status port (0: any)")
+    boot.add_argument("--status-refresh", type=float, default=2.0, metavar="SECONDS",
+                      help="how often the swarm view reads the peer records")
+    boot.add_argument("--no-status", action="store_true", help="no status endpoint")
+    boot.add_argument("--maddrs-file", metavar="PATH",
+                      help="also write the multiaddrs there, one per line (for scripts)")
+
+    st = sub.add_parser("status", help="print a node's status, or the swarm view of a "
+                        "bootstrap peer")
+    st.add_argument("url", nargs="?", help="status URL (default: read from OUT/status.url)")
+    st.add_argument("--out", default="runs/default", help="a node's out_dir (for status.url)")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    st.add_argument("--json", action="store_true", help="print the raw JSON")
 
     swarm = sub.add_parser("swarm", help="a bootstrap and N nodes on loopback, one process each")
     _add_config_args(swarm)
     swarm.add_argument("--nodes", "-n", type=int, default=3, help="number of nodes")
     swarm.add_argument("--forever", action="store_true", help="train until Ctrl+C")
+
+    ident = sub.add_parser("identity", help="print the peer id and public key of a key file "
+                           "(for auth.allowed_peers)")
+    ident.add_argument("path", help="libp2p key file (network.identity_path)")
+    ident.add_argument("--create", action="store_true", help="write a new key if missing")
 
     prep = sub.add_parser("prepare-data", help="tokenize a folder of .txt/.jsonl into shards")
     prep.add_argument("src", help="folder of .txt / .jsonl files")
@@ -68,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handler = {"simulate": commands.simulate, "prepare-data": commands.prepare_data,
                "run": commands.run_node, "bootstrap": commands.bootstrap,
-               "swarm": commands.swarm}
+               "swarm": commands.swarm, "status": commands.status,
+               "identity": commands.identity}
     try:
         return handler[args.command](args)
     except KeyboardInterrupt:

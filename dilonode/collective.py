@@ -16,6 +16,7 @@ import torch
 
 from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import Codec
+from dilonode.algo.robust import AggregatorSpec, aggregate
 
 __all__ = ["Collective", "LocalGroup", "PendingReduce", "ReduceResult", "SyncKey"]
 
@@ -41,6 +42,9 @@ class ReduceResult:
     skipped: bool = False  # every attempt failed: `mean` is this worker's own value alone
     members: tuple[str, ...] = ()  # who averaged, in summation order (networked rounds)
     attempts: int = 1  # group formations tried (1 + retries)
+    latency_s: float = 0.0  # begin to result, matchmaking and retries included (networked)
+    # Members whose contribution an owner rejected in at least one chunk (robust checks).
+    rejected: tuple[str, ...] = ()
 
 
 class PendingReduce(Protocol):
@@ -65,12 +69,20 @@ class LocalGroup:
     Workers run in lockstep (every worker begins a key before anyone waits on it), so a
     result is computed when the last live member contributes. Payload bytes are those the
     networked butterfly would carry: codec output, scales included, framing excluded.
+    Owners combine each chunk of `chunk_numel` values with `aggregator` (checks included),
+    as the networked round does; parts are aligned to `align` (default: the codec's block),
+    which must be the daemon's block size for the two to cut the same chunks.
     """
 
-    def __init__(self, num_workers: int, codec: Codec, weights: list[float] | None = None) -> None:
+    def __init__(self, num_workers: int, codec: Codec, weights: list[float] | None = None, *,
+                 aggregator: AggregatorSpec | None = None,
+                 chunk_numel: int | None = None, align: int | None = None) -> None:
         self.codec = codec
         self.members = list(range(num_workers))
         self.weights = weights or [1.0] * num_workers
+        self.aggregator = aggregator or AggregatorSpec()
+        self.chunk_numel = chunk_numel
+        self.align = align
         self._slots: dict[SyncKey, _Slot] = {}
 
     def view(self, worker: int) -> _LocalView:
@@ -90,12 +102,29 @@ class LocalGroup:
         return slot
 
     def _reduce(self, slot: _Slot) -> None:
-        order = sorted(slot.contributions)
+        everyone = sorted(slot.contributions)
+        # The daemon's round refuses a NaN/Inf payload and retries without its sender (the
+        # codecs cannot even encode one); leaving the sender out here is that retry.
+        refused = {w for w in everyone if not bool(torch.isfinite(slot.contributions[w]).all())}
+        order = [w for w in everyone if w not in refused]
+        if not order:
+            raise ValueError("LocalGroup: every contribution holds NaN/Inf")
         contribs = [slot.contributions[w] for w in order]
         weights = [self.weights[w] for w in order]
-        mean, sent, recv = butterfly_average(contribs, weights, self.codec)
-        slot.results = {w: ReduceResult(mean, len(order), sent[i], recv[i])
+        rejected = set(refused)
+
+        def reduce(chunks: list[torch.Tensor]) -> torch.Tensor:
+            out = aggregate(chunks, self.aggregator, assume_finite=True)  # refused above
+            rejected.update(order[i] for i in out.rejected)
+            return out.value
+
+        mean, sent, recv = butterfly_average(contribs, weights, self.codec, reduce=reduce,
+                                             chunk_numel=self.chunk_numel, align=self.align)
+        names = tuple(str(w) for w in sorted(rejected))
+        slot.results = {w: ReduceResult(mean, len(order), sent[i], recv[i], rejected=names)
                         for i, w in enumerate(order)}
+        slot.results.update({w: ReduceResult(mean, len(order), 0, 0, rejected=names)
+                             for w in refused})
         slot.contributions.clear()  # bounded memory: only the mean is kept
 
     def _collect(self, key: SyncKey, worker: int) -> ReduceResult:

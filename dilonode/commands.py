@@ -8,13 +8,15 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dilonode.config import ConfigError, RunConfig, load_config, parse_overrides
+if TYPE_CHECKING:
+    from dilonode.config import RunConfig
 
-__all__ = ["UserError", "bootstrap", "prepare_data", "run_config_from_args", "run_node",
-           "simulate", "swarm"]
+__all__ = ["UserError", "bootstrap", "identity", "prepare_data", "run_config_from_args",
+           "run_node", "simulate", "status", "swarm"]
 
 
 class UserError(Exception):
@@ -23,6 +25,9 @@ class UserError(Exception):
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     """Config file + --set overrides + the common shortcut flags, validated once."""
+    # Imported here: the config pulls in torch (via algo), and `dilonode status` needs neither.
+    from dilonode.config import ConfigError, load_config, parse_overrides
+
     try:
         overrides: dict[str, Any] = parse_overrides(args.overrides)
         shortcuts = {("total_steps",): getattr(args, "steps", None),
@@ -127,48 +132,114 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+def _swarm_secret(cfg: RunConfig) -> bytes:
+    """The run's swarm secret (auth.secret_file / auth.secret_env); b"" for none."""
+    import os
+
+    from dilonode.auth import load_secret
+
+    try:
+        return load_secret(cfg.auth.secret_file, cfg.auth.secret_env, os.environ)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 def run_node(args: argparse.Namespace) -> int:
     cfg = run_config_from_args(args)
-    from dilonode.logs import setup_logging
+    from dilonode.logs import progress_line, setup_logging
 
-    setup_logging(args.log_format)
+    fmt = setup_logging(args.log_format)
     stop = _stop_on_signals()
     from dilonode.node import Node, summary_json
+    from dilonode.statesync import RecoveryError
 
-    node = Node(cfg, worker_id=args.worker_id)
+    node = Node(cfg, worker_id=args.worker_id, resume=args.resume, secret=_swarm_secret(cfg))
+    out = Path(cfg.paths.out_dir)
     try:
         node.start()
-        print(json.dumps({"event": "started", "peer_id": node.peer_id,
-                          "data_addr": node.collective.address}), flush=True)
-        summary = node.run(stop, None if args.forever else -1,
-                           on_step=_progress_printer(cfg.eval_every))
-        out = Path(cfg.paths.out_dir)
+        _announce(node, out, fmt)
+        if fmt == "json" and (rec := node.keeper.recovery) is not None:
+            print(json.dumps({"event": "recovered", "step": rec.state.step,
+                              "bytes": rec.fetched_bytes, "reused_bytes": rec.reused_bytes,
+                              "seconds": round(rec.seconds, 3),
+                              "fetch_seconds": round(rec.fetch_seconds, 3),
+                              "peers": rec.sources}),
+                  flush=True)
+        line = progress_line() if fmt == "text" else None
+        try:
+            summary = node.run(stop, None if args.forever else -1,
+                               on_step=_progress_printer(node, cfg.eval_every, fmt, line))
+        finally:
+            if line is not None:
+                line.close()
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(summary_json(summary) + "\n")
         node.save_outer(out / "outer.pt")
-        print(summary_json(summary), flush=True)
-    except (ValueError, TimeoutError) as exc:
+        if fmt == "json":
+            print(summary_json(summary), flush=True)
+        else:
+            print(_table([(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+                          for k, v in json.loads(summary_json(summary)).items()
+                          if k != "event"]), flush=True)
+    except (ValueError, TimeoutError, RecoveryError) as exc:
         raise UserError(str(exc)) from None
     finally:
         node.close()
     return 0
 
 
-def _progress_printer(every: int):
-    def on_step(worker, rep) -> None:
-        if worker.step % every == 0:
+def _announce(node: Any, out: Path, fmt: str) -> None:
+    """Say the node is up (a JSON event, or a log line) and leave its status URL in `out`
+    for `dilonode status`."""
+    if node.status_url:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "status.url").write_text(node.status_url + "\n")
+    if fmt == "json":
+        print(json.dumps({"event": "started", "peer_id": node.peer_id,
+                          "data_addr": node.collective.address,
+                          "status_url": node.status_url or None}), flush=True)
+    else:
+        logging.getLogger("dilonode").info("dashboard: %s", node.status_url or "disabled")
+
+
+def _progress_printer(node: Any, every: int, fmt: str,
+                      line: Any) -> Callable[[Any, Any], None]:
+    """JSON events every `every` steps, or a live line on a terminal, or plain log lines."""
+    log = logging.getLogger("dilonode")
+
+    def on_step(worker: Any, rep: Any) -> None:
+        if line is None and worker.step % every:
+            return
+        s = node.status.snapshot()
+        if fmt == "json":
             print(json.dumps({"event": "progress", "step": worker.step, "tokens": rep.tokens,
                               "loss": round(worker.stats.last_loss, 4),
                               "eval_loss": round(rep.eval_history[-1][1], 4)
                               if rep.eval_history else None,
                               "bytes_sent": worker.stats.bytes_sent,
+                              "rounds": {str(p): n for p, n in worker.stats.rounds.items()},
+                              "tokens_per_s": s["tokens_per_s"],
                               "utilization": round(rep.compute_utilization, 4)}), flush=True)
+            return
+        total = f"/{s['total_steps']}" if s["total_steps"] else ""
+        text = (f"step {worker.step}{total} | loss {worker.stats.last_loss:.3f} | eval "
+                f"{'-' if s['eval_loss'] is None else format(s['eval_loss'], '.3f')} | "
+                f"{s['tokens_per_s'] or 0:,.0f} tok/s | sent {human_bytes(s['bytes_sent'])} | "
+                f"peers {s['peers_seen']} | compute {100 * s['compute_utilization']:.0f}%")
+        if line is not None:
+            line.update(text)
+        else:
+            log.info("%s", text)
     return on_step
 
 
 def bootstrap(args: argparse.Namespace) -> int:
     from dilonode.logs import setup_logging
 
+    if not 0 <= args.status_port <= 65535:
+        raise UserError(f"--status-port = {args.status_port}: must be 0..65535")
+    if not args.status_refresh > 0:
+        raise UserError(f"--status-refresh = {args.status_refresh}: must be > 0 seconds")
     setup_logging(args.log_format)
     stop = _stop_on_signals()
     from dilonode.swarm.dht import SwarmDHT
@@ -178,12 +249,94 @@ def bootstrap(args: argparse.Namespace) -> int:
         dht = SwarmDHT(args.run_id, [], identity, args.host, args.port).start()
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    close_status = None
     try:
-        print(json.dumps({"event": "bootstrap", "peer_id": dht.peer_id,
-                          "maddrs": dht.visible_maddrs()}), flush=True)
+        maddrs = dht.visible_maddrs()
+        url, close_status = (None, None) if args.no_status else _serve_swarm_view(dht, maddrs,
+                                                                                 args)
+        if args.maddrs_file:
+            Path(args.maddrs_file).write_text("".join(m + "\n" for m in maddrs))
+        print(json.dumps({"event": "bootstrap", "peer_id": dht.peer_id, "maddrs": maddrs,
+                          "status_url": url}), flush=True)
         stop.wait()
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     finally:
+        if close_status is not None:
+            close_status()
         dht.close()
+    return 0
+
+
+def _serve_swarm_view(dht: Any, maddrs: list[str],
+                      args: argparse.Namespace) -> tuple[str, Callable[[], None]]:
+    """The bootstrap's status endpoint: every node's published summary, read from the DHT on
+    a background loop. Returns (url, close)."""
+    import concurrent.futures
+    import contextlib
+
+    from hivemind.utils import get_dht_time
+
+    from dilonode.allreduce.driver import LoopThread
+    from dilonode.status.metrics import swarm_metrics
+    from dilonode.status.server import StatusServer
+    from dilonode.status.swarm import SwarmView
+
+    view = SwarmView(dht.peer_id, dht.run_id, dht.fetch_peers, maddrs=maddrs,
+                     dht_time=get_dht_time)
+    server = StatusServer(view, swarm_metrics, host=args.status_host, port=args.status_port)
+    thread = LoopThread("dilonode-status", use_uvloop=False)
+    thread.start()
+    try:
+        view.url = thread.run(server.start(), timeout=10.0)
+    except BaseException:
+        thread.stop()
+        raise
+    refresh = thread.submit(view.refresh_forever(interval=args.status_refresh))
+
+    def close() -> None:
+        refresh.cancel()
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            thread.run(server.aclose(), timeout=5.0)
+        thread.stop()
+    return view.url, close
+
+
+def identity(args: argparse.Namespace) -> int:
+    """Print a key file's peer id and base64 public key: the two forms auth.allowed_peers
+    takes. With --create, a missing file gets a new key (the format `dilonode run` uses)."""
+    import base64
+
+    from dilonode.auth import AuthError, Identity
+
+    path = Path(args.path)
+    if not path.exists() and not args.create:
+        raise UserError(f"{path}: no such key file (--create makes one)")
+    try:
+        ident = Identity.load_or_create(path)
+    except (AuthError, OSError) as exc:
+        raise UserError(str(exc)) from None
+    print(json.dumps({"peer_id": ident.peer_id,
+                      "public_key": base64.b64encode(ident.public_key).decode()}))
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    """`dilonode status [URL]`: a node's or a bootstrap's /status as tables."""
+    from dilonode.status.table import fetch_status, format_status
+
+    url = args.url
+    if url is None:
+        hint = Path(args.out) / "status.url"
+        if not hint.is_file():
+            raise UserError(f"no URL given and {hint} does not exist: pass the status URL a "
+                            "node or bootstrap printed (status_url), or --out its out_dir")
+        url = hint.read_text().strip()
+    try:
+        snap = fetch_status(url, timeout=args.timeout)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    print(json.dumps(snap, indent=2) if args.json else format_status(snap))
     return 0
 
 

@@ -10,11 +10,18 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dilonode.auth import allowed_peer_id
+
+if TYPE_CHECKING:  # the config stays importable without torch (fast CLI start)
+    from dilonode.algo.robust import AggregatorSpec
+
 __all__ = [
+    "AggregatorConfig",
+    "CheckpointConfig",
     "CodecConfig",
     "ConfigError",
     "DataConfig",
@@ -22,9 +29,12 @@ __all__ = [
     "InnerOptConfig",
     "ModelConfig",
     "NetworkConfig",
+    "AuthConfig",
     "PathsConfig",
     "RunConfig",
     "SimConfig",
+    "StateSyncConfig",
+    "StatusConfig",
     "load_config",
     "parse_overrides",
 ]
@@ -154,6 +164,40 @@ class CodecConfig(_Frozen):
         return self
 
 
+class AggregatorConfig(_Frozen):
+    """How part owners check and combine contributions, and when a peer is banned
+    (dilonode/algo/robust.py). Every member of a run must use the same settings."""
+
+    name: Literal["mean", "trimmed_mean", "centered_clip"] = Field(
+        "mean", description="mean (the protocol's float32 mean), trimmed_mean, centered_clip")
+    norm_bound: float = Field(
+        0.0, ge=0.0, description="reject a chunk whose L2 norm exceeds this times the median "
+        "norm of the members' chunks; 0 disables (NaN/Inf chunks are always rejected)")
+    trim: int = Field(1, ge=0, description="trimmed_mean: values dropped at each end")
+    clip_tau: float = Field(
+        1.0, gt=0.0, description="centered_clip: radius as a multiple of the median distance "
+        "of the members' chunks from their coordinate-wise median")
+    clip_iters: int = Field(3, ge=1, le=100, description="centered_clip: iterations")
+    ban_after: int = Field(
+        3, ge=0, description="ban a peer rejected in this many rounds within ban_window; 0: never")
+    ban_window: float = Field(600.0, gt=0.0, description="seconds over which rejections count")
+    ban_seconds: float = Field(300.0, gt=0.0, description="seconds a banned peer is left out")
+
+    @model_validator(mode="after")
+    def _check(self) -> AggregatorConfig:
+        if 0 < self.norm_bound < 1:
+            raise ValueError(f"aggregator.norm_bound = {self.norm_bound}: must be 0 (off) or "
+                             ">= 1 (the median contribution itself must pass)")
+        return self
+
+    def spec(self) -> AggregatorSpec:
+        """The pure algorithm's view of these settings."""
+        from dilonode.algo.robust import AggregatorSpec
+
+        return AggregatorSpec(name=self.name, norm_bound=self.norm_bound, trim=self.trim,
+                              clip_tau=self.clip_tau, clip_iters=self.clip_iters)
+
+
 class NetworkConfig(_Frozen):
     """How a node reaches its peers (used by the swarm daemon)."""
 
@@ -178,6 +222,12 @@ class NetworkConfig(_Frozen):
         1, ge=1, description="wait until this many peers (self included) are visible to start")
     start_timeout: float = Field(120.0, gt=0.0, description="longest wait for min_peers")
     peer_ttl: float = Field(15.0, gt=1.0, description="seconds a published peer record lives")
+    p2p_fallback: bool = Field(
+        True, description="when a peer's data address cannot be reached, carry the frames "
+        "over a libp2p stream through the DHT's daemon (reaches peers behind NAT; more CPU)")
+    leave_timeout: float = Field(
+        5.0, gt=0.0, description="seconds a stopping node waits for its in-flight rounds "
+        "before abandoning them (they are never half-applied)")
 
     @model_validator(mode="after")
     def _check(self) -> NetworkConfig:
@@ -187,6 +237,94 @@ class NetworkConfig(_Frozen):
         if self.matchmaking_timeout <= self.matchmaking_window:
             raise ValueError(f"network.matchmaking_timeout = {self.matchmaking_timeout}: must "
                              f"be > network.matchmaking_window = {self.matchmaking_window}")
+        return self
+
+
+class AuthConfig(_Frozen):
+    """Who may join the run: a shared swarm secret and/or an allowlist of peer identities.
+
+    With neither the run is open, but every peer still proves the peer id it claims (data
+    plane handshake, signed DHT records). The secret itself is never in the config (so it is
+    never logged or written out): only where to read it, by `dilonode run`.
+    """
+
+    secret_file: Path | None = Field(
+        None, description="file holding the swarm secret (>= 16 bytes; use a random one, "
+        "e.g. `head -c 32 /dev/urandom | base64`); surrounding whitespace is ignored")
+    secret_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="environment variable holding the swarm secret, instead of secret_file")
+    allowed_peers: tuple[str, ...] | None = Field(
+        None, description="peer ids (base58) or base64 libp2p public keys admitted to the "
+        "run, as `dilonode identity KEYFILE` prints them; unset: anyone holding the secret")
+
+    @model_validator(mode="after")
+    def _check(self) -> AuthConfig:
+        if self.secret_file is not None and self.secret_env is not None:
+            raise ValueError("auth.secret_env: set either auth.secret_file or "
+                             "auth.secret_env, not both")
+        for entry in self.allowed_peers or ():
+            try:
+                allowed_peer_id(entry)
+            except ValueError as exc:
+                raise ValueError(f"auth.allowed_peers: {exc}") from None
+        return self
+
+    def allowed(self) -> frozenset[str] | None:
+        """The allowlist as peer ids (None: no allowlist)."""
+        if self.allowed_peers is None:
+            return None
+        return frozenset(allowed_peer_id(e) for e in self.allowed_peers)
+
+
+class StatusConfig(_Frozen):
+    """The read-only HTTP status endpoint (JSON, Prometheus metrics, dashboard) of a node."""
+
+    enabled: bool = Field(True, description="serve /status, /metrics and the dashboard")
+    host: str = Field("127.0.0.1", description="listen address; expose it deliberately")
+    port: int = Field(0, ge=0, le=65535, description="listen port; 0 picks a free one")
+    history: int = Field(600, ge=10, le=100_000, description="points kept for the charts")
+
+
+class CheckpointConfig(_Frozen):
+    """Periodic local checkpoints of the outer state (dilonode/train/checkpoint.py)."""
+
+    dir: Path | None = Field(
+        None, description="checkpoint folder (default: paths.checkpoint_dir, else out_dir/ckpt)")
+    every_steps: int = Field(
+        1000, ge=0, description="inner steps between checkpoints (written in the background); "
+        "0 disables periodic checkpoints")
+    keep: int = Field(3, ge=1, le=1000, description="newest checkpoints kept on disk")
+    on_exit: bool = Field(True, description="also write one when the node stops cleanly")
+
+
+class StateSyncConfig(_Frozen):
+    """Live state recovery: serve our outer state to joiners, fetch it when we join."""
+
+    enabled: bool = Field(
+        True, description="serve state to joiners and, on start, recover from live peers "
+        "that are ahead of us")
+    host: str | None = Field(None, description="listen address (default: network.host)")
+    port: int = Field(0, ge=0, le=65535, description="state TCP port; 0 picks a free one")
+    chunk_bytes: int = Field(
+        1 << 20, ge=4096, le=64 << 20, description="bytes per verified chunk")
+    window: int = Field(4, ge=1, le=64, description="chunk requests in flight per peer")
+    request_timeout: float = Field(
+        20.0, gt=0.0, description="seconds for one request (manifest or chunk) to be answered")
+    recover_timeout: float = Field(
+        600.0, gt=0.0, description="longest a joiner spends recovering before it gives up")
+    snapshot_wait: float = Field(
+        5.0, gt=0.0, description="seconds a server waits for a round boundary to snapshot")
+    max_passes: int = Field(
+        6, ge=1, le=100, description="fetches before publishing our record even if rounds "
+        "keep landing mid-fetch")
+
+    @model_validator(mode="after")
+    def _check(self) -> StateSyncConfig:
+        if self.request_timeout <= self.snapshot_wait:
+            raise ValueError(f"statesync.request_timeout = {self.request_timeout}: must be > "
+                             f"statesync.snapshot_wait = {self.snapshot_wait} (a manifest "
+                             "request may wait that long for a snapshot)")
         return self
 
 
@@ -218,7 +356,12 @@ class RunConfig(_Frozen):
     inner: InnerOptConfig = InnerOptConfig()
     diloco: DilocoConfig = DilocoConfig()
     codec: CodecConfig = CodecConfig()
+    aggregator: AggregatorConfig = AggregatorConfig()
     network: NetworkConfig = NetworkConfig()
+    auth: AuthConfig = AuthConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    statesync: StateSyncConfig = StateSyncConfig()
+    status: StatusConfig = StatusConfig()
     paths: PathsConfig = PathsConfig()
     sim: SimConfig = SimConfig()
 

@@ -1,11 +1,13 @@
 """Composition root of a training node: DHT, data plane, trainer and heartbeat wired together.
 
-`Node(cfg, worker_id=...)` does no I/O. `start()` joins the DHT (hivemind, in its own
-process; started first because it forks), brings up the all-reduce data plane on a background
-event loop, publishes this node's peer record (`Membership`) and waits for
-`network.min_peers`. `run(stop)`
-trains on the calling thread until `total_steps` or until `stop` is set, then lands in-flight
-syncs. `close()` withdraws the peer record and shuts everything down within seconds.
+`Node(cfg, worker_id=..., resume=...)` does no I/O. `start()` joins the DHT (hivemind, in its
+own process; started first because it forks), brings up the all-reduce data plane on a
+background event loop, builds the worker, lets `StateKeeper` resume it from a checkpoint
+and/or recover the run's state from live peers, publishes this node's peer record
+(`Membership`) and waits for `network.min_peers`. `run(stop)` trains on the calling thread
+until `total_steps` or until `stop` is set, then lands in-flight syncs (abandoning those not
+done within `network.leave_timeout` when stopped). `close()` stops serving state, withdraws
+the peer record and shuts everything down within seconds.
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dilonode.algo.robust import BanTracker
 from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolicy
 from dilonode.config import RunConfig
+from dilonode.statesync.keeper import StateKeeper
+from dilonode.status.snapshot import NodeStatus, ObservedCollective
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
 
@@ -43,40 +49,74 @@ class NodeSummary:
     skipped_rounds: int = 0
     retried_rounds: int = 0
     dropped_peers: list[str] = field(default_factory=list)
-    compute_utilization: float = 0.0
+    compute_utilization: float = 0.0  # share of wall time not blocked on the network
+    step_share: float = 0.0  # share of wall time inside train_step alone
+    sync_wait_s: float = 0.0
     wall_s: float = 0.0
     outer_digest: str = ""
     stopped_early: bool = False
+    # fragment (-1: DDP gradients) -> rounds, mean and max seconds from start to result
+    round_latency_s: dict[int, dict[str, float]] = field(default_factory=dict)
+    # Robust aggregation: rounds in which a majority of owners rejected a peer, and bans.
+    peer_convictions: int = 0
+    peer_bans: int = 0
 
 
 class Node:
     """One training node; see the module docstring for its life cycle."""
 
-    def __init__(self, cfg: RunConfig, worker_id: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, worker_id: str | None = None,
+                 resume: bool = False, secret: bytes = b"") -> None:
         self.cfg = cfg
         self.worker_id = worker_id
+        self._secret = secret  # the swarm secret (auth config), read by the CLI
+        self.keeper = StateKeeper(cfg, resume)  # checkpoints, resume, state sync
         self.dht: SwarmDHT | None = None
         self.collective: NetworkCollective | None = None
         self.worker: Any = None
         self.membership: Membership | None = None
+        self.tunnel: Any = None  # libp2p-stream fallback of the data plane (swarm.tunnel)
+        self.bans: BanTracker | None = None  # peers left out for repeated rejections
+        self.status = NodeStatus(cfg.run_id, cfg.total_steps, history=cfg.status.history,
+                                 peers=self._peers_seen)
+        self.status_server: Any = None
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
         net = self.cfg.network
         self.dht = SwarmDHT(self.cfg.run_id, list(net.initial_peers), net.identity_path,
-                            net.host, net.dht_port).start()
+                            net.host, net.dht_port, secret=self._secret,
+                            allowed=self.cfg.auth.allowed()).start()
         policy = RoundPolicy(codec=self.cfg.codec.name, block_size=self.cfg.codec.block_size,
                              chunk_numel=net.chunk_numel, timeout=net.allreduce_timeout,
-                             max_attempts=net.max_attempts)
+                             max_attempts=net.max_attempts,
+                             aggregator=self.cfg.aggregator.spec())
+        agg = self.cfg.aggregator
+        self.bans = (BanTracker(agg.ban_after, agg.ban_window, agg.ban_seconds)
+                     if agg.ban_after else None)
+        plane_options: dict[str, Any] = {"auth": self.dht.credentials}
+        if net.p2p_fallback:
+            from dilonode.swarm.tunnel import Tunnel
+
+            self.tunnel = Tunnel(self.dht.p2p_daemon_maddr(), self.cfg.run_id)
+            plane_options["fallback"] = self.tunnel.open
         self.collective = NetworkCollective(self.dht.peer_id, self.cfg.run_id, self._form,
-                                            policy, host=net.host, port=net.port)
+                                            policy, host=net.host, port=net.port,
+                                            bans=self.bans, plane_options=plane_options)
         address = self.collective.start()
+        if self.tunnel is not None:
+            self.collective.thread.run(self.tunnel.start(self.collective.plane), timeout=30.0)
+        self.status.peer_id, self.status.worker_id = self.peer_id, str(self.worker_id or "")
+        self._start_status_server()
         if net.announce_host:
             address = f"{net.announce_host}:{address.rsplit(':', 1)[1]}"
-        self.membership = Membership(self.dht, self.cfg.run_id, net, address, self._status)
-        self.membership.start()
-        self.membership.wait_for_peers(net.min_peers, net.start_timeout)
+        # Recover before publishing our record, so peers do not wait for us in matchmaking.
         self._build_worker()
+        self.membership = Membership(self.dht, self.cfg.run_id, net, address, self._status)
+        self.membership.state_addr = self.keeper.start_server(self.collective.thread)
+        self.keeper.prepare(self.worker, self.collective.thread, self.dht,
+                            publish=self.membership.start)
+        self.membership.wait_for_peers(net.min_peers, net.start_timeout)
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())
 
@@ -88,7 +128,30 @@ class Node:
 
     def _status(self) -> dict[str, Any]:
         w = self.worker
-        return {"step": w.step if w is not None else 0, "worker": self.worker_id}
+        return {"step": w.step if w is not None else 0, "worker": self.worker_id,
+                **self.status.summary()}
+
+    def _peers_seen(self) -> int:
+        # max_age=inf: the last read membership made, never a DHT call on a reader's thread.
+        return len(self.membership.live_peers(max_age=math.inf)) if self.membership else 0
+
+    def _start_status_server(self) -> None:
+        """Serve /status, /metrics and the dashboard on the network loop (status.enabled)."""
+        if not self.cfg.status.enabled:
+            return
+        from dilonode.status.metrics import node_metrics
+        from dilonode.status.server import StatusServer
+
+        assert self.collective is not None
+        server = StatusServer(self.status, node_metrics, host=self.cfg.status.host,
+                              port=self.cfg.status.port)
+        self.status.url = self.collective.thread.run(server.start(), timeout=10.0)
+        self.status_server = server
+
+    @property
+    def status_url(self) -> str:
+        """Base URL of the status endpoint ("" when disabled or not started)."""
+        return self.status.url
 
     @property
     def peer_id(self) -> str:
@@ -102,13 +165,29 @@ class Node:
 
         self.data = load_data(self.cfg.data)
         assert self.collective is not None
-        self.worker = Worker(self.cfg, self.data, self.collective,
+        collective = ObservedCollective(self.collective, self.status,
+                                        lambda: self.worker.step if self.worker else 0)
+        self.worker = Worker(self.cfg, self.data, collective,
                              identity=self.worker_id or self.peer_id)
 
     def close(self) -> None:
         """Withdraw the peer record, stop the data plane and the DHT (idempotent)."""
+        if self.collective is not None:
+            self.keeper.close(self.collective.thread)
         if self.membership is not None:
             self.membership.close()
+        if self.status_server is not None and self.collective is not None:
+            server, self.status_server = self.status_server, None
+            try:
+                self.collective.thread.run(server.aclose(), timeout=5.0)
+            except Exception as exc:  # closing must go on whatever the HTTP side does
+                log.warning("status server did not close cleanly: %s", exc)
+        if self.tunnel is not None and self.collective is not None:
+            tunnel, self.tunnel = self.tunnel, None
+            try:
+                self.collective.thread.run(tunnel.aclose(), timeout=15.0)
+            except Exception as exc:  # closing must go on whatever p2pd does
+                log.warning("libp2p tunnel did not close cleanly: %s", exc)
         if self.collective is not None:
             self.collective.close()
         if self.dht is not None:
@@ -123,7 +202,22 @@ class Node:
         steps = self.cfg.total_steps if total_steps == -1 else total_steps
         batches = self.data.eval_batches(self.cfg.data.seq_len, self.cfg.data.batch_size,
                                          self.cfg.data.eval_batches)
-        rep = train_loop(self.worker, steps, self.cfg.eval_every, batches, stop, on_step)
+        self.status.total_steps = steps
+
+        def hook(worker: Any, rep: Any) -> None:
+            self.keeper.on_step(worker)
+            self.status.on_step(worker, rep)
+            if on_step is not None:
+                on_step(worker, rep)
+
+        self.keeper.training(True)
+        try:
+            rep = train_loop(self.worker, steps, self.cfg.eval_every, batches, stop, hook,
+                             leave_timeout=self.cfg.network.leave_timeout)
+        finally:
+            self.keeper.training(False)
+        self.keeper.finish(self.worker, abandoned=self.worker.stats.abandoned)
+        self.status.set_state("stopped" if rep.stopped_early else "finished")
         return self._summary(rep)
 
     def _summary(self, rep: Any) -> NodeSummary:
@@ -136,8 +230,13 @@ class Node:
             rounds_per_fragment=dict(sorted(st.rounds.items())), skipped_rounds=st.skipped,
             retried_rounds=st.retried,
             dropped_peers=list(st.dropped), compute_utilization=rep.compute_utilization,
+            step_share=rep.step_share, sync_wait_s=rep.sync_wait_s,
             wall_s=rep.wall_s, outer_digest=hashlib.sha256(flat).hexdigest(),
-            stopped_early=rep.stopped_early)
+            stopped_early=rep.stopped_early,
+            round_latency_s={p: {"n": n, "mean": total / n, "max": worst}
+                             for p, (n, total, worst) in sorted(st.latency.items())},
+            peer_convictions=self.bans.rejections_total if self.bans else 0,
+            peer_bans=self.bans.bans_total if self.bans else 0)
 
     def save_outer(self, path: Path) -> None:
         """Write the outer weights (state dict) for comparisons and evaluation."""

@@ -18,12 +18,15 @@ from pathlib import Path
 import torch
 
 from dilonode.algo.codecs import get_codec
-from dilonode.collective import LocalGroup
+from dilonode.collective import Collective, LocalGroup, PendingReduce, SyncKey
 from dilonode.config import RunConfig
 from dilonode.train.data import load_data
 from dilonode.train.worker import Worker
 
-__all__ = ["EvalPoint", "SimReport", "simulate", "write_report"]
+__all__ = ["EvalPoint", "SimReport", "Tamper", "simulate", "write_report"]
+
+# (worker index, what is being averaged, the worker's flat tensor) -> what it contributes.
+Tamper = Callable[[int, SyncKey, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -62,10 +65,25 @@ def _digest(t: torch.Tensor) -> str:
                           .tobytes()).hexdigest()
 
 
-def _build_workers(cfg: RunConfig, data, device) -> list[Worker]:
-    group = LocalGroup(cfg.sim.workers, get_codec(cfg.codec.name, cfg.codec.block_size))
-    return [Worker(cfg, data, group.view(i), identity=i, device=device)
-            for i in range(cfg.sim.workers)]
+class _Tampered:
+    """A worker's `Collective` whose contributions pass through `tamper` first: how studies
+    inject faulty or malicious workers without touching the algorithm."""
+
+    def __init__(self, inner: Collective, worker: int, tamper: Tamper) -> None:
+        self.inner, self.worker, self.tamper = inner, worker, tamper
+
+    def begin(self, key: SyncKey, flat: torch.Tensor) -> PendingReduce:
+        return self.inner.begin(key, self.tamper(self.worker, key, flat))
+
+
+def _build_workers(cfg: RunConfig, data, device, tamper: Tamper | None = None) -> list[Worker]:
+    group = LocalGroup(cfg.sim.workers, get_codec(cfg.codec.name, cfg.codec.block_size),
+                       aggregator=cfg.aggregator.spec(), chunk_numel=cfg.network.chunk_numel,
+                       align=cfg.codec.block_size)
+    views: list[Collective] = [group.view(i) for i in range(cfg.sim.workers)]
+    if tamper is not None:
+        views = [_Tampered(v, i, tamper) for i, v in enumerate(views)]
+    return [Worker(cfg, data, v, identity=i, device=device) for i, v in enumerate(views)]
 
 
 def _point(workers: list[Worker], step: int, eval_loss: float, t0: float) -> EvalPoint:
@@ -78,10 +96,14 @@ def _point(workers: list[Worker], step: int, eval_loss: float, t0: float) -> Eva
 
 def simulate(cfg: RunConfig, device: torch.device | None = None,
              on_step: Callable[[int, list[Worker]], None] | None = None,
-             on_eval: Callable[[EvalPoint], None] | None = None) -> SimReport:
-    """Train `cfg.sim.workers` workers for `cfg.total_steps` inner steps each."""
+             on_eval: Callable[[EvalPoint], None] | None = None,
+             tamper: Tamper | None = None) -> SimReport:
+    """Train `cfg.sim.workers` workers for `cfg.total_steps` inner steps each.
+
+    `tamper`, when given, rewrites every contribution before it is averaged (fault studies).
+    """
     data = load_data(cfg.data)
-    workers = _build_workers(cfg, data, device)
+    workers = _build_workers(cfg, data, device, tamper)
     eval_batches = data.eval_batches(cfg.data.seq_len, cfg.data.batch_size, cfg.data.eval_batches)
     history: list[EvalPoint] = []
     t0 = time.perf_counter()

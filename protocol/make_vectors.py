@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from dilonode.algo.codecs import get_codec
-from dilonode.allreduce.round import group_digest, tensor_digest
+from dilonode.allreduce.round import chunk_hash, group_digest, part_digest
 from dilonode.wire import Abort, Contribution, Message, Result, encode_frame, message_to_json
-from dilonode.wire.messages import Hello
+from dilonode.wire.messages import Hello, HelloAck, HelloAuth
 
 __all__ = ["build_vectors", "main"]
 
@@ -32,6 +32,11 @@ VECTOR_DIR = Path(__file__).resolve().parent / "vectors"
 _GROUP = group_digest(["peer-a", "peer-b", "peer-c", "peer-d"])
 _ENVELOPE: dict[str, Any] = {"run_id": "golden-run", "fragment": 2, "round": 7, "attempt": 0,
                              "group": _GROUP}
+
+
+def _pattern(start: int, n: int) -> bytes:
+    """Placeholder bytes start, start+1, ... (mod 256)."""
+    return bytes((start + i) % 256 for i in range(n))
 
 
 def _values(numel: int, spread: int, denom: float) -> torch.Tensor:
@@ -46,7 +51,7 @@ def _chunk_vector(name: str, cls: type[Contribution] | type[Result], x: torch.Te
     payload, meta = codec.encode(x)
     decoded = codec.decode(payload, meta)
     if fields.pop("with_digest", False):
-        fields["digest"] = tensor_digest(decoded)
+        fields["digest"] = part_digest([chunk_hash(decoded)])  # a one-chunk part
     msg = cls(**_ENVELOPE, **fields, numel=x.numel(), codec=codec_name, block_size=block_size,
               payload=payload)
     return {"name": name, "msg": msg, "input": x.tolist(), "decoded": decoded.tolist()}
@@ -65,12 +70,26 @@ def build_vectors() -> list[dict[str, Any]]:
         _chunk_vector("result_fp4_middle", Result, _values(20, 33, 16.0), "fp4", 8,
                       sender=1, owner=1, chunk=0, n_chunks=2, offset=0,
                       contributors=(0, 1)),
+        _chunk_vector("result_int8_rejected", Result, _values(24, 31, 32.0), "int8", 8,
+                      sender=2, owner=2, chunk=1, n_chunks=3, offset=48,
+                      contributors=(0, 1, 2, 3), rejected=(3,)),
         {"name": "abort", "msg": Abort(**{**_ENVELOPE, "attempt": 1}, sender=3,
                                        reason="member 3 gives up: peer 'peer-b' (member 1): "
                                               "connection closed", culprits=(1,))},
         {"name": "abort_no_group", "msg": Abort(**{**_ENVELOPE, "group": ""}, sender=0,
                                                 reason="")},
-        {"name": "hello", "msg": Hello(run_id="golden-run", peer_id="peer-a")},
+        # Handshake vectors pin the encoding only: keys, nonces, signatures and MACs are
+        # placeholder byte patterns, not valid cryptography.
+        {"name": "hello", "msg": Hello(run_id="golden-run", peer_id="peer-a",
+                                       public_key=_pattern(0x08, 40), nonce=_pattern(1, 32))},
+        {"name": "hello_ack", "msg": HelloAck(run_id="golden-run", peer_id="peer-b",
+                                              public_key=_pattern(0x18, 40),
+                                              nonce=_pattern(2, 32),
+                                              signature=_pattern(3, 64), mac=_pattern(4, 32))},
+        {"name": "auth", "msg": HelloAuth(run_id="golden-run", signature=_pattern(5, 64),
+                                          mac=_pattern(6, 32))},
+        {"name": "hello_trust_mode", "msg": Hello(run_id="golden-run", peer_id="peer-c",
+                                                  nonce=_pattern(7, 32))},
     ]
 
 

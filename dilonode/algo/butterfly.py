@@ -8,7 +8,7 @@ produce bit-identical averages: every member computes the same partition from th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
@@ -71,34 +71,41 @@ def wire_bytes_ideal(payload_bytes: int, group_size: int) -> float:
 
 
 def butterfly_average(contributions: Sequence[torch.Tensor], weights: Sequence[float],
-                      codec: Codec) -> tuple[torch.Tensor, list[int], list[int]]:
+                      codec: Codec, *,
+                      reduce: Callable[[list[torch.Tensor]], torch.Tensor] = reduce_mean,
+                      chunk_numel: int | None = None, align: int | None = None,
+                      ) -> tuple[torch.Tensor, list[int], list[int]]:
     """The whole butterfly all-reduce computed in one place (the simulator's data path).
 
     Same arithmetic as the networked round: every contribution to part j is quantized
-    (the owner's too), the owner j averages the decoded parts in member order, quantizes the
-    mean and everyone, the owner included, keeps decode(encode(mean)). Returns the averaged
-    flat tensor and, per member, the payload bytes it would send and receive.
+    (the owner's too), the owner j combines the decoded chunks in member order with
+    `reduce` (one call per chunk of `chunk_numel` values, as the networked round reduces;
+    None: the whole part at once), quantizes the result and everyone, the owner included,
+    keeps decode(encode(result)). Parts are aligned to `align` (default: the codec's block;
+    the daemon aligns to the configured block size even for float codecs). Returns the
+    averaged flat tensor and, per member, the payload bytes it would send and receive.
     """
     n = len(contributions)
     numel = contributions[0].numel()
-    bounds = part_bounds(numel, weights, align=codec.block_size)
+    bounds = part_bounds(numel, weights, align=align or codec.block_size)
     out = torch.empty(numel, dtype=torch.float32)  # [numel]
     sent = [0] * n
     received = [0] * n
     for owner, (s, e) in enumerate(bounds):
-        if e == s:
-            continue
-        decoded = []
-        for i, c in enumerate(contributions):
-            data, meta = codec.encode(c[s:e])
-            decoded.append(codec.decode(data, meta))
-            if i != owner:
-                sent[i] += len(data)
-                received[owner] += len(data)
-        data, meta = codec.encode(reduce_mean(decoded))
-        out[s:e] = codec.decode(data, meta)
-        sent[owner] += len(data) * (n - 1)
-        for i in range(n):
-            if i != owner:
-                received[i] += len(data)
+        step = chunk_numel or max(e - s, 1)
+        for lo in range(s, e, step):
+            hi = min(lo + step, e)
+            decoded = []
+            for i, c in enumerate(contributions):
+                data, meta = codec.encode(c[lo:hi])
+                decoded.append(codec.decode(data, meta))
+                if i != owner:
+                    sent[i] += len(data)
+                    received[owner] += len(data)
+            data, meta = codec.encode(reduce(decoded))
+            out[lo:hi] = codec.decode(data, meta)
+            sent[owner] += len(data) * (n - 1)
+            for i in range(n):
+                if i != owner:
+                    received[i] += len(data)
     return out, sent, received

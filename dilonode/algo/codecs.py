@@ -26,7 +26,9 @@ are validated and every failure is a `CodecError` with a one-line message.
 
 from __future__ import annotations
 
+import math
 import operator
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -39,6 +41,7 @@ __all__ = [
     "Codec",
     "CodecError",
     "CodecMeta",
+    "all_finite",
     "get_codec",
     "max_abs_error_bound",
 ]
@@ -73,9 +76,31 @@ class Codec(Protocol):
 
     def encode(self, x: torch.Tensor) -> tuple[bytes, CodecMeta]: ...
 
-    def decode(self, data: Buffer, meta: CodecMeta) -> torch.Tensor: ...
+    def decode(self, data: Buffer, meta: CodecMeta) -> torch.Tensor:
+        """The float32 values of `data`; always finite (CodecError otherwise)."""
+        ...
+
+    def decode_into(self, data: Buffer, meta: CodecMeta, out: torch.Tensor) -> None:
+        """Like `decode`, written into `out` (float32, contiguous, `meta.numel` values)."""
+        ...
 
     def encoded_size(self, numel: int) -> int: ...
+
+
+def all_finite(a: np.ndarray | torch.Tensor) -> bool:
+    """True if no value of the float array is NaN or +-Inf.
+
+    A finite sum proves every term finite (NaN and Inf propagate through addition, in any
+    order), and torch's vectorised sum is ~2.5x faster than `np.isfinite(a).all()`, which
+    allocates a mask (measured on 262,144 float32 values, one thread: 24 us vs 61 us); only
+    a non-finite sum (finite values overflowing, or a real NaN/Inf) needs the exact check.
+    """
+    t = a.detach().cpu() if isinstance(a, torch.Tensor) else None
+    if t is None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return bool(np.isfinite(a.sum())) or bool(np.isfinite(a).all())
+    # float(): a torch op on the 0-d sum would cost more than the sum of 262K values.
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -127,10 +152,13 @@ def _block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """x: (n,) contiguous -> (n_blocks,) max |x| per block; NaN/Inf propagate."""
     n_full = x.numel() // block_size
     cut = n_full * block_size
-    parts = [x[:cut].view(n_full, block_size).abs().amax(dim=1)]  # (n_full,)
+    full = x[:cut].view(n_full, block_size)
+    # max(amax, -amin) reads x twice but writes no |x| temporary: ~1.6x faster than
+    # abs().amax(); abs_() turns the -0.0 of an all-(-0.0) block into +0.0 like abs() did.
+    parts = [torch.maximum(full.amax(dim=1), full.amin(dim=1).neg_()).abs_()]  # (n_full,)
     if cut < x.numel():
         parts.append(x[cut:].abs().amax().reshape(1))  # (1,) short last block
-    return torch.cat(parts)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _per_block(
@@ -177,10 +205,9 @@ class _FloatCodec:
     def encode(self, x: torch.Tensor) -> tuple[bytes, CodecMeta]:
         x = _as_float32_vector(x)
         if self._dtype == torch.float32:
-            bits = x.numpy()  # (n,) float32, shares x's memory; only read below
-            # numpy's isfinite is several times faster than torch's on one CPU thread.
-            if not bool(np.isfinite(bits).all()):
+            if not all_finite(x):
                 _raise_non_finite(x)
+            bits = x.numpy()  # (n,) float32, shares x's memory; only read below
         else:
             h = x.to(self._dtype)  # (n,) round-to-nearest-even
             if not bool(torch.isfinite(h).all()):
@@ -203,15 +230,24 @@ class _FloatCodec:
 
     def decode(self, data: Buffer, meta: CodecMeta) -> torch.Tensor:
         n = _check_meta(self, meta, check_block=False)
-        mv = _check_length(self, data, n)
-        native = np.frombuffer(mv, dtype=self._wire).astype(self._wire.newbyteorder("="))
-        out = torch.from_numpy(native)  # (n,) owns a fresh copy, never aliases data
-        if self._dtype != torch.float32:
-            out = out.view(self._dtype).to(torch.float32)
-        if not bool(np.isfinite(out.numpy()).all()):
-            bad = n - int(torch.isfinite(out).sum())
-            raise CodecError(f"{self.name} payload holds {bad} non-finite value(s)")
+        _check_length(self, data, n)  # before allocating: a peer's numel is not trusted
+        out = torch.empty(n, dtype=torch.float32)
+        self.decode_into(data, meta, out)  # (n,) a fresh copy, never aliases data
         return out
+
+    def decode_into(self, data: Buffer, meta: CodecMeta, out: torch.Tensor) -> None:
+        n = _check_meta(self, meta, check_block=False)
+        mv = _check_length(self, data, n)
+        dst = _out_array(out, n)
+        wire = np.frombuffer(mv, dtype=self._wire)  # (n,) read-only view of the bytes
+        if self._dtype == torch.float32:
+            np.copyto(dst, wire)  # byte-swaps on big-endian hosts, else a plain copy
+        else:
+            half = torch.from_numpy(wire.astype(self._wire.newbyteorder("=")))  # (n,) int16
+            out.copy_(half.view(self._dtype))
+        if not all_finite(out):
+            bad = n - int(np.isfinite(dst).sum())
+            raise CodecError(f"{self.name} payload holds {bad} non-finite value(s)")
 
 
 def _check_meta(codec: Codec, meta: object, *, check_block: bool) -> int:
@@ -223,6 +259,18 @@ def _check_meta(codec: Codec, meta: object, *, check_block: bool) -> int:
         raise CodecError(f"meta.block_size is {meta.block_size!r} but this {codec.name} codec "
                          f"uses {codec.block_size}")
     return _check_count(meta.numel, "meta.numel")
+
+
+def _out_array(out: object, numel: int) -> np.ndarray:
+    """The writable float32 numpy view of a decode_into target; CodecError if unusable."""
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
+            or out.device.type != "cpu" or not out.is_contiguous()
+            or out.shape != (numel,)):
+        what = (f"{out.dtype} {tuple(out.shape)} on {out.device}"
+                if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise CodecError(f"decode_into needs a contiguous float32 CPU tensor of shape "
+                         f"({numel},), got {what}")
+    return out.numpy()
 
 
 def _check_length(codec: Codec, data: object, numel: int) -> memoryview:
@@ -275,9 +323,11 @@ class _BlockCodec:
         raise NotImplementedError
 
     def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: np.ndarray) -> None:
+        """Write the quantized payload of x (n,) with `scale` (n_blocks,) into `out`."""
         raise NotImplementedError
 
-    def _dequantize(self, payload: np.ndarray, numel: int) -> torch.Tensor:
+    def _dequantize(self, payload: np.ndarray, out: np.ndarray) -> None:
+        """Write the unit (unscaled) values of `payload` into `out` (n,) float32."""
         raise NotImplementedError
 
     def encoded_size(self, numel: int) -> int:
@@ -287,17 +337,19 @@ class _BlockCodec:
     def block_scales(self, x: torch.Tensor) -> torch.Tensor:
         """x: (n,) finite float32 -> (n_blocks,) the float32 scales encode would send."""
         absmax = _block_absmax(x, self.block_size)
-        if not bool(torch.isfinite(absmax).all()):
+        # The small per-block vectors go through numpy: per-call overhead ~4x below torch's.
+        a = absmax.numpy()  # (n_blocks,)
+        if not bool(np.isfinite(a).all()):
             _raise_non_finite(x)
         if self.qmax == 1.0:
             return absmax
-        scale = absmax / self.qmax  # (n_blocks,)
+        scale = a / np.float32(self.qmax)  # (n_blocks,) float32 division, as torch's
         # Near float32 max, fl(absmax / qmax) * qmax can round to inf, which decode refuses;
         # one ulp down keeps qmax * scale finite and costs far less than scale / 2 in error.
-        too_big = scale.double() * self.qmax >= _F32_OVERFLOW
+        too_big = scale.astype(np.float64) * self.qmax >= _F32_OVERFLOW
         if bool(too_big.any()):
-            scale = torch.where(too_big, torch.nextafter(scale, torch.zeros_like(scale)), scale)
-        return scale
+            scale = np.where(too_big, np.nextafter(scale, np.float32(0)), scale)
+        return torch.from_numpy(scale)
 
     def encode(self, x: torch.Tensor) -> tuple[bytes, CodecMeta]:
         x = _as_float32_vector(x)
@@ -311,6 +363,14 @@ class _BlockCodec:
 
     def decode(self, data: Buffer, meta: CodecMeta) -> torch.Tensor:
         n = _check_meta(self, meta, check_block=True)
+        _check_length(self, data, n)  # before allocating: a peer's numel is not trusted
+        out = torch.empty(n, dtype=torch.float32)
+        self.decode_into(data, meta, out)
+        return out
+
+    def decode_into(self, data: Buffer, meta: CodecMeta, out: torch.Tensor) -> None:
+        n = _check_meta(self, meta, check_block=True)
+        dst = _out_array(out, n)
         raw = np.frombuffer(_check_length(self, data, n), dtype=np.uint8)
         n_scale_bytes = _n_blocks(n, self.block_size) * _SCALE_BYTES
         scale = raw[:n_scale_bytes].view("<f4").astype(np.float32)  # (n_blocks,) copy
@@ -320,12 +380,13 @@ class _BlockCodec:
         if not ok.all():
             raise CodecError(f"{self.name} data holds {int((~ok).sum())} invalid block scale(s) "
                              f"(NaN, Inf, negative, or {self.qmax:g} * scale overflows float32)")
-        out = self._dequantize(raw[n_scale_bytes:], n)  # (n,) fresh float32, unit values
-        return _per_block(out, torch.from_numpy(scale), self.block_size, torch.mul, out)
+        self._dequantize(raw[n_scale_bytes:], dst)  # (n,) unit values
+        _per_block(out, torch.from_numpy(scale), self.block_size, torch.mul, out)
 
     def _safe_divide(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x: (n,), scale: (n_blocks,) -> (n,) x / scale, with all-zero blocks left at 0."""
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero block: 0/1 = 0
+        s = scale.numpy()
+        safe = torch.from_numpy(np.where(s > 0, s, np.float32(1)))  # zero block: 0/1 = 0
         return _per_block(x, safe, self.block_size, torch.div, torch.empty_like(x))
 
 
@@ -339,11 +400,11 @@ class _Int8Codec(_BlockCodec):
         q = self._safe_divide(x, scale).round_().clamp_(-self.qmax, self.qmax)  # (n,)
         out.view(np.int8)[:] = q.to(torch.int8).numpy()
 
-    def _dequantize(self, payload: np.ndarray, numel: int) -> torch.Tensor:
+    def _dequantize(self, payload: np.ndarray, out: np.ndarray) -> None:
         q = payload.view(np.int8)  # (n,) read-only view of the wire bytes
         if (q == -128).any():
             raise CodecError("int8 data holds -128, outside the symmetric range [-127, 127]")
-        return torch.from_numpy(q.astype(np.float32))
+        np.copyto(out, q)  # int8 -> float32 is exact
 
 
 class _NibbleCodec(_BlockCodec):
@@ -355,25 +416,36 @@ class _NibbleCodec(_BlockCodec):
         return (numel + 1) // 2
 
     def _codes(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x: (n,), scale: (n_blocks,) -> (n,) int8/uint8 whose low nibble is the code."""
         raise NotImplementedError
 
     def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: np.ndarray) -> None:
-        codes = self._codes(x, scale)  # (n,) uint8 in [0, 15]
+        codes = self._codes(x, scale)  # (n,) 8-bit, the code in the low nibble
         if codes.numel() % 2:
             codes = torch.cat([codes, codes.new_zeros(1)])  # zero padding nibble
-        pairs = codes.view(-1, 2)  # (n_bytes, 2)
-        out[:] = (pairs[:, 0] | (pairs[:, 1] << 4)).numpy()
+        # Each (even, odd) pair as one little-endian int16: even code in bits 0-3, odd code
+        # in bits 8-11; two masks and a shift pack them, ~3x faster than strided indexing.
+        if sys.byteorder != "little":  # the int16 view below assumes little-endian
+            c = codes.view(torch.uint8).numpy() & 15
+            out[:] = c[0::2] | (c[1::2] << 4)
+            return
+        pair = codes.view(torch.int16)  # (n_bytes,)
+        out[:] = ((pair & 0x0F) | ((pair >> 4) & 0xF0)).to(torch.uint8).numpy()
 
     def _check_payload(self, payload: np.ndarray) -> None:
         return None
 
-    def _dequantize(self, payload: np.ndarray, numel: int) -> torch.Tensor:
-        if numel % 2 and payload[-1] >> 4:
+    def _dequantize(self, payload: np.ndarray, out: np.ndarray) -> None:
+        if out.size % 2 and payload[-1] >> 4:
             raise CodecError(f"{self.name} data: padding nibble after the last value must be 0")
         self._check_payload(payload)
-        # np.take with uint8 indices gathers (n_bytes, 2) about twice as fast as fancy indexing
-        vals = np.take(self._pairs, payload, axis=0).reshape(-1)  # (2 * n_bytes,) fresh
-        return torch.from_numpy(vals[:numel])
+        full = out.size // 2
+        # np.take with uint8 indices gathers (n_bytes, 2) about twice as fast as fancy
+        # indexing; mode="wrap" (never needed: 256 rows) skips the buffered bounds check.
+        np.take(self._pairs, payload[:full], axis=0, out=out[:2 * full].reshape(full, 2),
+                mode="wrap")
+        if out.size % 2:
+            out[-1] = self._pairs[payload[-1], 0]
 
 
 class _Int4Codec(_NibbleCodec):
@@ -382,8 +454,8 @@ class _Int4Codec(_NibbleCodec):
 
     def _codes(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         q = self._safe_divide(x, scale).round_().clamp_(-self.qmax, self.qmax)  # (n,)
-        # int8 -> uint8 reinterprets the bits, so & 15 yields the two's complement nibble.
-        return q.to(torch.int8).view(torch.uint8) & 15
+        # The low nibble of an int8 in [-7, 7] is its 4-bit two's complement code.
+        return q.to(torch.int8)
 
     def _check_payload(self, payload: np.ndarray) -> None:
         # Two vectorised compares are ~8x faster than a 256-entry table lookup per byte.

@@ -7,7 +7,7 @@ Three layers, each usable alone:
   it starts the round, feeds it what the plane delivers, ticks it at least every
   `TICK_SECONDS`, performs its `Send`s and returns a `RoundOutcome` as soon as the round
   ends, by its deadline whatever the peers do. Round calls (encode, decode, reduce,
-  sha256) run in a worker thread by default (`offload=True`): they release the GIL in
+  digests) run in a worker thread by default (`offload=True`): they release the GIL in
   numpy/torch/hashlib, so the event loop keeps reading and writing sockets meanwhile.
   Measured with benchmarks/allreduce.py (4 processes, 10M values, 2 shared cores): round
   time is the same within noise either way (the box is CPU-bound), but the worst
@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from dilonode.algo.robust import AggregatorSpec, BanTracker
 from dilonode.allreduce.round import (
     Action,
     AllReduceRound,
@@ -95,6 +96,8 @@ class RoundOutcome:
     members: tuple[str, ...] = ()
     attempt: int = 0
     skipped: bool = False
+    rejected: tuple[str, ...] = ()  # peers an owner left out of some chunk (robust checks)
+    convicted: tuple[str, ...] = ()  # peers a majority of owners left out: counts to bans
 
     @property
     def excluded_peers(self) -> tuple[str, ...]:
@@ -107,18 +110,21 @@ class RoundOutcome:
 async def run_round(plane: DataPlane, spec: GroupSpec, my_index: int, local: torch.Tensor,
                     peers: Mapping[int, str], timeout: float,
                     clock: Callable[[], float] = time.monotonic, *,
-                    offload: bool = True) -> RoundOutcome:
+                    offload: bool = True,
+                    aggregator: AggregatorSpec | None = None,
+                    out: torch.Tensor | None = None) -> RoundOutcome:
     """Run this node's side of one round; `peers` maps member index -> "host:port".
 
     Returns as soon as the round is DONE or FAILED, by `clock() >= start + timeout` (plus
     one batch of round work) at the latest; frames still queued then are written by the
     plane in the background (`DataPlane.aclose` flushes them). `local` must not be
-    modified until this returns.
+    modified until this returns. `out` is handed to `AllReduceRound` (the result buffer).
     """
     missing = [i for i in range(spec.size) if i != my_index and i not in peers]
     if missing:
         raise ValueError(f"run_round: no address for member(s) {missing}")
-    rnd = AllReduceRound(spec, my_index, local, timeout=timeout)
+    rnd = AllReduceRound(spec, my_index, local, timeout=timeout, aggregator=aggregator,
+                         out=out)
     key = (spec.fragment, spec.round, spec.attempt)
     inbox = plane.register(key, spec.members)
     try:
@@ -209,7 +215,9 @@ class _RoundDriver:
             bytes_sent=rnd.bytes_sent, bytes_received=rnd.bytes_received,
             payload_bytes_sent=rnd.payload_bytes_sent,
             payload_bytes_received=rnd.payload_bytes_received,
-            duration=self.clock() - t0, members=rnd.spec.members, attempt=rnd.spec.attempt)
+            duration=self.clock() - t0, members=rnd.spec.members, attempt=rnd.spec.attempt,
+            rejected=tuple(rnd.spec.members[i] for i in rnd.rejected),
+            convicted=tuple(rnd.spec.members[i] for i in rnd.convicted))
 
 
 # ---------------------------------------------------------------------- retry policy
@@ -234,7 +242,8 @@ FormGroup = Callable[[int, int, int, set[str]], FormedGroup | Awaitable[FormedGr
 
 @dataclass(frozen=True)
 class RoundPolicy:
-    """How rounds are run: codec, chunking, per-attempt timeout and the number of attempts."""
+    """How rounds are run: codec, chunking, per-attempt timeout, the number of attempts and
+    how owners check and combine contributions (the same for every member of a run)."""
 
     codec: str = "int4"
     block_size: int = 64
@@ -244,6 +253,7 @@ class RoundPolicy:
     chunk_numel: int = 1 << 18
     timeout: float = 30.0
     max_attempts: int = 3
+    aggregator: AggregatorSpec = AggregatorSpec()
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or not self.timeout > 0:
@@ -270,12 +280,16 @@ class SwarmRounds:
 
     def __init__(self, plane: DataPlane, form_group: FormGroup,
                  policy: RoundPolicy | None = None, *,
-                 clock: Callable[[], float] = time.monotonic, offload: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, offload: bool = True,
+                 bans: BanTracker | None = None) -> None:
         self.plane = plane
         self.form_group = form_group
         self.policy = policy or RoundPolicy()
         self.clock = clock
         self.offload = offload
+        # Peers rejected in too many rounds are left out of matchmaking (the `exclude` set
+        # every FormGroup honours) until their ban ends.
+        self.bans = bans
 
     async def reduce(self, fragment: int, round_no: int, local: torch.Tensor) -> SwarmOutcome:
         """Average `local` (1-D float32) with a group, retrying without the culprits."""
@@ -291,9 +305,11 @@ class SwarmRounds:
                 log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
                 continue
             out = await run_round(self.plane, spec, my_index, local, peers,
-                                  self.policy.timeout, self.clock, offload=self.offload)
+                                  self.policy.timeout, self.clock, offload=self.offload,
+                                  aggregator=self.policy.aggregator)
             attempts.append(out)
             if out.state is RoundState.DONE:
+                self._note_rejected(fragment, round_no, out.rejected, out.convicted)
                 return SwarmOutcome(out, tuple(attempts), excluded, tuple(errors))
             assert out.failure is not None
             errors.append(one_line(f"attempt {attempt}: {out.failure.reason}"))
@@ -304,8 +320,29 @@ class SwarmRounds:
         alone = self._alone(fragment, round_no, self.policy.max_attempts, local)
         return SwarmOutcome(alone, tuple(attempts), excluded, tuple(errors))
 
+    def _note_rejected(self, fragment: int, round_no: int, rejected: Sequence[str],
+                       convicted: Sequence[str]) -> None:
+        others = [p for p in rejected if p != self.plane.peer_id]
+        if not others:
+            return
+        log.warning("fragment %d round %d: contributions rejected from %s (by a majority of "
+                    "owners: %s)", fragment, round_no, ", ".join(others),
+                    ", ".join(convicted) or "none")
+        if self.bans is None:
+            return
+        now = self.clock()
+        for peer in convicted:
+            if peer == self.plane.peer_id:
+                continue
+            if self.bans.record(peer, now):
+                log.warning("peer %s banned for %gs: rejected in %d rounds within %gs", peer,
+                            self.bans.ban_seconds, self.bans.max_rejections,
+                            self.bans.window)
+
     async def _prepare(self, fragment: int, round_no: int, attempt: int, exclude: set[str],
                        local: torch.Tensor) -> tuple[GroupSpec, int, dict[int, str]]:
+        if self.bans is not None:
+            exclude = exclude | (self.bans.banned(self.clock()) - {self.plane.peer_id})
         formed = self.form_group(fragment, round_no, attempt, exclude)
         group = await formed if inspect.isawaitable(formed) else formed
         members = tuple(group.members)
@@ -425,14 +462,22 @@ class NetworkCollective:
                  policy: RoundPolicy | None = None, *, host: str = "127.0.0.1", port: int = 0,
                  use_uvloop: bool = True, offload: bool = True,
                  clock: Callable[[], float] = time.monotonic,
-                 plane_options: Mapping[str, Any] | None = None) -> None:
+                 plane_options: Mapping[str, Any] | None = None,
+                 bans: BanTracker | None = None) -> None:
         self.plane = DataPlane(peer_id, run_id, host, port, **dict(plane_options or {}))
-        self.rounds = SwarmRounds(self.plane, form_group, policy, clock=clock, offload=offload)
+        self.rounds = SwarmRounds(self.plane, form_group, policy, clock=clock, offload=offload,
+                                  bans=bans)
         self.thread = LoopThread(f"dilonode-net-{peer_id}", use_uvloop=use_uvloop)
 
     @property
     def address(self) -> str:
         return self.plane.address
+
+    @property
+    def unauthorized_attempts(self) -> int:
+        """Data-plane connections refused for failing authentication or authorization
+        (credentials go in through `plane_options={"auth": Credentials(...)}`)."""
+        return self.plane.unauthorized_attempts
 
     def start(self, timeout: float = 10.0) -> str:
         self.thread.start()
@@ -454,10 +499,12 @@ class NetworkCollective:
 
     def begin(self, key: SyncKey, flat: torch.Tensor) -> _NetPending:
         fragment = key.fragment if key.kind == "fragment" else GRAD_FRAGMENT
+        t0 = self.rounds.clock()
         local = flat.detach().to("cpu", torch.float32).flatten().clone()
-        return _NetPending(self.thread.submit(self._reduce(fragment, key.round, local)))
+        return _NetPending(self.thread.submit(self._reduce(fragment, key.round, local, t0)))
 
-    async def _reduce(self, fragment: int, round_no: int, local: torch.Tensor) -> ReduceResult:
+    async def _reduce(self, fragment: int, round_no: int, local: torch.Tensor,
+                      t0: float) -> ReduceResult:
         swarm = await self.rounds.reduce(fragment, round_no, local)
         out = swarm.outcome
         assert out.result is not None
@@ -467,4 +514,6 @@ class NetworkCollective:
             payload_bytes_received=sum(a.payload_bytes_received for a in swarm.attempts),
             dropped=tuple(f"{peer}: {reason}" for peer, reason in swarm.excluded.items()),
             skipped=out.skipped, members=tuple(out.members),
-            attempts=len(swarm.attempts) + sum("no group" in e for e in swarm.errors))
+            attempts=len(swarm.attempts) + sum("no group" in e for e in swarm.errors),
+            rejected=out.rejected,
+            latency_s=self.rounds.clock() - t0)

@@ -3,8 +3,11 @@
 `DataPlane` owns one listening socket and, per peer, one persistent outgoing connection.
 Connections are one-way: a node writes only on the connections it opened and reads only on
 the ones it accepted, so there is never a question of which of two connections to use.
-Every connection starts with a `Hello` (protocol version, run id, peer id); the acceptor
-checks it and from then on attributes every frame on that connection to that peer.
+Every connection starts with the authenticating handshake of `dilonode.allreduce.channel`
+(Hello, HelloAck, HelloAuth): each side proves its libp2p identity and the swarm secret, the
+acceptor checks the allowlist, and from then on it attributes every frame on that connection
+(each followed by a MAC tag under the session key) to that proven peer. Refused attempts are
+logged in one line and counted in `stats["unauthorized"]` (`unauthorized_attempts`).
 
 Usage (all on one asyncio event loop):
 
@@ -37,12 +40,22 @@ import contextlib
 import logging
 import socket
 from collections import deque
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
+from dilonode.allreduce.channel import (
+    HANDSHAKE_FRAME_MAX,
+    TAG_BYTES,
+    FrameSealer,
+    HandshakeError,
+    InboundChannel,
+    OutboundHandshake,
+    read_handshake_frame,
+)
+from dilonode.auth import Credentials
 from dilonode.wire.errors import RemoteProtocolError, one_line
-from dilonode.wire.framing import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, encode_frame
+from dilonode.wire.framing import DEFAULT_MAX_FRAME_BYTES
 from dilonode.wire.messages import Hello, Message, RoundMessage
 
 __all__ = [
@@ -58,6 +71,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 RoundKey = tuple[int, int, int]  # (fragment, round, attempt)
+# peer id -> a byte stream to that peer's plane by another path (dilonode.swarm.tunnel)
+StreamOpener = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 EventKind = Literal["message", "error", "gone"]
 
 _READ_LIMIT = 1 << 20
@@ -162,15 +177,20 @@ class _Pending:
 
 
 class _Inbound(asyncio.Protocol):
-    """One accepted connection: Hello first, then round messages from that peer."""
+    """One accepted connection: the handshake first, then round messages from that peer."""
 
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
-        self.peer_id: str | None = None
         self.remote = "?"
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.decoder = FrameDecoder(max_frame_bytes=plane.max_frame_bytes, run_id=plane.run_id)
+        self.channel = InboundChannel(plane.auth, plane.run_id, plane.peer_id,
+                                      max_frame_bytes=plane.max_frame_bytes)
+
+    @property
+    def peer_id(self) -> str | None:
+        """The peer this connection is attributed to, once the handshake has proven it."""
+        return self.channel.peer_id
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses but have the same API.
@@ -186,28 +206,32 @@ class _Inbound(asyncio.Protocol):
 
     def _hello_due(self) -> None:
         if self.peer_id is None and not self.closed:
-            self.plane._reject(self, f"no hello within {self.plane.connect_timeout:g}s")
+            self.plane._reject(self, f"no complete handshake within "
+                               f"{self.plane.connect_timeout:g}s", unauthorized=True)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
         self.plane.stats["bytes_in"] += len(data)
         try:
-            for msg, size in self.decoder.feed_iter(data):
+            for msg, size in self.channel.feed(data):
                 self._dispatch(msg, size)
                 if self.closed:
                     return
+            self._handshake_progress()
         except RemoteProtocolError as exc:
-            self.plane._reject(self, exc.reason)
+            self.plane._reject(self, exc.reason, unauthorized=isinstance(exc, HandshakeError))
+
+    def _handshake_progress(self) -> None:
+        """Write what the handshake has to say (the HelloAck)."""
+        assert self.transport is not None
+        for frame in self.channel.outgoing:
+            self.transport.write(frame)
+        self.channel.outgoing.clear()
 
     def _dispatch(self, msg: Message, size: int) -> None:
-        if self.peer_id is None:
-            if not isinstance(msg, Hello):
-                raise RemoteProtocolError(f"expected hello as the first frame, got {msg.type}")
-            self.peer_id = msg.peer_id
-            return
-        if isinstance(msg, Hello):
-            raise RemoteProtocolError("second hello on one connection")
+        # The channel yields round messages only once the peer is proven.
+        assert self.peer_id is not None
         self.plane.stats["frames_in"] += 1
         self.plane._route(self.peer_id, msg, size)
 
@@ -216,6 +240,10 @@ class _Inbound(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             reason = f"connection lost ({exc})" if exc else "connection closed"
+            if self.peer_id is None and self.channel.claimed is not None:
+                # Hung up after our HelloAck: most likely our proof (secret, identity) did
+                # not satisfy it; an unauthorized attempt either way.
+                self.plane._reject(self, f"handshake abandoned: {reason}", unauthorized=True)
             self.plane._peer_problem(self.peer_id, "gone", reason)
 
     def close(self) -> None:
@@ -234,6 +262,7 @@ class _Outbound:
         self.queue: deque[tuple[bytes, asyncio.Future[None]]] = deque()
         self.wake = asyncio.Event()
         self.writer: asyncio.StreamWriter | None = None
+        self.sealer: FrameSealer | None = None  # MACs frames on the current connection
         self.watch: asyncio.Task[None] | None = None
         self.task: asyncio.Task[None] | None = None  # the writer, started by the first frame
 
@@ -272,24 +301,72 @@ class _Outbound:
     async def _write(self, frame: bytes) -> None:
         if self.writer is None or self.writer.is_closing():
             await self._connect()
-        assert self.writer is not None
+        assert self.writer is not None and self.sealer is not None
         self.writer.write(frame)
+        self.writer.write(self.sealer.seal(frame))
         await self.writer.drain()
-        self.plane.stats["bytes_out"] += len(frame)
+        self.plane.stats["bytes_out"] += len(frame) + TAG_BYTES
         self.plane.stats["frames_out"] += 1
 
-    async def _connect(self) -> None:
-        host, port = parse_address(self.address)
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A direct TCP connection, or else the plane's fallback stream if it has one."""
+        plane = self.plane
         # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
         # races with the connect completing, and aclose() would then wait for a live task.
+        try:
+            host, port = parse_address(self.address)
+            async with asyncio.timeout(plane.connect_timeout):
+                return await asyncio.open_connection(host, port, limit=_READ_LIMIT)
+        except (OSError, TimeoutError, ValueError) as exc:
+            if plane.fallback is None:
+                raise
+            direct = one_line(f"{type(exc).__name__}: {exc}".rstrip(": "), 120)
+        log.info("data plane %s: no direct connection to %s at %s (%s); trying a libp2p "
+                 "stream", plane.peer_id, self.peer_id, self.address, direct)
+        try:
+            async with asyncio.timeout(plane.connect_timeout):
+                pair = await plane.fallback(self.peer_id)
+        except (OSError, TimeoutError) as exc:
+            raise PeerUnreachable(f"direct: {direct}; libp2p stream: "
+                                  f"{type(exc).__name__}: {exc}") from None
+        plane.stats["fallback_connections"] += 1
+        return pair
+
+    async def _connect(self) -> None:
+        reader, writer = await self._open()
         async with asyncio.timeout(self.plane.connect_timeout):
-            reader, writer = await asyncio.open_connection(host, port, limit=_READ_LIMIT)
+            try:
+                self.sealer = await self._handshake(reader, writer)
+            except BaseException:
+                writer.transport.abort()
+                raise
         self.plane._configure(writer.get_extra_info("socket"))
         writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
-        writer.write(encode_frame(Hello(run_id=self.plane.run_id, peer_id=self.plane.peer_id)))
         self.writer = writer
         self.plane.stats["connections_out"] += 1
         self.watch = asyncio.get_running_loop().create_task(self._watch(reader, writer))
+
+    async def _handshake(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> FrameSealer:
+        """Prove ourselves to the peer and check that it is `peer_id`, proven and admitted."""
+        plane = self.plane
+        shake = OutboundHandshake(plane.auth, plane.run_id, plane.peer_id, self.peer_id)
+        writer.write(shake.hello_frame())
+        buf = bytearray()
+        try:
+            while (body := read_handshake_frame(buf)) is None:
+                chunk = await reader.read(HANDSHAKE_FRAME_MAX)
+                if not chunk:
+                    raise ConnectionError("connection closed during the handshake")
+                buf += chunk
+            auth_frame, sealer = shake.on_ack(body)
+        except RemoteProtocolError as exc:
+            plane._count_unauthorized(isinstance(exc, HandshakeError))
+            log.warning("data plane %s: refused peer %s at %s: %s", plane.peer_id,
+                        self.peer_id, self.address, exc.reason)
+            raise PeerUnreachable(f"handshake refused: {exc.reason}") from None
+        writer.write(auth_frame)
+        return sealer
 
     async def _watch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The peer never writes on our connection: any read result means it is closing."""
@@ -305,6 +382,7 @@ class _Outbound:
         if self.writer is not None:
             self.writer.transport.abort()
             self.writer = None
+            self.sealer = None
 
     def _fail_all(self, reason: str) -> None:
         """Nothing queued can reach the peer on this connection; the next send reconnects."""
@@ -346,14 +424,25 @@ class DataPlane:
     `max_pending_bytes` (all keys) bound frames waiting for their round; `max_queued_bytes`
     bounds frames waiting in registered inboxes before reading pauses;
     `socket_buffer_bytes` sets SO_SNDBUF/SO_RCVBUF (0 leaves the kernel's autotuning).
+    `auth` holds this node's identity and the run's secret and allowlist; None runs the
+    handshake in trust mode (made-up peer ids, tests and benchmarks only; see `channel`).
+    `fallback(peer_id)`, if given, opens a stream by another path when a direct connection
+    fails (`dilonode.swarm.tunnel`); the other side hands such streams to `accept_stream`.
     """
 
     def __init__(self, peer_id: str, run_id: str, host: str = "127.0.0.1", port: int = 0, *,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, connect_timeout: float = 5.0,
                  pending_ttl: float = 10.0, max_pending_frames: int = 100_000,
                  max_pending_keys: int = 64, max_pending_bytes: int = 512 << 20,
-                 max_queued_bytes: int = 512 << 20, socket_buffer_bytes: int = 4 << 20) -> None:
+                 max_queued_bytes: int = 512 << 20, socket_buffer_bytes: int = 4 << 20,
+                 auth: Credentials | None = None,
+                 fallback: StreamOpener | None = None) -> None:
         Hello(run_id=run_id, peer_id=peer_id)  # validates both ids (ValidationError)
+        if auth is not None and (auth.peer_id, auth.run_id) != (peer_id, run_id):
+            raise ValueError(f"DataPlane: credentials of {auth.peer_id}@{auth.run_id} for "
+                             f"{peer_id}@{run_id}")
+        self.auth = auth
+        self.fallback = fallback
         self.peer_id = peer_id
         self.run_id = run_id
         self.host = host
@@ -369,7 +458,8 @@ class DataPlane:
         self.stats: dict[str, int] = dict.fromkeys(
             ("bytes_in", "bytes_out", "frames_in", "frames_out", "connections_in",
              "connections_out", "rejected_connections", "rejected_hellos", "dropped_frames",
-             "late_frames", "stray_frames", "send_failures"), 0)
+             "late_frames", "stray_frames", "send_failures", "unauthorized",
+             "fallback_connections", "fallback_accepts"), 0)
         self._server: asyncio.Server | None = None
         self._rounds: dict[RoundKey, Inbox] = {}
         self._pending: dict[RoundKey, _Pending] = {}
@@ -469,6 +559,28 @@ class DataPlane:
             inbox._discard()
         self._recent.append(key)
 
+    async def accept_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                            remote: str) -> None:
+        """Serve one incoming connection that arrived by another path than our listening
+        socket (a libp2p stream): the same handshake and frames; returns when it ends."""
+        if self._closed:
+            writer.transport.abort()
+            return
+        conn = _Inbound(self)
+        conn.connection_made(writer.transport)
+        conn.remote = remote
+        self.stats["fallback_accepts"] += 1
+        error: Exception | None = None
+        try:
+            while not conn.closed and (data := await reader.read(_READ_LIMIT)):
+                conn.data_received(data)
+        except OSError as exc:
+            error = exc
+        finally:
+            if not conn.closed:
+                writer.transport.abort()
+            conn.connection_lost(error)
+
     def send(self, peer_id: str, address: str, frame: bytes) -> asyncio.Future[None]:
         """Queue `frame` to `peer_id` at `address` ("host:port").
 
@@ -556,12 +668,26 @@ class DataPlane:
             if peer_id in pending.peers:  # its frames there may be incomplete now
                 pending.events.append(event)
 
-    def _reject(self, conn: _Inbound, reason: str) -> None:
-        """A peer sent something we cannot accept: log one line, count, close, report."""
-        who = conn.peer_id or "an unidentified peer"
+    @property
+    def unauthorized_attempts(self) -> int:
+        """Connections refused for failing authentication or authorization, either way."""
+        return self.stats["unauthorized"]
+
+    def _count_unauthorized(self, unauthorized: bool) -> None:
+        self.stats["unauthorized"] += unauthorized
+
+    def _reject(self, conn: _Inbound, reason: str, *, unauthorized: bool = False) -> None:
+        """A peer sent something we cannot accept: log one line, count, close, report.
+
+        Only a proven peer is reported to rounds: a claimed id could be anyone's.
+        """
+        claimed = conn.channel.claimed
+        who = conn.peer_id or (f"unproven {one_line(claimed, 64)}" if claimed
+                               else "an unidentified peer")
         log.warning("data plane %s: rejected connection from %s (%s): %s", self.peer_id, who,
                     conn.remote, reason)
         self.stats["rejected_connections"] += 1
+        self._count_unauthorized(unauthorized)
         if conn.peer_id is None:
             self.stats["rejected_hellos"] += 1
         conn.close()

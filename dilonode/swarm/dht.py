@@ -12,7 +12,14 @@ The constructor does no I/O; `start()` forks hivemind's DHT process (which runs 
 child) and `close()` shuts both down within `shutdown_timeout` plus a second or two.
 Every DHT call takes a timeout and raises `TimeoutError` when it runs out. Records that
 fail `decode_record` are logged at WARNING (once per distinct record and reason, then at
-DEBUG, so a heartbeat loop does not flood the log) and counted in `rejected_records`.
+DEBUG, so a heartbeat loop does not flood the log) and counted in `rejected_records`; those
+failing authentication (bad or missing signature, an author outside the allowlist, a wrong
+swarm secret) also in `unauthorized_records`.
+
+The node's libp2p identity is ours, not p2pd's: `start()` loads the key at `identity_path`
+(writing a new one there, in hivemind's format, when missing) or makes a fresh one, hands
+the file to p2pd and keeps the key in `credentials` to sign records and data-plane
+handshakes. The peer id the DHT reports is checked against the key's.
 
 `import hivemind` costs seconds, so it happens in `start()`, never at module import.
 """
@@ -24,7 +31,9 @@ import logging
 import multiprocessing as mp
 import os
 import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -32,6 +41,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
+from dilonode.auth import AuthError, Credentials, Identity
 from dilonode.swarm.records import (
     RUN_ID_PATTERN,
     PeerRecord,
@@ -55,15 +65,16 @@ R = TypeVar("R", bound=Record)
 
 
 def decode_entries(board: Any, key: str, raw: dict[str, RawEntry], kind: type[R],
-                   run_id: str) -> dict[str, R]:
-    """Decode the subkey entries of one DHT key; an entry that does not decode, or that names
-    a peer other than its subkey, is dropped and reported through `board.note_rejected`."""
+                   creds: Credentials) -> dict[str, R]:
+    """Decode the subkey entries of one DHT key; an entry that does not decode or verify, or
+    that names a peer other than its subkey, is dropped and reported through
+    `board.note_rejected`."""
     out: dict[str, R] = {}
     for subkey, entry in raw.items():
         try:
-            record = decode_record(kind, entry.value, run_id)
+            record = decode_record(kind, entry.value, creds)
         except ValueError as exc:
-            board.note_rejected(key, subkey, str(exc))
+            board.note_rejected(key, subkey, str(exc), unauthorized=isinstance(exc, AuthError))
             continue
         if record.peer_id != subkey:
             board.note_rejected(key, subkey, f"entry names peer {record.peer_id}")
@@ -108,6 +119,10 @@ def _ensure_fork_start_method() -> None:
 
 async def _node_peer_id(_dht: Any, node: Any) -> str:
     return node.peer_id.to_base58()
+
+
+async def _node_daemon_maddr(_dht: Any, node: Any) -> Any:
+    return node.p2p.daemon_listen_maddr
 
 
 async def _node_visible_maddrs(_dht: Any, node: Any) -> list[str]:
@@ -162,6 +177,8 @@ class SwarmDHT:
         start_timeout: float = 30.0,
         op_timeout: float = 10.0,
         shutdown_timeout: float = 3.0,
+        secret: bytes = b"",
+        allowed: frozenset[str] | None = None,
     ) -> None:
         if not re.fullmatch(RUN_ID_PATTERN, run_id):
             raise ValueError(f"run_id {run_id!r} does not match {RUN_ID_PATTERN}")
@@ -173,6 +190,10 @@ class SwarmDHT:
         self.op_timeout = op_timeout
         self.shutdown_timeout = shutdown_timeout
         self.rejected_records = 0
+        self.unauthorized_records = 0
+        self._secret = secret
+        self._allowed = allowed
+        self._credentials: Credentials | None = None
         self._dht: Any = None
         self._peer_id: str | None = None
         # A multiprocessing Connection is not safe for concurrent sends from several threads.
@@ -188,14 +209,14 @@ class SwarmDHT:
             raise RuntimeError("SwarmDHT already started")
         hivemind = _import_hivemind()
         _ensure_fork_start_method()
-        if self.identity_path is not None:
-            # hivemind writes a new key file when missing, but not its directory.
-            self.identity_path.parent.mkdir(parents=True, exist_ok=True)
+        identity, key_path, fresh = self._identity()
         dht = _orphan_safe(hivemind.DHT)(
             initial_peers=self.initial_peers or None,
             start=False,
             host_maddrs=[self.host_maddr],
-            identity_path=None if self.identity_path is None else str(self.identity_path),
+            identity_path=str(key_path),
+            # A key made just now is nobody else's: skip hivemind's slow check of the swarm.
+            check_if_identity_free=not fresh,
             shutdown_timeout=self.shutdown_timeout,
             startup_timeout=self.start_timeout,
         )
@@ -204,13 +225,34 @@ class SwarmDHT:
             dht.run_in_background(await_ready=True, timeout=self.start_timeout)
             self._dht = dht
             self._peer_id = self._call(dht.run_coroutine, _node_peer_id, timeout=self.op_timeout)
+            if self._peer_id != identity.peer_id:
+                raise RuntimeError(f"DHT runs as {self._peer_id}, but the key at {key_path} "
+                                   f"is {identity.peer_id}")
         except BaseException:
             self._dht = None
             self._stop_process(dht)
             raise
+        finally:
+            if self.identity_path is None:  # p2pd has read the throwaway key file by now
+                shutil.rmtree(key_path.parent, ignore_errors=True)
+        self._credentials = Credentials(identity, self.run_id, self._secret, self._allowed)
+        if self._allowed is not None and identity.peer_id not in self._allowed:
+            log.warning("this node (%s) is not in auth.allowed_peers: peers will refuse it",
+                        identity.peer_id)
         log.info("DHT up in %.2fs as %s (%d initial peers)", time.monotonic() - t0,
                  self._peer_id, len(self.initial_peers))
         return self
+
+    def _identity(self) -> tuple[Identity, Path, bool]:
+        """(key, file for p2pd, whether the key is new): ours at `identity_path`, created
+        there if missing, or a throwaway one in a private temporary directory."""
+        if self.identity_path is not None:
+            fresh = not self.identity_path.exists()
+            return Identity.load_or_create(self.identity_path), self.identity_path, fresh
+        identity = Identity.generate()
+        path = Path(tempfile.mkdtemp(prefix="dilonode-id-")) / "identity.key"
+        path.write_bytes(identity.to_bytes())
+        return identity, path, True
 
     def close(self) -> None:
         """Shut the DHT process down; idempotent, returns within a few seconds."""
@@ -253,6 +295,17 @@ class SwarmDHT:
             raise RuntimeError("SwarmDHT not started")
         return self._peer_id
 
+    @property
+    def credentials(self) -> Credentials:
+        """This node's identity with the run's secret and allowlist (signs, verifies)."""
+        if self._credentials is None:
+            raise RuntimeError("SwarmDHT not started")
+        return self._credentials
+
+    def p2p_daemon_maddr(self, timeout: float | None = None) -> Any:
+        """Where the DHT's p2pd listens for clients (`dilonode.swarm.tunnel` attaches there)."""
+        return self._call(self._running().run_coroutine, _node_daemon_maddr, timeout=timeout)
+
     def visible_maddrs(self, timeout: float | None = None) -> list[str]:
         """Multiaddrs (with /p2p/<peer id>) other nodes can pass as `initial_peers`."""
         return self._call(self._running().run_coroutine, _node_visible_maddrs, timeout=timeout)
@@ -288,10 +341,12 @@ class SwarmDHT:
             out[subkey] = RawEntry(item.value, float(item.expiration_time))
         return out
 
-    def note_rejected(self, key: str, subkey: str, reason: str) -> None:
+    def note_rejected(self, key: str, subkey: str, reason: str, *,
+                      unauthorized: bool = False) -> None:
         """Count an unusable record; log it at WARNING the first time it is seen."""
         with self._count_lock:
             self.rejected_records += 1
+            self.unauthorized_records += unauthorized
             fresh = (key, subkey, reason) not in self._seen_rejections
             if fresh and len(self._seen_rejections) < _MAX_REMEMBERED_REJECTIONS:
                 self._seen_rejections.add((key, subkey, reason))
@@ -310,7 +365,8 @@ class SwarmDHT:
         expires_at = get_dht_time() + ttl
         stamped = record.model_copy(update={"expires_at": expires_at})
         dht = self._running()
-        return bool(self._call(dht.store, peers_key(self.run_id), encode_record(stamped),
+        return bool(self._call(dht.store, peers_key(self.run_id),
+                               encode_record(stamped, self.credentials),
                                expires_at, subkey=record.peer_id, timeout=timeout))
 
     def fetch_peers(self, timeout: float | None = None) -> list[PeerRecord]:
@@ -320,7 +376,7 @@ class SwarmDHT:
         key = peers_key(self.run_id)
         now = get_dht_time()
         records = decode_entries(self, key, self.get_raw(key, timeout=timeout), PeerRecord,
-                                 self.run_id)
+                                 self.credentials)
         return [r for _, r in sorted(records.items()) if r.expires_at > now]
 
     # -- plumbing --------------------------------------------------------------------------

@@ -17,11 +17,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from dilonode.config import RunConfig
 
-__all__ = ["LocalSwarm", "run_local_swarm"]
+__all__ = ["LocalSwarm", "Placement", "run_local_swarm"]
 
 GRACE_S = 15.0
 
@@ -39,16 +39,35 @@ def _pump(name: str, stream: IO[str], events: queue.Queue) -> None:
     events.put((name, {"event": "eof"}))
 
 
-class LocalSwarm:
-    """Processes of one local swarm; `start()` launches, `stop()` tears down."""
+class Placement(Protocol):
+    """Where each process of a swarm runs (e.g. the WAN test bed's network namespaces)."""
 
-    def __init__(self, cfg: RunConfig, nodes: int, forever: bool = False) -> None:
+    def wrap(self, name: str, argv: list[str]) -> list[str]:
+        """The command that runs `argv` where process `name` lives."""
+        ...
+
+    def addr(self, name: str) -> str:
+        """The address process `name` listens on and announces."""
+        ...
+
+
+class LocalSwarm:
+    """Processes of one local swarm; `start()` launches, `stop()` tears down.
+
+    Without a `placement` every process runs here on 127.0.0.1; with one, each runs where
+    the placement puts it, listening on the address it gives.
+    """
+
+    def __init__(self, cfg: RunConfig, nodes: int, forever: bool = False,
+                 placement: Placement | None = None) -> None:
         self.cfg, self.n, self.forever = cfg, nodes, forever
+        self.placement = placement
         self.out = Path(cfg.paths.out_dir)
         self.events: queue.Queue = queue.Queue()
         self.boot: subprocess.Popen | None = None
         self.procs: list[subprocess.Popen] = []
         self.maddrs: list[str] = []
+        self.status_url: str | None = None  # the bootstrap's swarm view
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log_dir = self.out / name
@@ -57,6 +76,8 @@ class LocalSwarm:
         # oversubscribe them and small tensor ops slow down by an order of magnitude.
         threads = max(1, (os.cpu_count() or 1) // max(self.n, 1))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        if self.placement is not None:
+            cmd = self.placement.wrap(name, cmd)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
                                 stderr=(log_dir / "stderr.log").open("w"))
         threading.Thread(target=_pump, args=(name, proc.stdout, self.events),
@@ -70,22 +91,34 @@ class LocalSwarm:
     def start_bootstrap(self, timeout: float = 60.0) -> list[str]:
         """Start the DHT-only bootstrap peer; returns its multiaddrs."""
         self.out.mkdir(parents=True, exist_ok=True)
+        host = ["--host", self.placement.addr("bootstrap")] if self.placement else []
         self.boot = self._spawn("bootstrap", _cli("bootstrap", "--run-id", self.cfg.run_id,
-                                                  "--log-format", "json"))
+                                                  "--log-format", "json", *host))
         self.maddrs = self._wait_bootstrap(timeout)
         return self.maddrs
 
     def start_nodes(self) -> None:
         """Start the N training nodes; they wait for each other before training."""
-        cfg_path = self.out / "swarm-config.json"
         net = self.cfg.network.model_copy(update={"min_peers": self.n})
-        cfg_path.write_text(self.cfg.model_copy(update={"network": net}).model_dump_json())
+        self.cfg_path.write_text(self.cfg.model_copy(update={"network": net}).model_dump_json())
         for i in range(self.n):
-            cmd = _cli("run", "--config", str(cfg_path), "--worker-id", str(i),
-                       "--out", str(self.out / f"node-{i}"), "--log-format", "json",
-                       "--initial-peers", *self.maddrs)
-            self.procs.append(self._spawn(f"node-{i}", cmd + (["--forever"] if self.forever
-                                                               else [])))
+            self.start_node(i)
+
+    @property
+    def cfg_path(self) -> Path:
+        return self.out / "swarm-config.json"
+
+    def start_node(self, i: int, extra: list[str] | None = None) -> subprocess.Popen:
+        """Start node `node-{i}` (worker id i) with the swarm's config, plus `extra` args."""
+        name = f"node-{i}"
+        cmd = _cli("run", "--config", str(self.cfg_path), "--worker-id", str(i),
+                   "--out", str(self.out / name), "--log-format", "json",
+                   "--initial-peers", *self.maddrs, *(extra or []))
+        if self.placement is not None:
+            cmd += ["--set", f"network.host={self.placement.addr(name)}"]
+        proc = self._spawn(name, cmd + (["--forever"] if self.forever else []))
+        self.procs.append(proc)
+        return proc
 
     def _wait_bootstrap(self, timeout: float) -> list[str]:
         deadline = time.monotonic() + timeout
@@ -95,6 +128,7 @@ class LocalSwarm:
             except queue.Empty:
                 break
             if name == "bootstrap" and ev.get("event") == "bootstrap":
+                self.status_url = ev.get("status_url")
                 return list(ev["maddrs"])
             if name == "bootstrap" and ev.get("event") == "eof":
                 break
@@ -168,11 +202,13 @@ def run_local_swarm(cfg: RunConfig, nodes: int, config_path: str | None = None,
             bar.update(low - bar.n)
             bar.set_postfix(loss=ev.get("eval_loss"), refresh=False)
         elif ev.get("event") == "started":
-            bar.write(f"{name}: peer {ev['peer_id'][:16]}… data {ev['data_addr']}")
+            bar.write(f"{name}: peer {ev['peer_id'][:16]}… data {ev['data_addr']}  "
+                      f"dashboard {ev.get('status_url') or '-'}")
 
     try:
         swarm.start()
         bar.write(f"bootstrap: {' '.join(swarm.maddrs)}")
+        bar.write(f"swarm view: {swarm.status_url or '-'}  (or: dilonode status URL)")
         summaries = swarm.follow(on_event)
     except KeyboardInterrupt:
         bar.write("stopping the swarm ...")

@@ -11,7 +11,9 @@
    records) has registered: in a steady swarm a round forms in a few DHT round trips. A
    peer that is not expected, or is late, is only seen if it registers within the window.
 3. Read the key once more (`latest=True`). The members are all valid entries of that read
-   plus ourselves, sorted by peer id; weights are their bandwidths.
+   plus ourselves, sorted by peer id; weights are their bandwidths. An entry is valid only
+   if it is signed by the peer it names and that peer is admitted (swarm secret,
+   allowlist: `board.credentials`), so no one can register another peer or slip in.
 
 Peers that register at different times may read different sets. That is tolerated here and
 caught by the all-reduce layer: its first message carries `Group.digest()`, a mismatch fails
@@ -29,6 +31,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
+from dilonode.auth import Credentials
 from dilonode.swarm.dht import RawEntry, decode_entries
 from dilonode.swarm.records import GroupEntry, encode_record, group_key
 
@@ -50,12 +53,16 @@ class GroupBoard(Protocol):
     @property
     def peer_id(self) -> str: ...
 
+    @property
+    def credentials(self) -> Credentials: ...
+
     def store_raw(self, key: str, subkey: str, value: bytes, ttl: float,
                   timeout: float | None = None) -> bool: ...
 
     def get_raw(self, key: str, timeout: float | None = None) -> dict[str, RawEntry]: ...
 
-    def note_rejected(self, key: str, subkey: str, reason: str) -> None: ...
+    def note_rejected(self, key: str, subkey: str, reason: str, *,
+                      unauthorized: bool = False) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,7 @@ def _check_args(board: GroupBoard, run_id: str, fragment: int, round: int, attem
 def _valid_entries(board: GroupBoard, key: str, raw: dict[str, RawEntry],
                    me: GroupEntry) -> dict[str, GroupEntry]:
     out = {}
-    for subkey, got in decode_entries(board, key, raw, GroupEntry, me.run_id).items():
+    for subkey, got in decode_entries(board, key, raw, GroupEntry, board.credentials).items():
         if (got.fragment, got.round, got.attempt) != (me.fragment, me.round, me.attempt):
             board.note_rejected(key, subkey, "entry for another fragment/round/attempt")
         else:
@@ -110,7 +117,7 @@ def _valid_entries(board: GroupBoard, key: str, raw: dict[str, RawEntry],
 
 def _register(board: GroupBoard, key: str, me: GroupEntry, ttl: float, deadline: float) -> None:
     try:
-        ok = board.store_raw(key, me.peer_id, encode_record(me), ttl,
+        ok = board.store_raw(key, me.peer_id, encode_record(me, board.credentials), ttl,
                              timeout=max(deadline - time.monotonic(), 0.0))
     except TimeoutError as exc:
         raise MatchmakingError(f"could not register under {key}: {exc}") from None
@@ -126,7 +133,7 @@ def _wait_window(board: GroupBoard, key: str, me: GroupEntry, ttl: float, window
         try:
             seen = board.get_raw(key, timeout=left)
             if me.peer_id not in seen:
-                board.store_raw(key, me.peer_id, encode_record(me), ttl,
+                board.store_raw(key, me.peer_id, encode_record(me, board.credentials), ttl,
                                 timeout=max(window_end - time.monotonic(), 0.0))
             elif expected and expected <= seen.keys():
                 return  # everyone we know to be alive is in: no need to wait longer

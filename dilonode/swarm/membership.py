@@ -33,6 +33,7 @@ class Membership:
                  status: Callable[[], dict[str, Any]] | None = None) -> None:
         self.dht, self.run_id, self.net, self.data_addr = dht, run_id, net, data_addr
         self.status = status or (lambda: {})
+        self.state_addr: str | None = None  # advertised state-sync listener, if any
         # Peer records can be briefly missing from a DHT read: peers that were in our groups
         # within one record ttl are expected too (a dead one costs a window, as its record does).
         self._seen: dict[str, float] = {}
@@ -63,7 +64,8 @@ class Membership:
         status = {"leaving": True} if leaving else self.status()
         record = PeerRecord(peer_id=self.dht.peer_id, run_id=self.run_id,
                             data_addr=self.data_addr, bandwidth_mbps=self.net.bandwidth_mbps,
-                            step=int(status.get("step", 0)), status=status)
+                            step=int(status.get("step", 0)), status=status,
+                            state_addr=self.state_addr)
         # hivemind keeps the value expiring last: the leaving record must outlive the last one.
         self.dht.publish(record, ttl=self.net.peer_ttl + (1.0 if leaving else 0.0))
 

@@ -10,9 +10,12 @@ usable. Two kinds exist:
 * `GroupEntry`: a node's registration for one matchmaking attempt of one fragment round,
   stored under `group_key(run_id, fragment, round, attempt)` with the peer id as subkey.
 
-Encoding is a msgpack map of the model's fields. `decode_record` checks the protocol
-version first, then the run id, then every field, and raises `ValueError` with a one-line
-reason so callers can log and count a bad record without a traceback.
+Encoding is a msgpack map of the model's fields, sealed in the signed envelope of
+`dilonode.auth.seal_record` with the author's identity key (bound to the run id and the
+swarm secret). `decode_record` checks the envelope and signature first (the author must be
+admitted and must be the peer the record names), then the protocol version, the run id and
+every field, and raises `ValueError` with a one-line reason (`AuthError`, a subclass, for
+authentication failures) so callers can log and count a bad record without a traceback.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dilonode import PROTOCOL_VERSION
+from dilonode.auth import AuthError, Credentials, open_record, seal_record
 
 __all__ = [
     "MAX_RECORD_BYTES",
@@ -85,13 +89,22 @@ class PeerRecord(Record):
 
     bandwidth_mbps: float = Field(ge=0.0)
     step: int = Field(ge=0)
+    # Free-form summary for the bootstrap's swarm view (`NodeStatus.summary()`), or
+    # {"leaving": True} when withdrawn; readers must treat its contents as untrusted.
     status: dict[str, Any] | None = None
     expires_at: float = Field(0.0, description="DHT time after which the record is void")
+    # Where joiners fetch this node's outer state (dilonode/statesync); None: not serving.
+    state_addr: str | None = None
 
     @field_validator("bandwidth_mbps", "expires_at")
     @classmethod
     def _finite(cls, value: float) -> float:
         return _check_finite(value)
+
+    @field_validator("state_addr")
+    @classmethod
+    def _state_addr(cls, value: str | None) -> str | None:
+        return None if value is None else _check_data_addr(value)
 
 
 class GroupEntry(Record):
@@ -118,9 +131,22 @@ def group_key(run_id: str, fragment: int, round: int, attempt: int) -> str:
     return f"{_KEY_PREFIX}/{run_id}/group/{fragment}/{round}/{attempt}"
 
 
-def encode_record(record: Record) -> bytes:
-    """The msgpack bytes that `decode_record` accepts."""
-    return msgpack.packb(record.model_dump(mode="python"), use_bin_type=True)
+def encode_record(record: Record, creds: Credentials) -> bytes:
+    """The signed bytes that `decode_record` accepts; `creds` must be the record's author."""
+    if (record.peer_id, record.run_id) != (creds.peer_id, creds.run_id):
+        raise ValueError(f"record of {record.peer_id}@{record.run_id} cannot be signed by "
+                         f"{creds.peer_id}@{creds.run_id}")
+    return seal_record(creds, msgpack.packb(record.model_dump(mode="python"),
+                                            use_bin_type=True))
+
+
+def _unsigned_version(raw: bytes) -> object:
+    """The `version` of a bare (pre-v3, unsigned) record map, to name an older peer."""
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception:  # garbage: no version to report
+        return None
+    return data.get("version") if isinstance(data, dict) else None
 
 
 def _one_line(kind: type[Record], exc: ValidationError) -> str:
@@ -132,17 +158,34 @@ def _one_line(kind: type[Record], exc: ValidationError) -> str:
     return f"{kind.__name__}: " + "; ".join(parts).replace("\n", " ")
 
 
-def decode_record(kind: type[R], raw: bytes, run_id: str) -> R:
-    """Parse `raw` as a `kind` of run `run_id` and this protocol version.
+def decode_record(kind: type[R], raw: bytes, creds: Credentials) -> R:
+    """Parse `raw` as a `kind` signed by an admitted peer of run `creds.run_id`.
 
-    Raises ValueError with a one-line reason for bytes that are not a msgpack map, a
-    different protocol version (checked first, so a newer peer is named as such), a
-    different run id, or any invalid field.
+    Raises AuthError (a ValueError) for a missing or bad signature, an author outside the
+    allowlist, or a record naming a peer other than its signer; ValueError with a one-line
+    reason for a body that is not a msgpack map, a different protocol version (checked
+    first, so a newer peer is named as such), a different run id, or any invalid field.
     """
     if not isinstance(raw, bytes | bytearray):
         raise ValueError(f"{kind.__name__}: expected bytes, got {type(raw).__name__}")
     if len(raw) > MAX_RECORD_BYTES:
         raise ValueError(f"{kind.__name__}: {len(raw)} bytes > {MAX_RECORD_BYTES}")
+    try:
+        body, author = open_record(creds, bytes(raw))
+    except AuthError as exc:
+        version = _unsigned_version(bytes(raw))
+        if version is not None and version != PROTOCOL_VERSION:
+            raise ValueError(f"{kind.__name__}: protocol version {version!r} != "
+                             f"{PROTOCOL_VERSION}") from None
+        raise AuthError(f"{kind.__name__}: {exc}") from None
+    record = _parse(kind, body, creds.run_id)
+    if record.peer_id != author:
+        raise AuthError(f"{kind.__name__}: names peer {record.peer_id} but is signed by "
+                        f"{author}")
+    return record
+
+
+def _parse(kind: type[R], raw: bytes, run_id: str) -> R:
     try:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for garbage

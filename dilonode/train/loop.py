@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dilonode.train.worker import Worker
+from dilonode.train.worker import Interrupted, Worker
 
 __all__ = ["LoopReport", "train_loop"]
 
@@ -25,32 +25,47 @@ class LoopReport:
 
     steps: int = 0
     tokens: int = 0
-    compute_s: float = 0.0  # time inside train_step (forward, backward, inner update)
-    sync_wait_s: float = 0.0  # time blocked in launch/land (waiting on the network)
+    step_s: float = 0.0  # time inside train_step (forward, backward, inner update)
+    sync_s: float = 0.0  # time in launch/land: extraction, outer step, merge and any wait
+    sync_wait_s: float = 0.0  # the part of sync_s blocked on a result from the network
     wall_s: float = 0.0
     eval_history: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss)
     stopped_early: bool = False
 
     @property
     def compute_utilization(self) -> float:
-        return self.compute_s / self.wall_s if self.wall_s > 0 else 0.0
+        """Share of wall time the training thread was not blocked waiting on the network."""
+        return 1.0 - self.sync_wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def step_share(self) -> float:
+        """Share of wall time inside train_step alone (a stricter view of the same thing)."""
+        return self.step_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
 def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
                eval_batches: list[tuple[torch.Tensor, torch.Tensor]], stop: threading.Event,
-               on_step: Callable[[Worker, LoopReport], None] | None = None) -> LoopReport:
-    """Run until `total_steps` (None: until `stop`), then land syncs still in flight."""
+               on_step: Callable[[Worker, LoopReport], None] | None = None,
+               leave_timeout: float | None = None) -> LoopReport:
+    """Run until `total_steps` (None: until `stop`), then land syncs still in flight (when
+    stopped early, for at most `leave_timeout` s)."""
     rep = LoopReport()
     t_start = time.perf_counter()
+    worker.should_stop = stop.is_set
+    wait0 = worker.stats.sync_wait_s
     while not stop.is_set() and (total_steps is None or worker.step < total_steps):
         t0 = time.perf_counter()
         worker.train_step()
         t1 = time.perf_counter()
-        worker.launch()
-        worker.land()
+        try:
+            worker.launch()
+            worker.land()
+        except Interrupted:
+            break  # stopping: drain() below finishes or abandons the pending rounds
         t2 = time.perf_counter()
-        rep.compute_s += t1 - t0
-        rep.sync_wait_s += t2 - t1
+        rep.step_s += t1 - t0
+        rep.sync_s += t2 - t1
+        rep.sync_wait_s = worker.stats.sync_wait_s - wait0
         rep.steps, rep.tokens = worker.step, worker.stats.tokens
         rep.wall_s = time.perf_counter() - t_start
         if worker.step % eval_every == 0:
@@ -58,9 +73,11 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
         if on_step:
             on_step(worker, rep)
     rep.stopped_early = stop.is_set()
+    rep.steps, rep.tokens = worker.step, worker.stats.tokens
     t0 = time.perf_counter()
-    worker.drain()
-    rep.sync_wait_s += time.perf_counter() - t0
+    worker.drain(leave_timeout if rep.stopped_early else None)
+    rep.sync_s += time.perf_counter() - t0
+    rep.sync_wait_s = worker.stats.sync_wait_s - wait0
     if not rep.eval_history or rep.eval_history[-1][0] != worker.step:
         rep.eval_history.append((worker.step, worker.evaluate(eval_batches)))
     rep.wall_s = time.perf_counter() - t_start

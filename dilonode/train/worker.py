@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +26,17 @@ from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TokenData
 from dilonode.train.device import autocast, pick_device
 from dilonode.train.model import build_model, lm_loss
+from dilonode.train.state import WorkerState, adoption_step
 
-__all__ = ["Worker", "WorkerStats", "build_inner_optimizer", "inner_lr"]
+__all__ = ["Interrupted", "Worker", "WorkerStats", "build_inner_optimizer", "inner_lr"]
 
 log = logging.getLogger(__name__)
+
+_STOP_POLL_S = 0.25  # how often a blocked `land` checks `should_stop`
+
+
+class Interrupted(Exception):
+    """`land` gave up waiting because the node is stopping; the round stays pending."""
 
 
 @dataclass
@@ -46,6 +55,10 @@ class WorkerStats:
     skipped: int = 0  # rounds where every attempt failed and the worker went on alone
     retried: int = 0  # rounds that needed more than one attempt
     dropped: list[str] = field(default_factory=list)  # recent "peer: reason" exclusions
+    sync_wait_s: float = 0.0  # time the training thread spent blocked on a sync result
+    abandoned: int = 0  # rounds left unfinished when stopping (drain timeout)
+    # fragment (-1: DDP gradients) -> (rounds, total s, max s) from begin to result
+    latency: dict[int, tuple[int, float, float]] = field(default_factory=dict)
 
     _MAX_DROPPED = 50
 
@@ -57,6 +70,8 @@ class WorkerStats:
         self.skipped += int(result.skipped)
         self.retried += int(result.attempts > 1)
         self.dropped = (self.dropped + list(result.dropped))[-self._MAX_DROPPED:]
+        n, total, worst = self.latency.get(fragment, (0, 0.0, 0.0))
+        self.latency[fragment] = (n + 1, total + result.latency_s, max(worst, result.latency_s))
         if fragment >= 0:
             self.rounds[fragment] = self.rounds.get(fragment, 0) + 1
 
@@ -99,6 +114,10 @@ class Worker:
         self.step = 0
         self.stats = WorkerStats()
         self._grad_pending: PendingReduce | None = None
+        # Told True before blocking on a sync result and False after (state snapshots).
+        self.wait_hook: Callable[[bool], None] | None = None
+        # Polled while blocked on a sync result; True makes `land` raise `Interrupted`.
+        self.should_stop: Callable[[], bool] | None = None
         self.pending: dict[int, tuple[int, PendingReduce]] = {}
         self.plan: SyncPlan | None = None
         self.fragments: list[Fragment] = []
@@ -166,7 +185,7 @@ class Worker:
     def land(self) -> None:
         """Apply results due now: DDP gradients, or fragment outer steps and merges."""
         if self._grad_pending is not None:
-            self._land_grads(self._grad_pending.wait())
+            self._land_grads(self._wait(self._grad_pending))
             self._grad_pending = None
             return
         if self.plan is None:
@@ -175,10 +194,45 @@ class Worker:
             if isinstance(act, SyncLand):
                 self._land_fragment(act.fragment)
 
-    def drain(self) -> None:
-        """Land every sync still in flight (end of training)."""
+    def drain(self, timeout: float | None = None) -> None:
+        """Land every sync still in flight (end of training). With `timeout` (a node that
+        is stopping), rounds not done by then are abandoned, never half-applied: the outer
+        state stays at the last landed round and the other members retry without us."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for p in sorted(self.pending):
+            r, handle = self.pending[p]
+            if deadline is not None:
+                try:
+                    handle.wait(max(deadline - time.monotonic(), 0.0))
+                except TimeoutError:
+                    del self.pending[p]
+                    self.stats.abandoned += 1
+                    log.warning("fragment %d round %d abandoned: not done %.1f s after the "
+                                "stop", p, r, timeout)
+                    continue
             self._land_fragment(p)
+
+    def _wait(self, handle: PendingReduce) -> ReduceResult:
+        # Only this is waiting on the network; extraction, outer step and merge are compute.
+        t0 = time.perf_counter()
+        hook = self.wait_hook if not handle.done() else None
+        if hook is not None:
+            hook(True)  # the outer state cannot change until we return
+        try:
+            while True:
+                try:
+                    result = handle.wait(None if self.should_stop is None else _STOP_POLL_S)
+                    break
+                except TimeoutError:
+                    if handle.done():
+                        raise  # the round itself failed this way
+                    if self.should_stop():
+                        raise Interrupted("stop requested while waiting for a sync") from None
+        finally:
+            if hook is not None:
+                hook(False)
+        self.stats.sync_wait_s += time.perf_counter() - t0
+        return result
 
     def _land_grads(self, result: ReduceResult) -> None:
         self.stats.record(-1, result)
@@ -194,8 +248,9 @@ class Worker:
         self._inner_update()
 
     def _land_fragment(self, p: int) -> None:
-        r, handle = self.pending.pop(p)
-        result = handle.wait()
+        r, handle = self.pending[p]
+        result = self._wait(handle)  # p stays pending while we wait: export_state sees it
+        del self.pending[p]
         self.stats.record(p, result)
         params = self._frag_params(self.fragments[p])
         try:
@@ -206,6 +261,38 @@ class Worker:
             return
         merged = merge(flatten(params), new_global, self.algo.fragment_update_alpha)
         unflatten_into(merged, params)
+
+    # -- state (checkpoints, joiners) ----------------------------------------------------
+    def export_state(self, reuse: WorkerState | None = None) -> WorkerState:
+        """A copy of the outer state after the rounds landed so far, tagged with the step at
+        which a worker has landed exactly those (peers that took part in the same rounds
+        export the same bytes). Between steps or while blocked in `land` (`wait_hook`).
+        `reuse`: an earlier export whose unchanged fragments need no new copy."""
+        if self.plan is None:
+            raise RuntimeError("export_state: mode=ddp has no outer state to export")
+        # Outer state moves only when a round lands: it is the state after `landed` rounds.
+        landed = [self.plan.rounds_started(p, self.step) - (p in self.pending)
+                  for p in range(len(self.outer))]
+        step = adoption_step(self.plan, landed)
+        if step is None:
+            raise RuntimeError(f"export_state: no step of this schedule has landed exactly "
+                               f"{landed} rounds with none in flight (tau >= H/P?)")
+        return WorkerState.capture(step, landed, self.outer, reuse, taken_at=self.step)
+
+    def import_state(self, state: WorkerState) -> None:
+        """Adopt `state` (joining or resuming): outer state, step, and local weights set to
+        the outer weights; inner AdamW starts fresh (docs/architecture.md says why)."""
+        if self.plan is None or self.pending:
+            raise RuntimeError("import_state: only before training, outside mode=ddp")
+        expected = [self.plan.rounds_started(p, state.step) for p in range(len(self.outer))]
+        if list(state.rounds) != expected:
+            raise ValueError(f"state at step {state.step} has round counters "
+                             f"{list(state.rounds)}, this config's schedule gives {expected}")
+        state.apply_to(self.outer)
+        for frag, outer in zip(self.fragments, self.outer, strict=True):
+            unflatten_into(outer.weights, self._frag_params(frag))
+        self.opt = build_inner_optimizer(self.model, self.cfg.inner)
+        self.step = self.stats.steps = state.step
 
     # -- evaluation ----------------------------------------------------------------------
     def outer_model(self) -> nn.Module:

@@ -1,6 +1,8 @@
 """Wire messages of the butterfly all-reduce, as validated, immutable pydantic models.
 
-Four messages exist. `Hello` opens every connection (who is speaking, for which run); the
+Six messages exist. Three make the handshake that opens every connection: `Hello` (who is
+speaking, for which run, with its public key and a nonce), `HelloAck` and `HelloAuth` (each
+side's proof of its identity and of the swarm secret; `dilonode.allreduce.channel`). The
 three round messages are `Contribution` (a member's encoded chunk of someone else's part),
 `Result` (the part owner's averaged chunk, sent back to everyone) and `Abort` (a member gives
 up the round, naming the members it blames). Each is a msgpack map whose `type` key names
@@ -29,7 +31,10 @@ __all__ = [
     "MESSAGE_TYPES",
     "Abort",
     "Contribution",
+    "HandshakeMessage",
     "Hello",
+    "HelloAck",
+    "HelloAuth",
     "Message",
     "Result",
     "RoundMessage",
@@ -40,6 +45,10 @@ __all__ = [
 
 MAX_MEMBERS = 4096
 ABORT_REASON_MAX = 256
+HANDSHAKE_KEY_MAX = 1024
+HANDSHAKE_NONCE_MAX = 64
+HANDSHAKE_SIG_MAX = 512
+HANDSHAKE_MAC_MAX = 64
 _U32 = 2**32 - 1
 _U63 = 2**63 - 1
 
@@ -56,12 +65,39 @@ class _Model(BaseModel):
 
 
 class Hello(_Model):
-    """First frame on every connection: the connecting peer's id, run and protocol version."""
+    """First frame on every connection: the connecting peer's id, run and protocol version,
+    its libp2p public key and a fresh nonce (handshake: protocol/README.md section 9)."""
 
     type: Literal["hello"] = Field("hello", exclude=True)
     version: int = Field(PROTOCOL_VERSION, ge=0, le=_U32)
     run_id: str = Field(min_length=1, max_length=128)
     peer_id: str = Field(min_length=1, max_length=128)
+    public_key: bytes = Field(b"", max_length=HANDSHAKE_KEY_MAX)
+    nonce: bytes = Field(b"", max_length=HANDSHAKE_NONCE_MAX)
+
+
+class HelloAck(_Model):
+    """The acceptor's answer to a `Hello`: its identity and nonce, and its proofs (signature
+    with its identity key, MAC with the swarm key) over the handshake transcript."""
+
+    type: Literal["hello_ack"] = Field("hello_ack", exclude=True)
+    version: int = Field(PROTOCOL_VERSION, ge=0, le=_U32)
+    run_id: str = Field(min_length=1, max_length=128)
+    peer_id: str = Field(min_length=1, max_length=128)
+    public_key: bytes = Field(b"", max_length=HANDSHAKE_KEY_MAX)
+    nonce: bytes = Field(max_length=HANDSHAKE_NONCE_MAX)
+    signature: bytes = Field(b"", max_length=HANDSHAKE_SIG_MAX)
+    mac: bytes = Field(max_length=HANDSHAKE_MAC_MAX)
+
+
+class HelloAuth(_Model):
+    """The connecting peer's proofs over the same transcript; round frames follow it."""
+
+    type: Literal["auth"] = Field("auth", exclude=True)
+    version: int = Field(PROTOCOL_VERSION, ge=0, le=_U32)
+    run_id: str = Field(min_length=1, max_length=128)
+    signature: bytes = Field(b"", max_length=HANDSHAKE_SIG_MAX)
+    mac: bytes = Field(max_length=HANDSHAKE_MAC_MAX)
 
 
 class _Base(_Model):
@@ -103,18 +139,33 @@ class Contribution(_Chunk):
 
 
 class Result(_Chunk):
-    """The owner's averaged chunk; the last chunk carries the sha256 `digest` of the part."""
+    """The owner's averaged chunk; the last chunk carries the sha256 `digest` of the part.
+
+    `rejected` lists the contributors whose chunk the owner's checks left out of this
+    chunk's aggregate (robust aggregation); absent when none was.
+    """
 
     type: Literal["result"] = Field("result", exclude=True)
     contributors: tuple[Member, ...] = Field(min_length=1, max_length=MAX_MEMBERS)
+    rejected: tuple[Member, ...] | None = Field(None, min_length=1, max_length=MAX_MEMBERS)
     payload: bytes
     digest: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
-    @field_validator("contributors", mode="before")
+    @field_validator("contributors", "rejected", mode="before")
     @classmethod
     def _list_to_tuple(cls, value: Any) -> Any:
         # msgpack yields arrays as lists; strict mode would refuse a list for a tuple.
         return tuple(value) if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _rejected_among_contributors(self) -> Result:
+        if self.rejected is None:
+            return self
+        if list(self.rejected) != sorted(set(self.rejected)):
+            raise ValueError("rejected: must be strictly increasing member indices")
+        if not set(self.rejected) < set(self.contributors):
+            raise ValueError("rejected: must be a proper subset of contributors")
+        return self
 
     @model_validator(mode="after")
     def _digest_on_last(self) -> Result:
@@ -141,9 +192,12 @@ class Abort(_Base):
 
 
 RoundMessage = Contribution | Result | Abort
-Message = RoundMessage | Hello
+HandshakeMessage = Hello | HelloAck | HelloAuth
+Message = RoundMessage | HandshakeMessage
 MESSAGE_TYPES: dict[str, type[Message]] = {
     "hello": Hello,
+    "hello_ack": HelloAck,
+    "auth": HelloAuth,
     "contribution": Contribution,
     "result": Result,
     "abort": Abort,
@@ -164,9 +218,10 @@ def message_to_dict(msg: Message) -> dict[str, Any]:
 def message_to_json(msg: Message) -> dict[str, Any]:
     """`message_to_dict` in JSON terms (payload as hex, lists for tuples): golden vectors."""
     fields = message_to_dict(msg)
-    if "payload" in fields:
-        fields["payload"] = fields["payload"].hex()
-    for key in ("contributors", "culprits"):
+    for key, value in fields.items():
+        if isinstance(value, bytes):
+            fields[key] = value.hex()
+    for key in ("contributors", "rejected", "culprits"):
         if key in fields:
             fields[key] = list(fields[key])
     return fields
@@ -208,7 +263,7 @@ def message_from_dict(body: Any) -> Message:
         raise RemoteProtocolError(
             f"protocol version mismatch: expected {PROTOCOL_VERSION}, "
             f"got {one_line(repr(version), 40)}")
-    if model is not Hello:
+    if model not in (Hello, HelloAck, HelloAuth):
         for key in _ROUND_KEYS_REQUIRED:
             if key not in body:
                 raise RemoteProtocolError(f"invalid {kind} message: field {key}: missing")

@@ -22,6 +22,7 @@ import torch
 
 from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import get_codec
+from dilonode.allreduce.channel import OutboundHandshake, read_handshake_frame
 from dilonode.allreduce.driver import run_round
 from dilonode.allreduce.memnet import Faults, MemNet
 from dilonode.allreduce.round import (
@@ -31,8 +32,6 @@ from dilonode.allreduce.round import (
     group_digest,
 )
 from dilonode.allreduce.transport import DataPlane
-from dilonode.wire.framing import encode_frame
-from dilonode.wire.messages import Hello
 
 GARBAGE_FRAME = b"\x00\x00\x00\x02\xc1\xc1"  # a 2-byte body that is not msgpack
 MARGIN = 1.5  # seconds of slack past the round timeout on a loaded 2-core machine
@@ -109,7 +108,8 @@ class TcpNetwork:
             await asyncio.sleep(0)  # a yield, not a wait: each task registers its round
             key = (spec.fragment, spec.round, spec.attempt)
             assert all(planes[i].is_registered(key) for i in honest)
-            writers = [await _send_garbage(spec.members[i], spec.run_id, addrs[j])
+            writers = [await _send_garbage(spec.members[i], spec.members[j], spec.run_id,
+                                           addrs[j])
                        for i in garbage for j in honest]
             results = {i: await task for i, task in tasks.items()}
             for writer in writers:
@@ -130,10 +130,17 @@ class TcpNetwork:
                              failure.reason if failure else "", time.monotonic() - t0)
 
 
-async def _send_garbage(peer_id: str, run_id: str, address: str) -> asyncio.StreamWriter:
+async def _send_garbage(peer_id: str, to: str, run_id: str,
+                        address: str) -> asyncio.StreamWriter:
+    """Complete the handshake as `peer_id` (trust mode, like the planes), then send garbage."""
     host, port = address.rsplit(":", 1)
-    _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5.0)
-    writer.write(encode_frame(Hello(run_id=run_id, peer_id=peer_id)) + GARBAGE_FRAME)
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5.0)
+    shake = OutboundHandshake(None, run_id, peer_id, to)
+    writer.write(shake.hello_frame())
+    buf = bytearray()
+    while (ack := read_handshake_frame(buf)) is None:
+        buf += await asyncio.wait_for(reader.read(4096), 5.0)
+    writer.write(shake.on_ack(ack)[0] + GARBAGE_FRAME)
     await asyncio.wait_for(writer.drain(), 5.0)
     return writer
 

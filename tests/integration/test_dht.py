@@ -15,16 +15,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+import msgpack
 import pytest
 
 pytest.importorskip("hivemind")
 
+from dilonode.auth import seal_record  # noqa: E402
 from dilonode.swarm.dht import SwarmDHT  # noqa: E402
 from dilonode.swarm.matchmaking import Group, MatchmakingError, form_group  # noqa: E402
 from dilonode.swarm.records import (  # noqa: E402
     GroupEntry,
     PeerRecord,
-    encode_record,
     peers_key,
 )
 
@@ -101,7 +102,9 @@ def test_foreign_records_are_ignored_and_counted(
     alien = PeerRecord(peer_id="QmForeign", run_id="another-run", data_addr=f"{HOST}:1",
                        bandwidth_mbps=1.0, step=0)
     key = peers_key(RUN)
-    assert writer.store_raw(key, "QmForeign", encode_record(alien), ttl=60.0)
+    # Validly signed by `writer`, so what the reader refuses is the record's run id.
+    sealed = seal_record(writer.credentials, msgpack.packb(alien.model_dump(), use_bin_type=True))
+    assert writer.store_raw(key, "QmForeign", sealed, ttl=60.0)
     assert writer.store_raw(key, "QmGarbage", b"\xc1 not msgpack", ttl=60.0)
     before = reader.rejected_records
 

@@ -25,6 +25,7 @@ import torch
 from dilonode import PROTOCOL_VERSION
 from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import get_codec
+from dilonode.allreduce.channel import InboundChannel
 from dilonode.allreduce.driver import (
     FormedGroup,
     NetworkCollective,
@@ -37,7 +38,7 @@ from dilonode.allreduce.round import (
     GroupSpec,
     Send,
     group_digest,
-    tensor_digest,
+    result_digest,
 )
 from dilonode.allreduce.transport import DataPlane
 from dilonode.collective import SyncKey
@@ -168,7 +169,7 @@ def cluster() -> Iterator[_Cluster]:
 def _expected(indices: list[int]) -> str:
     mean, _, _ = butterfly_average([_inputs(i) for i in indices], [1.0] * len(indices),
                                    get_codec(CODEC, 64))
-    return tensor_digest(mean)
+    return result_digest(mean, _spec(tuple(IDS[i] for i in indices)))
 
 
 # ---------------------------------------------------------------------- tests
@@ -344,7 +345,16 @@ def test_aclose_is_bounded_when_the_peer_stops_reading() -> None:
     async def main() -> float:
         accepted: list[asyncio.StreamWriter] = []
 
-        async def never_read(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def never_read(reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+            # Completes the handshake (trust mode, like the plane), then never reads again.
+            channel = InboundChannel(None, RUN, "stuck", max_frame_bytes=1 << 30)
+            while not channel.outgoing:
+                data = await asyncio.wait_for(reader.read(4096), 5.0)
+                if not data:
+                    return
+                assert not list(channel.feed(data))
+            writer.write(b"".join(channel.outgoing))
             accepted.append(writer)
 
         server = await asyncio.start_server(never_read, "127.0.0.1", 0)

@@ -1,4 +1,7 @@
-"""Tests of dilonode.swarm.records: round trips, one-line rejections, key naming."""
+"""Tests of dilonode.swarm.records: round trips, one-line rejections, key naming.
+
+Signature checks (forged authors, wrong secret, allowlist) are in tests/unit/test_auth.py.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import msgpack
 import pytest
 
 from dilonode import PROTOCOL_VERSION
+from dilonode.auth import Credentials, Identity, seal_record
 from dilonode.swarm.records import (
     MAX_RECORD_BYTES,
     GroupEntry,
@@ -16,8 +20,9 @@ from dilonode.swarm.records import (
     peers_key,
 )
 
-PEER = "12D3KooWEBJ7gRTGhcmb46RUwYaBqZ67wbcsAGFk7iYHnt3Unqmc"
 RUN = "run-1"
+CREDS = Credentials(Identity.generate(), RUN)
+PEER = CREDS.peer_id
 
 
 def _peer(**over: object) -> PeerRecord:
@@ -33,12 +38,13 @@ def _entry(**over: object) -> GroupEntry:
 
 
 def _raw(record: PeerRecord | GroupEntry, **over: object) -> bytes:
-    return msgpack.packb({**record.model_dump(), **over}, use_bin_type=True)
+    """The record's fields with `over` applied, validly signed by CREDS."""
+    return seal_record(CREDS, msgpack.packb({**record.model_dump(), **over}, use_bin_type=True))
 
 
-def _reason(kind: type, raw: object, run_id: str = RUN) -> str:
+def _reason(kind: type, raw: object) -> str:
     with pytest.raises(ValueError) as info:
-        decode_record(kind, raw, run_id)  # type: ignore[arg-type]
+        decode_record(kind, raw, CREDS)  # type: ignore[arg-type]
     message = str(info.value)
     assert "\n" not in message and message.startswith(kind.__name__ + ":")
     return message
@@ -46,9 +52,9 @@ def _reason(kind: type, raw: object, run_id: str = RUN) -> str:
 
 @pytest.mark.parametrize("record", [_peer(), _peer(status=None), _entry()])
 def test_round_trip(record: PeerRecord | GroupEntry) -> None:
-    raw = encode_record(record)
+    raw = encode_record(record, CREDS)
     assert isinstance(raw, bytes)
-    assert decode_record(type(record), raw, RUN) == record
+    assert decode_record(type(record), raw, CREDS) == record
 
 
 def test_version_defaults_to_protocol_version() -> None:
@@ -56,7 +62,7 @@ def test_version_defaults_to_protocol_version() -> None:
 
 
 def test_unknown_extra_field_is_tolerated() -> None:
-    assert decode_record(PeerRecord, _raw(_peer(), future_field=1), RUN) == _peer()
+    assert decode_record(PeerRecord, _raw(_peer(), future_field=1), CREDS) == _peer()
 
 
 @pytest.mark.parametrize("raw", [b"", b"\xc1\xc1", b"\x93\x01\x02\x03", b"\xa3abc", b"\x01"])
@@ -70,8 +76,13 @@ def test_not_bytes_and_oversize() -> None:
 
 
 def test_wrong_run_id() -> None:
-    reason = _reason(PeerRecord, encode_record(_peer(run_id="other")))
+    reason = _reason(PeerRecord, _raw(_peer(), run_id="other"))
     assert "run id 'other' != 'run-1'" in reason
+
+
+def test_unsigned_record_of_an_older_version_is_named_as_such() -> None:
+    bare = msgpack.packb({**_peer().model_dump(), "version": 2}, use_bin_type=True)
+    assert f"protocol version 2 != {PROTOCOL_VERSION}" in _reason(PeerRecord, bare)
 
 
 @pytest.mark.parametrize("version", [PROTOCOL_VERSION + 1, 0, "1", True, None])
@@ -111,12 +122,13 @@ def test_bad_entry_fields(over: dict[str, object], field: str) -> None:
 def test_missing_field() -> None:
     data = _peer().model_dump()
     del data["data_addr"]
-    assert "data_addr" in _reason(PeerRecord, msgpack.packb(data))
+    assert "data_addr" in _reason(PeerRecord, seal_record(CREDS, msgpack.packb(data)))
 
 
 def test_int_bandwidth_is_accepted_as_float() -> None:
     # msgpack writes 100.0 as a float, but another implementation may send an int.
-    assert decode_record(PeerRecord, _raw(_peer(), bandwidth_mbps=100), RUN).bandwidth_mbps == 100
+    record = decode_record(PeerRecord, _raw(_peer(), bandwidth_mbps=100), CREDS)
+    assert record.bandwidth_mbps == 100
 
 
 def test_key_naming() -> None:

@@ -24,9 +24,8 @@ from dilonode.allreduce import (
     MemNet,
     RoundState,
     Send,
-    tensor_digest,
 )
-from dilonode.allreduce.round import group_digest
+from dilonode.allreduce.round import chunk_hash, group_digest, part_digest, result_digest
 from dilonode.wire import (
     Abort,
     Contribution,
@@ -109,7 +108,7 @@ def test_float32_equals_plain_mean(n: int, weights: tuple[float, ...]) -> None:
     for i, r in enumerate(rounds):
         assert r.state is RoundState.DONE, net.outcomes.get(i)
         assert torch.equal(r.result, expected)
-        assert r.digest == tensor_digest(expected)
+        assert r.digest == result_digest(expected, spec)
         assert net.outcomes[i] == Done(r.digest)
 
 
@@ -156,7 +155,7 @@ def test_group_of_one_completes_at_start() -> None:
     actions = r.start(now=0.0)
     codec = get_codec("int4", 64)
     expected = codec.decode(*codec.encode(x))
-    assert actions == [Done(tensor_digest(expected))]
+    assert actions == [Done(result_digest(expected, spec))]
     assert torch.equal(r.result, expected)
     assert r.bytes_sent == r.payload_bytes_sent == 0
 
@@ -429,8 +428,10 @@ def test_owner_pipelines_chunks_and_holds_the_last_for_the_digest() -> None:
         out = owner.receive(2, by_chunk[(2, k)], 1.0)
     results = _sends(out, 2)
     assert [(m.chunk, m.digest is not None) for m in results] == [(2, False), (3, True)]
-    lo, hi = spec.parts[0]
-    assert results[-1].digest == tensor_digest(reference(spec, xs)[lo:hi])
+    ref = reference(spec, xs)
+    chunks = [ref[a:a + spec.chunk_numel] for a in range(*spec.parts[0], spec.chunk_numel)]
+    assert len(chunks) == 4
+    assert results[-1].digest == part_digest([chunk_hash(c) for c in chunks])
 
 
 def test_messages_after_done_are_ignored_and_counted() -> None:

@@ -29,7 +29,7 @@ from dilonode.wire import (
     message_to_dict,
     message_to_json,
 )
-from dilonode.wire.messages import Hello
+from dilonode.wire.messages import Hello, HelloAck, HelloAuth
 
 VECTORS = Path(__file__).resolve().parents[2] / "protocol" / "vectors"
 
@@ -83,10 +83,26 @@ def aborts(draw: st.DrawFn) -> Abort:
 @st.composite
 def hellos(draw: st.DrawFn) -> Hello:
     return Hello(run_id=draw(st.text(min_size=1, max_size=128)),
-                 peer_id=draw(st.text(min_size=1, max_size=128)))
+                 peer_id=draw(st.text(min_size=1, max_size=128)),
+                 public_key=draw(st.binary(max_size=1024)), nonce=draw(st.binary(max_size=64)))
 
 
-messages = st.one_of(contributions(), results(), aborts(), hellos())
+@st.composite
+def hello_acks(draw: st.DrawFn) -> HelloAck:
+    return HelloAck(run_id=draw(st.text(min_size=1, max_size=128)),
+                    peer_id=draw(st.text(min_size=1, max_size=128)),
+                    public_key=draw(st.binary(max_size=1024)),
+                    nonce=draw(st.binary(max_size=64)), signature=draw(st.binary(max_size=512)),
+                    mac=draw(st.binary(max_size=64)))
+
+
+@st.composite
+def auths(draw: st.DrawFn) -> HelloAuth:
+    return HelloAuth(run_id=draw(st.text(min_size=1, max_size=128)),
+                     signature=draw(st.binary(max_size=512)), mac=draw(st.binary(max_size=64)))
+
+
+messages = st.one_of(contributions(), results(), aborts(), hellos(), hello_acks(), auths())
 
 
 def _contribution(**update: Any) -> Contribution:
@@ -353,5 +369,5 @@ def test_golden_vector(vector: dict[str, Any]) -> None:
 
 def test_golden_vectors_cover_every_message_type() -> None:
     kinds = {v["fields"]["type"] for v in _vectors()}
-    assert kinds == {"contribution", "result", "abort", "hello"}
+    assert kinds == {"contribution", "result", "abort", "hello", "hello_ack", "auth"}
     assert any("digest" in v["fields"] for v in _vectors())

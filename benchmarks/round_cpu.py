@@ -1,0 +1,67 @@
+"""CPU seconds per peer of one all-reduce round without sockets: N `AllReduceRound`s in one
+process over `MemNet` (real msgpack framing, codecs, reduction and digests; no TCP, MAC or
+event loop), so the figure moves little with the load of a shared machine.
+
+    .venv/bin/python benchmarks/round_cpu.py                        # float32,int4, 10M values
+    .venv/bin/python benchmarks/round_cpu.py --codecs int8 --numel 1000000 --profile 20
+
+Prints, per codec, the process CPU time of a whole round divided by the number of peers:
+the minimum and every value over --rounds rounds (one warm-up round is not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet, RoundState
+from dilonode.allreduce.round import group_digest
+
+__all__ = ["main"]
+
+
+def _round(xs: list[torch.Tensor], codec: str, chunk: int, round_no: int) -> None:
+    members = tuple(f"peer-{i}" for i in range(len(xs)))
+    spec = GroupSpec(run_id="cpu", fragment=0, round=round_no, members=members,
+                     weights=(1.0,) * len(xs), numel=xs[0].numel(), codec=codec,
+                     block_size=64, chunk_numel=chunk, group_digest=group_digest(members))
+    rounds = [AllReduceRound(spec, i, x) for i, x in enumerate(xs)]
+    MemNet(rounds).run()
+    if any(r.state is not RoundState.DONE for r in rounds) or len({r.digest for r in rounds}) > 1:
+        raise RuntimeError(f"{codec}: round {round_no} did not complete identically")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--numel", type=int, default=10_000_000)
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--codecs", default="float32,int4")
+    p.add_argument("--chunk", type=int, default=1 << 18, help="values per frame")
+    p.add_argument("--profile", type=int, default=0, help="print the top N entries (CPU)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    xs = [torch.randn(args.numel, generator=torch.Generator().manual_seed(i))
+          for i in range(args.peers)]
+    for codec in args.codecs.split(","):
+        _round(xs, codec, args.chunk, 0)
+        cpu = []
+        for r in range(1, args.rounds + 1):
+            c0 = time.process_time()
+            _round(xs, codec, args.chunk, r)
+            cpu.append((time.process_time() - c0) / args.peers)
+        print(f"{codec:9s} CPU s per peer per round: min {min(cpu):.3f}, all "
+              f"{', '.join(f'{c:.3f}' for c in cpu)}", flush=True)
+        if args.profile:
+            prof = cProfile.Profile(time.process_time)
+            prof.runcall(_round, xs, codec, args.chunk, args.rounds + 1)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""`StateKeeper`: everything a node does to keep its outer state across arrivals, crashes and
+restarts, behind four calls the node makes.
+
+    keeper = StateKeeper(cfg, resume=True)
+    addr = keeper.start_server(loop_thread)           # advertise it in the peer record
+    keeper.prepare(worker, loop_thread, dht, publish) # resume, recover from peers, serve
+    ... keeper.on_step(worker) after every step (snapshots for joiners, checkpoints) ...
+    keeper.finish(worker)                             # checkpoint on a clean stop
+    keeper.close(loop_thread)
+
+`prepare` loads the newest valid checkpoint when resuming, then, when live peers serve a state
+newer than ours, recovers it from them (chunks we hold are not fetched), publishes our peer
+record just before the last recovery pass, logs one line with bytes and seconds, writes the
+recovered state as a checkpoint, and from then on serves our state to later joiners. Mode
+ddp has no outer state: the keeper only publishes there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from dilonode.config import RunConfig
+from dilonode.statesync.service import (
+    Recovery,
+    RecoveryError,
+    SnapshotSource,
+    StateServer,
+    recover,
+)
+from dilonode.train.checkpoint import Checkpointer, load_latest
+from dilonode.train.state import config_digest
+
+__all__ = ["StateKeeper", "checkpoint_dir"]
+
+log = logging.getLogger(__name__)
+
+# Membership reads live peer records at most 1 s old when it forms a group; the rest is
+# time for our record to reach the DHT nodes that store it.
+_PEER_VIEW_S = 2.0
+
+
+def checkpoint_dir(cfg: RunConfig) -> Path:
+    return cfg.checkpoint.dir or cfg.paths.checkpoint_dir or Path(cfg.paths.out_dir) / "ckpt"
+
+
+class StateKeeper:
+    """Checkpoints, resume, state serving and recovery of one node (see module docstring)."""
+
+    def __init__(self, cfg: RunConfig, resume: bool = False) -> None:
+        self.cfg, self.resume = cfg, resume
+        self.active = cfg.diloco.mode != "ddp"
+        self.digest = config_digest(cfg)
+        ck = cfg.checkpoint
+        self.checkpointer = Checkpointer(checkpoint_dir(cfg), cfg.run_id, self.digest,
+                                         ck.every_steps, ck.keep)
+        self.source = SnapshotSource()
+        self.server: StateServer | None = None
+        self.recovery: Recovery | None = None
+        self.resumed_from: Path | None = None
+
+    # -- start -------------------------------------------------------------------------
+    def start_server(self, thread: Any) -> str | None:
+        """Listen for joiners (answering "no state yet" until `prepare` is done); returns
+        the address to advertise, or None when not serving."""
+        if not (self.active and self.cfg.statesync.enabled):
+            return None
+        self.server = StateServer(self.source, self.cfg.run_id, self.digest,
+                                  self.cfg.statesync, host=self.cfg.network.host)
+        address = thread.run(self.server.start(), timeout=10.0)
+        announce = self.cfg.network.announce_host
+        return f"{announce}:{address.rsplit(':', 1)[1]}" if announce else address
+
+    def prepare(self, worker: Any, thread: Any, dht: Any,
+                publish: Callable[[], None]) -> None:
+        """Resume and/or recover into `worker`, calling `publish()` (our peer record) once:
+        just before the last recovery pass, or at the end when there is nothing to recover.
+        Then serve the state."""
+        published = False
+
+        async def before_final() -> None:
+            nonlocal published
+            await asyncio.to_thread(publish)
+            published = True
+            # Peers read live records at most _PEER_VIEW_S old: rounds they start after
+            # this wait expect us, rounds started before land in the last pass's state.
+            await asyncio.sleep(_PEER_VIEW_S)
+
+        if self.active and self.resume:
+            self._resume(worker)
+        if self.active and self.cfg.statesync.enabled:
+            self._recover(worker, thread, _serving_peers(dht), before_final)
+        if not published:
+            publish()
+        self.checkpointer.start_from(worker.step)
+        if self.active:
+            if self.recovery is not None and self.cfg.checkpoint.every_steps:
+                self.checkpointer.save_async(worker.export_state())
+            self.source.attach(worker)
+            worker.wait_hook = self.source.blocked
+
+    def _resume(self, worker: Any) -> None:
+        found = load_latest(self.checkpointer.directory, self.cfg.run_id, self.digest)
+        if found is None:
+            log.warning("--resume: no valid checkpoint in %s; starting fresh",
+                        self.checkpointer.directory)
+            return
+        state, path = found
+        worker.import_state(state)
+        self.resumed_from = path
+        log.info("resumed from checkpoint %s at step %d", path.name, state.step)
+
+    def _recover(self, worker: Any, thread: Any, peers: dict[str, str],
+                 before_final: Callable[[], Awaitable[None]]) -> None:
+        if not peers:
+            return
+        sc = self.cfg.statesync
+        local = worker.export_state()
+        job = recover(peers, local, self.cfg.run_id, self.digest, sc,
+                      min_rounds=sum(local.rounds), before_final=before_final)
+        try:
+            got = thread.run(asyncio.wait_for(job, sc.recover_timeout),
+                             timeout=sc.recover_timeout + 10.0)
+        except TimeoutError:
+            raise RecoveryError(f"state sync: no complete state within statesync."
+                                f"recover_timeout = {sc.recover_timeout} s") from None
+        if got is None:
+            log.info("state sync: %d peer(s) serve no state with more rounds than ours %s; "
+                     "not recovering", len(peers), list(local.rounds))
+            return
+        worker.import_state(got.state)
+        self.recovery = got
+        log.info("state sync: recovered step %d (rounds %s) from %d peer(s): %d bytes "
+                 "fetched (%.2f s transferring), %d reused, in %.2f s (%d passes; agreed by "
+                 "%d)", got.state.step, list(got.state.rounds), len(got.sources),
+                 got.fetched_bytes, got.fetch_seconds, got.reused_bytes, got.seconds,
+                 got.passes, len(got.agreed_by))
+
+    # -- training thread -----------------------------------------------------------------
+    def training(self, on: bool) -> None:
+        self.source.training(on)
+
+    def on_step(self, worker: Any) -> None:
+        if self.active:
+            self.source.poll(worker)
+            self.checkpointer.maybe_save(worker)
+
+    def finish(self, worker: Any, abandoned: int = 0) -> None:
+        """Clean stop: write a last checkpoint, unless a round was abandoned (the state
+        would then claim a round it does not hold)."""
+        if abandoned:
+            self.source.detach()  # its counters claim the abandoned rounds: serve nothing
+        if not (self.active and self.cfg.checkpoint.on_exit):
+            self.checkpointer.wait()
+            return
+        if abandoned:
+            log.warning("no exit checkpoint: %d round(s) abandoned while stopping", abandoned)
+            self.checkpointer.wait()
+            return
+        self.checkpointer.save_now(worker)
+
+    def close(self, thread: Any) -> None:
+        if self.server is not None and thread.loop is not None:
+            server, self.server = self.server, None
+            try:
+                thread.run(server.aclose(), timeout=5.0)
+            except Exception as exc:  # closing must go on whatever the sockets do
+                log.warning("state server did not close cleanly: %s", exc)
+        self.checkpointer.wait(timeout=30.0)
+
+
+def _serving_peers(dht: Any) -> dict[str, str]:
+    """Live peers (not us, not leaving) that advertise a state listener."""
+    out = {}
+    for r in dht.fetch_peers():
+        if r.peer_id != dht.peer_id and r.state_addr and not (r.status or {}).get("leaving"):
+            out[r.peer_id] = r.state_addr
+    return out

@@ -1,0 +1,218 @@
+"""`NodeStatus`: what a training node is doing, recorded from the training thread and read as
+JSON-ready snapshots by the status server, the DHT heartbeat and the CLI.
+
+The training thread calls `on_step(worker, report)` after every step (`dilonode.node` hooks it
+into the train loop) and every landed sync passes through `ObservedCollective`, which records
+the group that averaged it. Readers on other threads call `snapshot()`, `history()` and
+`summary()`; each takes the lock only long enough to copy plain values, so a reader never
+stalls training and never sees a half-updated step. Nothing here does I/O.
+
+The history is a ring buffer of samples taken at most every `sample_every` seconds (not every
+step: a fast model would fill it in seconds), columnar so the dashboard can draw it directly.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dilonode import PROTOCOL_VERSION, __version__
+
+if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no torch
+    import torch
+
+    from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
+
+__all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "finite_or_none"]
+
+# Columns of `history()["series"]`, drawn by the dashboard (same names for the swarm view).
+HISTORY_SERIES = ("step", "train_loss", "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps",
+                  "peers")
+
+
+def finite_or_none(x: float | None, digits: int = 6) -> float | None:
+    """JSON has no NaN/Inf: missing or non-finite figures become null."""
+    if x is None or not math.isfinite(x):
+        return None
+    return round(float(x), digits)
+
+
+@dataclass(frozen=True)
+class _SyncRecord:
+    """How one landed sync went, as the status page shows it."""
+
+    round: int
+    at_step: int
+    group_size: int
+    peers: tuple[str, ...]
+    dropped: tuple[str, ...]
+    attempts: int
+    skipped: bool
+    bytes_sent: int
+    bytes_received: int
+
+
+class NodeStatus:
+    """Thread-safe record of one node's progress; see the module docstring."""
+
+    def __init__(self, run_id: str, total_steps: int | None = None, *, history: int = 600,
+                 sample_every: float = 1.0, peers: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.run_id = run_id
+        self.total_steps = total_steps
+        self.peer_id = ""
+        self.worker_id = ""
+        self.url = ""
+        self.state = "starting"
+        self.sample_every = sample_every
+        self._peers = peers or (lambda: 0)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._started = clock()
+        self._cur: dict[str, Any] = {"step": 0, "tokens": 0, "train_loss": None,
+                                     "eval_loss": None, "eval_step": None, "bytes_sent": 0,
+                                     "bytes_received": 0, "compute_utilization": 0.0,
+                                     "sync_wait_s": 0.0}
+        # Rates need two samples; None (null) until then rather than a misleading 0.
+        self._rates: dict[str, float | None] = {"tokens_per_s": None, "sent_Bps": None,
+                                                "recv_Bps": None}
+        self._last_sample: tuple[float, int, int, int] | None = None  # t, tokens, sent, recv
+        self._hist_t: deque[float] = deque(maxlen=history)
+        self._hist: dict[str, deque[float | None]] = {
+            name: deque(maxlen=history) for name in HISTORY_SERIES}
+        self._syncs: dict[str, _SyncRecord] = {}
+        self._rounds: dict[str, int] = {}
+        self._skipped = self._retried = 0
+
+    # -- writers (training thread) ---------------------------------------------------------
+    def on_step(self, worker: Any, report: Any) -> None:
+        """Record the step `worker` just finished; `report` is the loop's `LoopReport`."""
+        st = worker.stats
+        evals = report.eval_history
+        with self._lock:
+            self.state = "training"
+            self._cur.update(
+                step=worker.step, tokens=st.tokens, train_loss=finite_or_none(st.last_loss),
+                bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
+                compute_utilization=round(report.compute_utilization, 4),
+                sync_wait_s=round(report.sync_wait_s, 3))
+            if evals:
+                self._cur.update(eval_step=evals[-1][0], eval_loss=finite_or_none(evals[-1][1]))
+            self._maybe_sample()
+
+    def on_sync(self, key: SyncKey, result: ReduceResult, step: int) -> None:
+        """Record a landed sync (called by `ObservedCollective`)."""
+        label = str(key.fragment) if key.kind == "fragment" else "grad"
+        rec = _SyncRecord(round=key.round, at_step=step, group_size=result.group_size,
+                          peers=tuple(result.members), dropped=tuple(result.dropped),
+                          attempts=result.attempts, skipped=result.skipped,
+                          bytes_sent=result.payload_bytes_sent,
+                          bytes_received=result.payload_bytes_received)
+        with self._lock:
+            self._syncs[label] = rec
+            self._rounds[label] = self._rounds.get(label, 0) + 1
+            self._skipped += int(result.skipped)
+            self._retried += int(result.attempts > 1)
+
+    def set_state(self, state: str) -> None:
+        with self._lock:
+            self.state = state
+
+    def _maybe_sample(self) -> None:
+        """Append a history point if `sample_every` has passed (lock held)."""
+        now, cur = self._clock(), self._cur
+        last = self._last_sample
+        if last is not None and now - last[0] < self.sample_every:
+            return
+        if last is not None:
+            dt = max(now - last[0], 1e-9)
+            self._rates = {"tokens_per_s": round((cur["tokens"] - last[1]) / dt, 1),
+                           "sent_Bps": round((cur["bytes_sent"] - last[2]) / dt, 1),
+                           "recv_Bps": round((cur["bytes_received"] - last[3]) / dt, 1)}
+        self._last_sample = (now, cur["tokens"], cur["bytes_sent"], cur["bytes_received"])
+        row = {**cur, **self._rates, "peers": self._peers()}
+        self._hist_t.append(round(now, 3))
+        for name, col in self._hist.items():
+            col.append(row[name])
+
+    # -- readers (any thread) --------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the status page shows, as plain JSON-ready values."""
+        peers = self._peers()
+        with self._lock:
+            syncs = dict(self._syncs)
+            rounds = dict(self._rounds)
+            out = {
+                "kind": "node", "peer_id": self.peer_id, "worker_id": self.worker_id,
+                "run_id": self.run_id, "version": __version__,
+                "protocol_version": PROTOCOL_VERSION, "state": self.state, "url": self.url,
+                "started_at": round(self._started, 3),
+                "uptime_s": round(self._clock() - self._started, 1),
+                "total_steps": self.total_steps, **self._cur, **self._rates,
+                "peers_seen": peers, "skipped_rounds": self._skipped,
+                "retried_rounds": self._retried,
+            }
+        out["syncs"] = [{"fragment": label, "rounds": rounds[label],
+                         "last": {"round": r.round, "at_step": r.at_step,
+                                  "group_size": r.group_size, "peers": list(r.peers),
+                                  "dropped": list(r.dropped), "attempts": r.attempts,
+                                  "skipped": r.skipped, "bytes_sent": r.bytes_sent,
+                                  "bytes_received": r.bytes_received}}
+                        for label, r in sorted(syncs.items(), key=lambda kv: _label_order(kv[0]))]
+        return out
+
+    def history(self) -> dict[str, Any]:
+        """The ring buffer: sample times (unix seconds) and one column per series."""
+        with self._lock:
+            return {"t": list(self._hist_t),
+                    "series": {name: list(col) for name, col in self._hist.items()}}
+
+    def summary(self) -> dict[str, Any]:
+        """The small summary a node publishes with its peer record (the bootstrap's view)."""
+        s = self.snapshot()
+        keys = ("worker_id", "state", "url", "step", "total_steps", "tokens", "train_loss",
+                "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps", "bytes_sent",
+                "bytes_received", "compute_utilization", "peers_seen", "skipped_rounds",
+                "uptime_s", "version")
+        return {k: s[k] for k in keys}
+
+
+def _label_order(label: str) -> tuple[int, int]:
+    return (1, 0) if not label.isdigit() else (0, int(label))
+
+
+class _ObservedPending:
+    """A `PendingReduce` that reports its result to a `NodeStatus` once, when it lands."""
+
+    def __init__(self, inner: PendingReduce, key: SyncKey, status: NodeStatus,
+                 step: Callable[[], int]) -> None:
+        self._inner, self._key, self._status, self._step = inner, key, status, step
+        self._seen = False
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def wait(self, timeout: float | None = None) -> ReduceResult:
+        result = self._inner.wait(timeout)
+        if not self._seen:
+            self._seen = True
+            self._status.on_sync(self._key, result, self._step())
+        return result
+
+
+class ObservedCollective:
+    """Wraps a `Collective` so every landed sync is recorded in a `NodeStatus`.
+
+    `step` returns the trainer's current step (the step a result landed at).
+    """
+
+    def __init__(self, inner: Collective, status: NodeStatus, step: Callable[[], int]) -> None:
+        self.inner, self.status, self.step = inner, status, step
+
+    def begin(self, key: SyncKey, flat: torch.Tensor) -> PendingReduce:
+        return _ObservedPending(self.inner.begin(key, flat), key, self.status, self.step)

@@ -1,0 +1,104 @@
+"""The terminal side of the status endpoint: fetch `/status` and print it as tables.
+
+Used by `dilonode status [URL]`; standard library only (plus our formatting helpers), so the
+command starts instantly and works against any node or bootstrap peer it can reach.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from dilonode.commands import human_bytes
+
+__all__ = ["fetch_status", "format_node", "format_status", "format_swarm"]
+
+
+def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    """GET `<url>/status`; ValueError with one line when it cannot be had or is not ours."""
+    base = url if "://" in url else f"http://{url}"
+    target = base.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as resp:
+            data = json.loads(resp.read().decode())
+    except urllib.error.HTTPError as exc:
+        raise ValueError(f"{target}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ValueError(f"{target}: cannot connect ({reason})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"{target}: the answer is not JSON (is this a dilonode status "
+                         "endpoint?)") from None
+    if not isinstance(data, dict) or data.get("kind") not in ("node", "swarm"):
+        raise ValueError(f"{target}: not a dilonode status document")
+    return data
+
+
+def _num(x: Any, fmt: str = "{:.4f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _grid(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(head)]
+    line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()
+    out = [line, "-" * len(line)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in rows]
+    return "\n".join(out)
+
+
+def _result(last: dict[str, Any]) -> str:
+    # A group of one that is not "skipped" formed with nobody else: nothing was averaged.
+    return "skipped" if last["skipped"] else "alone" if last["group_size"] <= 1 else "averaged"
+
+
+def format_node(s: dict[str, Any]) -> str:
+    """A training node: identity and progress, then one row per fragment's last sync."""
+    step = f"{s['step']}" + (f" / {s['total_steps']}" if s.get("total_steps") else "")
+    pairs = [
+        ("node", f"{s['peer_id']} (worker {s['worker_id']})"),
+        ("run", f"{s['run_id']}  version {s['version']}  protocol {s['protocol_version']}"),
+        ("state", f"{s['state']}  up {s['uptime_s']:.0f} s"),
+        ("step", step),
+        ("loss", f"train {_num(s['train_loss'])}  eval {_num(s['eval_loss'])}"),
+        ("throughput", f"{_num(s['tokens_per_s'], '{:,.0f}')} tokens/s  "
+                       f"({s['tokens']:,} tokens)"),
+        ("traffic", f"sent {human_bytes(s['bytes_sent'])}  "
+                    f"received {human_bytes(s['bytes_received'])}"),
+        ("compute", f"{100 * s['compute_utilization']:.1f} %"),
+        ("peers seen", str(s["peers_seen"])),
+        ("rounds", f"skipped {s['skipped_rounds']}  retried {s['retried_rounds']}"),
+    ]
+    width = max(len(k) for k, _ in pairs)
+    text = "\n".join(f"{k.ljust(width)}  {v}" for k, v in pairs)
+    rows = [[x["fragment"], str(x["rounds"]), str(x["last"]["round"]),
+             str(x["last"]["at_step"]), str(x["last"]["group_size"]),
+             str(x["last"]["attempts"]), _result(x["last"]),
+             "; ".join(x["last"]["dropped"]) or "-"] for x in s["syncs"]]
+    head = ["fragment", "rounds", "last round", "at step", "group", "attempts", "result",
+            "dropped"]
+    return text + "\n\n" + (_grid(head, rows) if rows else "no sync has landed yet")
+
+
+def format_swarm(s: dict[str, Any]) -> str:
+    """A bootstrap peer: one row per node that published a record."""
+    title = (f"swarm {s['run_id']}: {len(s['nodes'])} node(s), "
+             f"{_num(s['tokens_per_s'], '{:,.0f}')} tokens/s in all  "
+             f"(bootstrap {s['peer_id']}, up {s['uptime_s']:.0f} s)")
+    if s.get("error"):
+        title += f"\nlast DHT read failed: {s['error']}"
+    rows = [[n["peer_id"][:16] + "…", str(n.get("worker_id") or "-"), str(n.get("state") or "-"),
+             str(n["step"]), _num(n.get("train_loss")), _num(n.get("eval_loss")),
+             _num(n.get("tokens_per_s"), "{:,.0f}"),
+             human_bytes(n["bytes_sent"]) if n.get("bytes_sent") is not None else "-",
+             str(n.get("url") or "-")] for n in s["nodes"]]
+    head = ["node", "worker", "state", "step", "train loss", "eval loss", "tokens/s", "sent",
+            "dashboard"]
+    return title + "\n\n" + (_grid(head, rows) if rows else "no node has published a record")
+
+
+def format_status(s: dict[str, Any]) -> str:
+    return format_swarm(s) if s["kind"] == "swarm" else format_node(s)

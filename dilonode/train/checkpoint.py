@@ -1,0 +1,232 @@
+"""Local checkpoints of a node's outer state: crash-safe writes, verified reads, last K kept.
+
+A checkpoint is two files in one folder, named by the step:
+
+    ckpt-0000001200.safetensors   the `WorkerState` tensors (outer weights, outer momentum)
+    ckpt-0000001200.json          run id, config digest, step, round counters, outer step
+                                  counters, and the sha256 + size of the .safetensors file
+
+Both are written to a temp file, fsynced and renamed, tensors first; the JSON is the commit
+record, so a checkpoint exists only once its JSON is in place, and the folder is fsynced
+after the renames. A kill at any point leaves the previous checkpoints intact and at worst a
+stray temp or tensor file, which the next save removes. `load_latest` walks from the newest
+checkpoint down, checks the hash, run id and config digest, reports a bad one in one log line
+and falls back to the one before.
+
+`Checkpointer` is the training thread's handle: `maybe_save(worker)` after each step takes a
+copy of the outer state when one is due (`Worker.export_state`: the state after the rounds
+landed so far, named by the step at which exactly those have landed) and writes it in a
+background thread, so training never waits on the disk; a save still running when the next
+is due makes that one skipped, not queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from dilonode.train.state import WorkerState
+
+__all__ = ["Checkpointer", "latest_checkpoints", "load_checkpoint",
+           "load_latest", "save_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_NAME = re.compile(r"^ckpt-(\d{10})\.json$")
+# Called with the name of each point a save passes ("tensors-written", "tensors-renamed",
+# "meta-written"); tests use it to kill or fail a save at a chosen point.
+FaultHook = Callable[[str], None]
+
+
+def _stem(step: int) -> str:
+    return f"ckpt-{step:010d}"
+
+
+def _write_durably(path: Path, data: bytes, hook: FaultHook | None, point: str) -> None:
+    """Write `data` to `path` via a temp file: write, fsync, (hook), rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if hook:
+        hook(point)
+    os.replace(tmp, path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(directory: Path, state: WorkerState, run_id: str, digest: str,
+                    keep: int, hook: FaultHook | None = None) -> Path:
+    """Write `state` as a checkpoint in `directory` and prune to the newest `keep`; returns
+    the JSON path. Runs on any thread; `state` must not be mutated meanwhile (it is a copy)."""
+    from safetensors.torch import save
+
+    directory.mkdir(parents=True, exist_ok=True)
+    # Named by the step the worker was at (not the latest equivalent one joiners adopt).
+    if state.taken_at is not None:
+        state = dataclasses.replace(state, step=min(state.step, state.taken_at))
+    stem = _stem(state.step)
+    blob = save({k: v.contiguous() for k, v in state.tensors.items()},
+                metadata={"run_id": run_id, "config_digest": digest})
+    _write_durably(directory / f"{stem}.safetensors", blob, hook, "tensors-written")
+    if hook:
+        hook("tensors-renamed")
+    meta = {"format": FORMAT, "run_id": run_id, "config_digest": digest, "state": state.meta(),
+            "tensors_file": f"{stem}.safetensors", "tensors_bytes": len(blob),
+            "tensors_sha256": hashlib.sha256(blob).hexdigest(), "created": time.time()}
+    path = directory / f"{stem}.json"
+    _write_durably(path, json.dumps(meta, indent=1).encode(), hook, "meta-written")
+    _fsync_dir(directory)
+    _prune(directory, keep)
+    return path
+
+
+def latest_checkpoints(directory: Path) -> list[Path]:
+    """Committed checkpoints (their JSON files), newest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if _NAME.match(p.name)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def _prune(directory: Path, keep: int) -> None:
+    committed = latest_checkpoints(directory)
+    keep_stems = {p.stem for p in committed[:keep]}
+    for meta in committed[keep:]:
+        meta.unlink(missing_ok=True)  # uncommit first: a half-pruned one is never "valid"
+    for p in directory.iterdir():
+        stray = p.name.endswith(".tmp") or (p.suffix == ".safetensors"
+                                            and p.stem not in keep_stems)
+        if stray and p.name.startswith((".ckpt-", "ckpt-")):
+            p.unlink(missing_ok=True)
+
+
+def load_checkpoint(meta_path: Path, run_id: str, digest: str) -> WorkerState:
+    """Read and verify one checkpoint; ValueError with a one-line reason if it is unusable."""
+    from safetensors.torch import load
+
+    name = meta_path.stem
+    try:
+        meta = json.loads(meta_path.read_text())
+        blob = (meta_path.parent / str(meta["tensors_file"])).read_bytes()
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"checkpoint {name}: unreadable ({type(exc).__name__}: {exc})") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {name}: format {meta.get('format')!r} != {FORMAT}")
+    if meta.get("run_id") != run_id:
+        raise ValueError(f"checkpoint {name}: run id {meta.get('run_id')!r} != {run_id!r}")
+    if meta.get("config_digest") != digest:
+        raise ValueError(f"checkpoint {name}: made with different model/diloco/codec/seed "
+                         "settings (config digest differs)")
+    if len(blob) != meta.get("tensors_bytes") or \
+            hashlib.sha256(blob).hexdigest() != meta.get("tensors_sha256"):
+        raise ValueError(f"checkpoint {name}: tensors file is torn or corrupt (sha256 or size "
+                         "does not match its metadata)")
+    try:
+        return WorkerState.from_meta(meta["state"], load(blob))
+    except Exception as exc:  # a hash-valid file can still hold nonsense written by a bug
+        raise ValueError(f"checkpoint {name}: {exc}") from None
+
+
+def load_latest(directory: Path, run_id: str,
+                digest: str) -> tuple[WorkerState, Path] | None:
+    """The newest checkpoint that verifies, logging one line per one skipped; None if none."""
+    for meta_path in latest_checkpoints(directory):
+        try:
+            return load_checkpoint(meta_path, run_id, digest), meta_path
+        except ValueError as exc:
+            log.warning("%s; trying the previous one", exc)
+    return None
+
+
+class _Exportable(Protocol):
+    step: int
+    pending: dict[int, Any]
+
+    def export_state(self) -> WorkerState: ...
+
+
+class Checkpointer:
+    """Periodic background checkpoints of one worker; see the module docstring."""
+
+    def __init__(self, directory: Path, run_id: str, digest: str, every_steps: int,
+                 keep: int, hook: FaultHook | None = None) -> None:
+        self.directory, self.run_id, self.digest = directory, run_id, digest
+        self.every, self.keep, self.hook = every_steps, keep, hook
+        self._next_due = every_steps
+        self._thread: threading.Thread | None = None
+        self.saved: list[Path] = []
+        self.skipped = 0
+        self.failed = 0
+
+    def start_from(self, step: int) -> None:
+        """After a resume or a join: the next checkpoint is due a period after `step`."""
+        if self.every:
+            self._next_due = (step // self.every + 1) * self.every
+
+    def maybe_save(self, worker: _Exportable) -> bool:
+        """Training thread, after each step: start a background save if one is due."""
+        if not self.every or worker.step < self._next_due:
+            return False
+        self.start_from(worker.step)
+        if self._thread is not None and self._thread.is_alive():
+            self.skipped += 1
+            log.warning("checkpoint at step %d skipped: the previous one is still being "
+                        "written", worker.step)
+            return False
+        try:
+            state = worker.export_state()
+        except RuntimeError as exc:  # the schedule has no step without a round in flight
+            self.skipped += 1
+            log.warning("checkpoint at step %d skipped: %s", worker.step, exc)
+            return False
+        self.save_async(state)
+        return True
+
+    def save_async(self, state: WorkerState) -> None:
+        """Write `state` (a copy nobody mutates) in the background, after any save running."""
+        self.wait()
+        self._thread = threading.Thread(target=self._write, args=(state,),
+                                        name="dilonode-checkpoint", daemon=True)
+        self._thread.start()
+
+    def save_now(self, worker: _Exportable) -> Path | None:
+        """Write a checkpoint of the current state and wait for it (clean shutdown)."""
+        self.wait()
+        self._write(worker.export_state())
+        return self.saved[-1] if self.saved else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _write(self, state: WorkerState) -> None:
+        t0 = time.perf_counter()
+        try:
+            path = save_checkpoint(self.directory, state, self.run_id, self.digest, self.keep,
+                                   self.hook)
+        except Exception as exc:  # a full disk must not stop training; say it and go on
+            self.failed += 1
+            log.error("checkpoint at step %d failed: %s: %s", state.step,
+                      type(exc).__name__, exc)
+            return
+        self.saved.append(path)
+        log.info("checkpoint %s: %d bytes in %.2f s", path.name, state.nbytes,
+                 time.perf_counter() - t0)

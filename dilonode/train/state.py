@@ -1,0 +1,131 @@
+"""The part of a worker that outlives it: outer weights and outer momentum per fragment, the
+per-fragment round counters and the step, as plain CPU tensors plus a little metadata.
+
+`WorkerState` is what checkpoints (dilonode/train/checkpoint.py) write and what a joiner
+fetches from its peers (dilonode/statesync/). It is captured only at a round boundary (no
+fragment sync in flight), where every peer that took part in the same rounds holds the same
+bytes. Inner AdamW moments and the local (inner) weights are deliberately not part of it:
+see docs/architecture.md, "Joining a run in progress".
+
+`config_digest(cfg)` names the settings that give these tensors their meaning (model,
+effective outer algorithm, codec, seed); state made under another digest is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from dilonode.algo.outer import OuterState
+from dilonode.algo.schedule import SyncPlan
+from dilonode.config import RunConfig
+
+__all__ = ["WorkerState", "adoption_step", "config_digest", "tensor_names"]
+
+
+def config_digest(cfg: RunConfig) -> str:
+    """sha256 hex of the settings the outer state depends on (not paths, steps or network)."""
+    parts = {"model": cfg.model.model_dump(mode="json"),
+             "diloco": cfg.diloco.effective().model_dump(mode="json"),
+             "codec": cfg.codec.model_dump(mode="json"), "seed": cfg.seed}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def adoption_step(plan: SyncPlan, landed: list[int]) -> int | None:
+    """The latest step at which a worker following `plan` has landed exactly `landed[p]`
+    rounds of each fragment p and has none in flight, or None if no step does (when tau is
+    so long that some round is always in flight)."""
+    hi = min(plan.start_step(p, n) for p, n in enumerate(landed)) - 1  # before a next start
+    lo = max((plan.start_step(p, n - 1) + plan.delay for p, n in enumerate(landed) if n),
+             default=0)  # after the last landing
+    return hi if 0 <= lo <= hi else None
+
+
+def tensor_names(num_fragments: int) -> list[str]:
+    """Tensor names of a state with `num_fragments` fragments, in canonical order."""
+    return [f"outer.{p}.{kind}" for p in range(num_fragments) for kind in ("weights", "momentum")]
+
+
+@dataclass
+class WorkerState:
+    """Outer state after `rounds` landed rounds per fragment; `step` is the latest step at
+    which a worker holds exactly that, with no sync in flight (`adoption_step`)."""
+
+    step: int
+    rounds: tuple[int, ...]  # per fragment: rounds started (= landed) by `step`
+    outer_steps: tuple[int, ...]  # per fragment: outer steps applied (rounds minus refused)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> f32 CPU [numel_p]
+    taken_at: int | None = None  # the exporting worker's own step (> `step` if in flight)
+
+    @classmethod
+    def capture(cls, step: int, rounds: list[int], outer: list[OuterState],
+                reuse: WorkerState | None = None, taken_at: int | None = None) -> WorkerState:
+        """A copy of `outer` (so training may go on while it is written or served).
+
+        Fragments whose counters equal those in `reuse` (an earlier capture) have not changed
+        since (outer state moves only when a round lands), so its tensors are shared instead
+        of copied again."""
+        tensors: dict[str, torch.Tensor] = {}
+        for p, st in enumerate(outer):
+            if reuse is not None and p < reuse.num_fragments and \
+                    (reuse.rounds[p], reuse.outer_steps[p]) == (rounds[p], st.steps):
+                for kind in ("weights", "momentum"):
+                    tensors[f"outer.{p}.{kind}"] = reuse.tensors[f"outer.{p}.{kind}"]
+                continue
+            tensors[f"outer.{p}.weights"] = st.weights.detach().to("cpu", copy=True)
+            tensors[f"outer.{p}.momentum"] = st.momentum_buf.detach().to("cpu", copy=True)
+        return cls(step, tuple(rounds), tuple(st.steps for st in outer), tensors,
+                   step if taken_at is None else taken_at)
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def meta(self) -> dict[str, object]:
+        """The scalar part, JSON-ready."""
+        return {"step": self.step, "rounds": list(self.rounds),
+                "outer_steps": list(self.outer_steps)}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> WorkerState:
+        """Rebuild from `meta()` output and tensors; ValueError naming what is malformed."""
+        step, rounds, outer_steps = meta.get("step"), meta.get("rounds"), meta.get("outer_steps")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"state meta: step = {step!r} is not an integer >= 0")
+        for name, seq in (("rounds", rounds), ("outer_steps", outer_steps)):
+            if not isinstance(seq, list | tuple) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in seq):
+                raise ValueError(f"state meta: {name} = {seq!r} is not a list of integers >= 0")
+        assert isinstance(rounds, list | tuple) and isinstance(outer_steps, list | tuple)
+        if len(rounds) != len(outer_steps) or not rounds:
+            raise ValueError(f"state meta: {len(rounds)} round counters but "
+                             f"{len(outer_steps)} outer step counters")
+        state = cls(step, tuple(rounds), tuple(outer_steps), dict(tensors))
+        expected = set(tensor_names(len(rounds)))
+        if set(tensors) != expected:
+            raise ValueError(f"state tensors: got {sorted(tensors)}, expected {sorted(expected)}")
+        return state
+
+    def apply_to(self, outer: list[OuterState]) -> None:
+        """Copy into a worker's outer states; ValueError if the shapes do not match."""
+        if len(outer) != self.num_fragments:
+            raise ValueError(f"state has {self.num_fragments} fragments, this worker "
+                             f"{len(outer)} (diloco.num_fragments differs)")
+        for p, st in enumerate(outer):
+            for kind, dst in (("weights", st.weights), ("momentum", st.momentum_buf)):
+                src = self.tensors[f"outer.{p}.{kind}"]
+                if src.shape != dst.shape or src.dtype != dst.dtype:
+                    raise ValueError(f"state tensor outer.{p}.{kind}: {src.dtype} "
+                                     f"{tuple(src.shape)} does not fit {dst.dtype} "
+                                     f"{tuple(dst.shape)} (a different model?)")
+        for p, st in enumerate(outer):
+            st.weights.copy_(self.tensors[f"outer.{p}.weights"])
+            st.momentum_buf.copy_(self.tensors[f"outer.{p}.momentum"])
+            st.steps = self.outer_steps[p]

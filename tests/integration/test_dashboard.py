@@ -1,0 +1,179 @@
+"""A small live swarm (bootstrap + 2 nodes on 127.0.0.1): the dashboard draws real data in
+headless Chromium, /metrics moves as training goes on, and the bootstrap shows every node.
+
+Needs Debian's `chromium` (`.ci/run` installs it). To keep the screenshot it takes:
+    DILONODE_DASHBOARD_PNG=/tmp/dash.png .venv/bin/pytest -q tests/integration/test_dashboard.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytest.importorskip("hivemind")
+
+from dilonode.config import load_config  # noqa: E402
+from dilonode.swarm.local import LocalSwarm  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CONFIG = {
+    "run_id": "dash-test", "seed": 1, "eval_every": 5, "device": "cpu", "total_steps": 100000,
+    "model": {"preset": "nano"},
+    "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 1},
+    "diloco": {"mode": "streaming", "sync_every": 6, "num_fragments": 3,
+               "fragment_sync_delay": 1},
+    "codec": {"name": "int8"},
+    "network": {"matchmaking_window": 4.0, "matchmaking_timeout": 20.0,
+                "allreduce_timeout": 20.0, "max_attempts": 2},
+}
+POINTS = 5  # history points the charts must show
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        if path := shutil.which(name):
+            return path
+    pytest.fail("chromium is not installed: the dashboard test needs Debian's package "
+                "(`sudo apt-get install -y chromium`; .ci/run installs it in CI)")
+
+
+def browse(url: str, tmp: Path, *args: str) -> str:
+    """Load `url` in headless Chromium, let its scripts run 8 s of virtual time."""
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+           "--disable-background-networking", "--no-first-run", "--hide-scrollbars",
+           f"--user-data-dir={tmp / 'chromium-profile'}", "--virtual-time-budget=8000",
+           "--window-size=1280,900", *args, url]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read().decode()
+
+
+class Events:
+    """The swarm's child-process events, consumed with deadlines."""
+
+    def __init__(self, swarm: LocalSwarm) -> None:
+        self.swarm = swarm
+
+    def wait(self, pred, timeout: float, what: str) -> tuple[str, dict]:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                name, ev = self.swarm.events.get(timeout=left)
+            except queue.Empty:
+                break
+            if ev.get("event") == "eof":
+                raise AssertionError(f"{name} exited while waiting for {what} "
+                                     f"(see {self.swarm.out / name / 'stderr.log'})")
+            if pred(name, ev):
+                return name, ev
+        raise AssertionError(f"no {what} within {timeout} s")
+
+    def progress(self, node: str, timeout: float = 120) -> dict:
+        return self.wait(lambda n, e: n == node and e.get("event") == "progress", timeout,
+                         f"progress of {node}")[1]
+
+    def until(self, check, node: str, timeout: float, what: str):
+        """Re-evaluate `check()` after each progress event of `node` until it is truthy."""
+        deadline = time.monotonic() + timeout
+        while not (value := check()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} not reached within {timeout} s")
+            self.progress(node)
+        return value
+
+
+def scrape(url: str) -> dict[str, float]:
+    families = text_string_to_metric_families(get(url + "/metrics"))
+    return {s.name: s.value for f in families for s in f.samples if not s.labels}
+
+
+def line_pixels(png: Path) -> int:
+    """Pixels of the charts' first-series colour (#5aa9e6) in a screenshot."""
+    import matplotlib.image
+
+    img = matplotlib.image.imread(png)[..., :3]  # [H, W, 3] floats in 0..1
+    target = [0x5A / 255, 0xA9 / 255, 0xE6 / 255]
+    return int((abs(img - target).max(axis=-1) < 0.03).sum())
+
+
+@pytest.mark.timeout(420)
+def test_live_swarm_dashboard_metrics_and_swarm_view(tmp_path):
+    chromium()  # fail fast, before starting a swarm, when it is missing
+    cfg = load_config(overrides={**CONFIG, "paths": {"out_dir": str(tmp_path)}})
+    swarm = LocalSwarm(cfg, 2, forever=True)
+    events = Events(swarm)
+    try:
+        swarm.start()
+        assert swarm.status_url and swarm.status_url.startswith("http://127.0.0.1:")
+        urls = {}
+        while len(urls) < 2:
+            name, ev = events.wait(lambda n, e: e.get("event") == "started", 240, "started")
+            urls[name] = ev["status_url"]
+        node0 = urls["node-0"]
+        assert (tmp_path / "node-0" / "status.url").read_text().strip() == node0
+
+        # /metrics moves as training goes on
+        first = scrape(node0)
+        events.progress("node-0")
+        events.progress("node-0")
+        second = scrape(node0)
+        for name in ("dilonode_step", "dilonode_tokens_total", "dilonode_sent_bytes_total",
+                     "dilonode_uptime_seconds"):
+            assert second[name] > first[name], (name, first, second)
+        tokens_per_step = cfg.data.seq_len * cfg.data.batch_size
+        assert second["dilonode_tokens_total"] == second["dilonode_step"] * tokens_per_step
+
+        # the dashboard draws the history in a real browser
+        events.until(lambda: len(json.loads(get(node0 + "/history"))["t"]) >= POINTS,
+                     "node-0", 120, f"{POINTS} history points")
+        dom = browse(node0 + "/", tmp_path, "--dump-dom")
+        body = re.search(r"<body[^>]*>", dom)
+        assert body, dom[:500]
+        drawn = int(re.search(r'data-points="(\d+)"', body.group(0)).group(1))
+        assert drawn >= POINTS, body.group(0)
+        assert json.loads(get(node0 + "/status"))["peer_id"] in dom
+        shot = tmp_path / "dashboard.png"
+        browse(node0 + "/", tmp_path, f"--screenshot={shot}")
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert line_pixels(shot) > 500, "no chart lines in the screenshot"
+        if target := os.environ.get("DILONODE_DASHBOARD_PNG"):
+            shutil.copyfile(shot, target)
+
+        # the bootstrap shows both nodes, in JSON, in the terminal and in the browser
+        seen: list[dict] = []
+
+        def both_training():
+            seen.append(json.loads(get(swarm.status_url + "/status")))
+            nodes = seen[-1]["nodes"]
+            return len(nodes) == 2 and all(n["step"] > 0 for n in nodes) and nodes
+        try:
+            nodes = events.until(both_training, "node-0", 90, "both nodes in the swarm view")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last views: {seen[-3:]}") from None
+        assert {n["url"] for n in nodes} == set(urls.values())
+        proc = subprocess.run([sys.executable, "-m", "dilonode.cli", "status",
+                               swarm.status_url], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "swarm dash-test: 2 node(s)" in proc.stdout
+        assert all(u in proc.stdout for u in urls.values())
+        swarm_dom = browse(swarm.status_url + "/", tmp_path, "--dump-dom")
+        assert all(n["peer_id"][:16] in swarm_dom for n in nodes)
+    finally:
+        swarm.stop()

@@ -1,0 +1,254 @@
+"""Checkpoints: crash-safe writes, verified reads with fallback, pruning, background saves,
+and the worker's state export/import they are made of."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dilonode.algo.codecs import get_codec
+from dilonode.collective import LocalGroup
+from dilonode.config import load_config
+from dilonode.train.checkpoint import (
+    Checkpointer,
+    latest_checkpoints,
+    load_checkpoint,
+    load_latest,
+    save_checkpoint,
+)
+from dilonode.train.data import load_data
+from dilonode.train.state import WorkerState, config_digest
+from dilonode.train.worker import Worker
+
+RUN, DIGEST = "ckpt-test", "ab" * 32
+
+
+def _state(step: int, numel: int = 100) -> WorkerState:
+    g = torch.Generator().manual_seed(step)
+    tensors = {f"outer.{p}.{k}": torch.randn(numel + p, generator=g)
+               for p in range(2) for k in ("weights", "momentum")}
+    return WorkerState(step, (step // 10, step // 10), (step // 10, step // 10), tensors)
+
+
+def _same(a: WorkerState, b: WorkerState) -> bool:
+    return a.meta() == b.meta() and all(torch.equal(t, b.tensors[n])
+                                        for n, t in a.tensors.items())
+
+
+def test_roundtrip_and_metadata(tmp_path):
+    path = save_checkpoint(tmp_path, _state(30), RUN, DIGEST, keep=3)
+    meta = json.loads(path.read_text())
+    assert meta["run_id"] == RUN and meta["config_digest"] == DIGEST
+    assert meta["state"] == {"step": 30, "rounds": [3, 3], "outer_steps": [3, 3]}
+    loaded, where = load_latest(tmp_path, RUN, DIGEST)
+    assert where == path and _same(loaded, _state(30))
+
+
+def test_keeps_only_the_newest_k(tmp_path):
+    for step in (10, 20, 30, 40, 50):
+        save_checkpoint(tmp_path, _state(step), RUN, DIGEST, keep=3)
+    assert [p.name for p in latest_checkpoints(tmp_path)] == [
+        "ckpt-0000000050.json", "ckpt-0000000040.json", "ckpt-0000000030.json"]
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
+        f"ckpt-00000000{s}.safetensors" for s in (30, 40, 50)]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog, damage):
+    save_checkpoint(tmp_path, _state(10), RUN, DIGEST, keep=3)
+    save_checkpoint(tmp_path, _state(20), RUN, DIGEST, keep=3)
+    blob = tmp_path / "ckpt-0000000020.safetensors"
+    raw = bytearray(blob.read_bytes())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0x40
+    else:
+        raw = raw[: len(raw) // 2]
+    blob.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        loaded, where = load_latest(tmp_path, RUN, DIGEST)
+    assert where.name == "ckpt-0000000010.json" and _same(loaded, _state(10))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "ckpt-0000000020" in lines[0] and "torn or corrupt" in lines[0]
+    assert "\n" not in lines[0]
+
+
+def test_other_run_or_config_is_refused_with_a_reason(tmp_path):
+    path = save_checkpoint(tmp_path, _state(10), RUN, DIGEST, keep=3)
+    with pytest.raises(ValueError, match="run id 'ckpt-test' != 'other'"):
+        load_checkpoint(path, "other", DIGEST)
+    with pytest.raises(ValueError, match="config digest differs"):
+        load_checkpoint(path, RUN, "cd" * 32)
+    assert load_latest(tmp_path, RUN, "cd" * 32) is None
+
+
+@pytest.mark.parametrize("point", ["tensors-written", "tensors-renamed", "meta-written"])
+def test_a_failure_mid_save_leaves_the_previous_checkpoint(tmp_path, point):
+    save_checkpoint(tmp_path, _state(10), RUN, DIGEST, keep=3)
+
+    def fail(at: str) -> None:
+        if at == point:
+            raise OSError(f"injected at {at}")
+
+    with pytest.raises(OSError, match="injected"):
+        save_checkpoint(tmp_path, _state(20), RUN, DIGEST, keep=3, hook=fail)
+    loaded, where = load_latest(tmp_path, RUN, DIGEST)
+    assert where.name == "ckpt-0000000010.json" and _same(loaded, _state(10))
+    # the next save clears what the failed one left behind
+    save_checkpoint(tmp_path, _state(30), RUN, DIGEST, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-0000000010.json", "ckpt-0000000010.safetensors",
+        "ckpt-0000000030.json", "ckpt-0000000030.safetensors"]
+
+
+_CHILD = """
+import sys, time, torch
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from dilonode.train.checkpoint import save_checkpoint
+from dilonode.train.state import WorkerState
+d, point = Path(sys.argv[1]), sys.argv[2]
+def state(step):
+    return WorkerState(step, (1,), (1,), {{"outer.0.weights": torch.full((1000,), float(step)),
+                                          "outer.0.momentum": torch.zeros(1000)}})
+save_checkpoint(d, state(10), "r", "d", keep=3)
+def hook(at):
+    if at == point:
+        (d / "ready").touch()
+        time.sleep(600)  # parked here until the parent SIGKILLs us
+save_checkpoint(d, state(20), "r", "d", keep=3, hook=hook)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("point", ["tensors-renamed"])
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path, point):
+    root = str(Path(__file__).parents[2])
+    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(root=root),
+                              str(tmp_path), point])
+    try:
+        deadline = time.monotonic() + 45
+        while not (tmp_path / "ready").exists():
+            assert child.poll() is None, "child exited before reaching the save point"
+            assert time.monotonic() < deadline, "child never reached the save point"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    loaded, where = load_latest(tmp_path, "r", "d")
+    assert loaded.step == 10 and torch.equal(loaded.tensors["outer.0.weights"],
+                                             torch.full((1000,), 10.0))
+
+
+class _FakeWorker:
+    def __init__(self) -> None:
+        self.step, self.pending, self.exportable = 0, {}, True
+
+    def export_state(self) -> WorkerState:
+        if not self.exportable:
+            raise RuntimeError("no step without a round in flight")
+        return _state(self.step)
+
+
+def test_checkpointer_saves_in_background_at_boundaries_and_skips_when_busy(tmp_path):
+    release, entered = threading.Event(), threading.Event()
+
+    def slow_disk(at: str) -> None:
+        if at == "tensors-written":
+            entered.set()
+            assert release.wait(30)
+
+    ck = Checkpointer(tmp_path, RUN, DIGEST, every_steps=5, keep=10, hook=slow_disk)
+    w = _FakeWorker()
+    w.step = 4
+    assert not ck.maybe_save(w)  # not due
+    w.step, w.exportable = 5, False
+    assert not ck.maybe_save(w) and ck.skipped == 1  # due, but no consistent state
+    w.step, w.exportable = 6, True
+    assert not ck.maybe_save(w)  # next one due at 10
+    w.step = 10
+    t0 = time.perf_counter()
+    assert ck.maybe_save(w)
+    assert entered.wait(30)
+    w.step = 15
+    assert not ck.maybe_save(w) and ck.skipped == 2  # previous still writing: skipped
+    assert time.perf_counter() - t0 < 5, "maybe_save must not wait for the disk"
+    release.set()
+    ck.wait(30)
+    w.step = 20
+    assert ck.maybe_save(w)
+    ck.wait(30)
+    assert [p.name for p in latest_checkpoints(tmp_path)] == [
+        "ckpt-0000000020.json", "ckpt-0000000010.json"]
+
+
+def _worker(cfg, identity=0) -> tuple[Worker, LocalGroup]:
+    group = LocalGroup(1, get_codec(cfg.codec.name, cfg.codec.block_size))
+    return Worker(cfg, load_data(cfg.data), group.view(0), identity=identity), group
+
+
+def test_worker_export_import_roundtrip():
+    cfg = load_config(overrides={
+        "model": {"preset": "nano"}, "device": "cpu",
+        "data": {"seq_len": 16, "batch_size": 2},
+        "diloco": {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1},
+        "codec": {"name": "float32"}})
+    a, _ = _worker(cfg)
+    while a.step < 9:
+        a.train_step()
+        a.launch()
+        if a.step == 8:  # fragment 1 starts at 8 and lands at 9: in flight now, so the
+            mid = a.export_state()  # state is the one a worker holds at the end of step 7
+            assert (mid.step, mid.rounds) == (7, (2, 1))
+        a.land()
+    state = a.export_state()
+    assert state.step == 9 and state.rounds == (2, 2)
+    b, _ = _worker(cfg, identity=1)
+    b.import_state(state)
+    assert b.step == 9 and torch.equal(b.outer_flat(), a.outer_flat())
+    # local weights start at the outer weights; inner AdamW starts empty
+    for local, outer in zip(b.model.parameters(), b.outer_model().parameters(), strict=True):
+        assert torch.equal(local, outer)
+    assert not b.opt.state
+    assert config_digest(cfg) != config_digest(cfg.model_copy(update={"seed": 1}))
+    bad = WorkerState(10, state.rounds, state.outer_steps, state.tensors)
+    with pytest.raises(ValueError, match="round counters"):
+        b.import_state(bad)  # at step 10 fragment 0 has started its third round
+
+
+class _ResumingWorker:
+    step, pending, wait_hook = 0, {}, None
+
+    def __init__(self) -> None:
+        self.imported: list[WorkerState] = []
+
+    def import_state(self, state: WorkerState) -> None:
+        self.imported.append(state)
+        self.step = state.step
+
+
+def test_resume_skips_a_torn_newest_checkpoint_then_publishes(tmp_path):
+    from dilonode.statesync.keeper import StateKeeper
+
+    cfg = load_config(overrides={"run_id": RUN, "paths": {"out_dir": str(tmp_path)},
+                                 "statesync": {"enabled": False}})
+    digest = config_digest(cfg)
+    save_checkpoint(tmp_path / "ckpt", _state(10), RUN, digest, keep=3)
+    save_checkpoint(tmp_path / "ckpt", _state(20), RUN, digest, keep=3)
+    (tmp_path / "ckpt" / "ckpt-0000000020.safetensors").write_bytes(b"torn")
+    worker, published = _ResumingWorker(), []
+    keeper = StateKeeper(cfg, resume=True)
+    keeper.prepare(worker, thread=None, dht=None, publish=lambda: published.append(True))
+    assert [s.step for s in worker.imported] == [10] and _same(worker.imported[0], _state(10))
+    assert keeper.resumed_from.name == "ckpt-0000000010.json" and published == [True]

@@ -1,0 +1,162 @@
+"""The all-reduce's fast paths: the sum-based finiteness check, decoding straight into an
+output slice, the reused body buffer of the frame decoder, and the BLAKE3 round digests.
+Each is checked against the straightforward computation it replaces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dilonode.algo.codecs import CODEC_NAMES, CodecError, all_finite, get_codec
+from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet, RoundState
+from dilonode.allreduce.round import chunk_hash, part_digest, result_digest, round_digest
+from dilonode.wire import Contribution, encode_frame
+from dilonode.wire.framing import FrameDecoder
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+# ---------------------------------------------------------------------- all_finite
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [0, 517, 999])
+def test_all_finite_finds_one_bad_value_anywhere(bad: float, where: int) -> None:
+    x = torch.randn(1000)
+    assert all_finite(x) and all_finite(x.numpy())
+    x[where] = bad
+    assert not all_finite(x) and not all_finite(x.numpy())
+
+
+def test_all_finite_is_not_fooled_by_an_overflowing_sum() -> None:
+    x = torch.full((64,), F32_MAX)  # finite values whose float32 sum is inf
+    assert all_finite(x) and all_finite(x.numpy())
+    y = torch.tensor([F32_MAX, float("inf"), -F32_MAX])
+    assert not all_finite(y)
+    z = torch.tensor([float("inf"), float("-inf")])  # sums to NaN
+    assert not all_finite(z)
+    half = torch.tensor([1.0, 3e38, 3e38, float("nan")], dtype=torch.bfloat16)
+    assert all_finite(half[:3]) and not all_finite(half)  # the exact check for any dtype
+
+
+# ---------------------------------------------------------------------- decode_into
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("numel", [1, 63, 200])
+def test_decode_into_a_slice_equals_decode_and_leaves_the_rest(name: str, numel: int) -> None:
+    codec = get_codec(name, 8)
+    data, meta = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(1)))
+    buf = torch.full((numel + 10,), 7.0)
+    codec.decode_into(data, meta, buf[5:5 + numel])
+    assert torch.equal(buf[5:5 + numel], codec.decode(data, meta))
+    assert bool((buf[:5] == 7.0).all()) and bool((buf[5 + numel:] == 7.0).all())
+
+
+@pytest.mark.parametrize("name", ["float32", "int4"])
+def test_decode_into_refuses_an_unusable_target(name: str) -> None:
+    codec = get_codec(name, 8)
+    data, meta = codec.encode(torch.randn(16))
+    for bad in (torch.empty(15), torch.empty(16, dtype=torch.float64),
+                torch.empty(32)[::2], np.empty(16, np.float32)):
+        with pytest.raises(CodecError, match="decode_into needs"):
+            codec.decode_into(data, meta, bad)  # type: ignore[arg-type]
+
+
+def test_float32_decode_into_refuses_non_finite_payload() -> None:
+    codec = get_codec("float32")
+    data = np.array([1.0, np.nan, 2.0], dtype="<f4").tobytes()
+    _, meta = codec.encode(torch.zeros(3))
+    with pytest.raises(CodecError, match="non-finite"):
+        codec.decode_into(data, meta, torch.empty(3))
+
+
+# ---------------------------------------------------------------------- frame decoder
+
+
+def _contribution(numel: int, seed: int) -> Contribution:
+    payload = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).numpy()
+    return Contribution(run_id="r", fragment=0, round=1, sender=1, owner=0, chunk=0,
+                        n_chunks=1, offset=0, numel=numel, codec="float32", block_size=64,
+                        payload=payload.tobytes())
+
+
+@pytest.mark.parametrize("piece", [1000, 65_537, 300_000])
+def test_large_frames_decode_through_the_reused_body_buffer(piece: int) -> None:
+    # A large frame, a smaller large one (the buffer is reused, not shrunk) and a small one,
+    # cut at arbitrary points; the caller overwrites its buffer after every feed call.
+    msgs = [_contribution(100_000, 1), _contribution(40_000, 2), _contribution(10, 3)]
+    stream = b"".join(encode_frame(m) for m in msgs)
+    decoder = FrameDecoder()
+    scratch = bytearray(piece)
+    got = []
+    for at in range(0, len(stream), piece):
+        part = stream[at:at + piece]
+        scratch[:len(part)] = part
+        got += decoder.feed(memoryview(scratch)[:len(part)])
+        scratch[:] = bytes(len(scratch))  # the decoder must have copied what it keeps
+    assert got == msgs
+    assert decoder.buffered == 0
+
+
+# ---------------------------------------------------------------------- digests
+
+
+def _spec(n: int, numel: int, codec: str, weights: tuple[float, ...]) -> GroupSpec:
+    return GroupSpec(run_id="run", fragment=0, round=3, members=tuple(f"p{i}" for i in range(n)),
+                     weights=weights, numel=numel, codec=codec, block_size=32, chunk_numel=96)
+
+
+@pytest.mark.parametrize("codec", ["float32", "int4"])
+def test_round_digest_is_the_result_digest_of_the_values_everyone_holds(codec: str) -> None:
+    spec = _spec(3, 1000, codec, (1.0, 0.0, 2.0))  # member 1 owns an empty part
+    xs = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    rounds = [AllReduceRound(spec, i, x) for i, x in enumerate(xs)]
+    MemNet(rounds).run()
+    assert all(r.state is RoundState.DONE for r in rounds)
+    expected = result_digest(rounds[0].result, spec)
+    assert [r.digest for r in rounds] == [expected] * 3
+    changed = rounds[0].result.clone()
+    changed[999] = torch.nextafter(changed[999], torch.tensor(1e9))  # one ulp, last part
+    assert result_digest(changed, spec) != expected
+
+
+def test_digests_are_blake3_chained_as_specified() -> None:
+    import blake3
+
+    values = torch.arange(10, dtype=torch.float32)
+    assert chunk_hash(values) == blake3.blake3(values.numpy().astype("<f4").tobytes()).digest()
+    parts = [part_digest([chunk_hash(values[:4]), chunk_hash(values[4:])]), part_digest([])]
+    assert parts[1] == blake3.blake3(b"").hexdigest()
+    joined = bytes.fromhex(parts[0]) + bytes.fromhex(parts[1])
+    assert round_digest(parts) == blake3.blake3(joined).hexdigest()
+
+
+# ---------------------------------------------------------------------- result buffer
+
+
+def test_round_writes_its_result_into_a_given_buffer() -> None:
+    spec = _spec(3, 500, "int8", (1.0, 1.0, 1.0))
+    xs = [torch.randn(500, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    plain = [AllReduceRound(spec, i, x) for i, x in enumerate(xs)]
+    MemNet(plain).run()
+    bufs = [torch.full((500,), float("nan")) for _ in range(3)]
+    given = [AllReduceRound(spec, i, x, out=b)
+             for i, (x, b) in enumerate(zip(xs, bufs, strict=True))]
+    MemNet(given).run()
+    for r, b, ref in zip(given, bufs, plain, strict=True):
+        assert r.state is RoundState.DONE
+        assert r.result.data_ptr() == b.data_ptr() and torch.equal(b, ref.result)
+        assert r.digest == ref.digest
+
+
+def test_result_buffer_must_fit_and_not_overlap_local() -> None:
+    spec = _spec(2, 64, "float32", (1.0, 1.0))
+    local = torch.zeros(128)
+    for bad in (torch.empty(63), torch.empty(64, dtype=torch.float64), torch.empty(128)[::2],
+                np.zeros(64, np.float32),
+                local[32:96]):
+        with pytest.raises(ValueError, match="out:"):
+            AllReduceRound(spec, 0, local[:64], out=bad)
+    AllReduceRound(spec, 0, local[:64], out=local[64:])  # adjacent, not overlapping
