@@ -206,6 +206,7 @@ class Node:
 
         def hook(worker: Any, rep: Any) -> None:
             self.keeper.on_step(worker)
+            self.keeper.resync_if_behind(worker, self.collective.thread, self.dht)
             self.status.on_step(worker, rep)
             if on_step is not None:
                 on_step(worker, rep)

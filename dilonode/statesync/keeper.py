@@ -61,6 +61,7 @@ class StateKeeper:
         self.server: StateServer | None = None
         self.recovery: Recovery | None = None
         self.resumed_from: Path | None = None
+        self._alone_seen = 0
 
     # -- start -------------------------------------------------------------------------
     def start_server(self, thread: Any) -> str | None:
@@ -114,13 +115,17 @@ class StateKeeper:
         log.info("resumed from checkpoint %s at step %d", path.name, state.step)
 
     def _recover(self, worker: Any, thread: Any, peers: dict[str, str],
-                 before_final: Callable[[], Awaitable[None]]) -> None:
+                 before_final: Callable[[], Awaitable[None]], *,
+                 same_rounds: bool = False) -> None:
+        """`same_rounds`: also take a state with as many rounds as ours (ours may have
+        diverged in a lone round), but only when its content differs from ours."""
         if not peers:
             return
         sc = self.cfg.statesync
         local = worker.export_state()
         job = recover(peers, local, self.cfg.run_id, self.digest, sc,
-                      min_rounds=sum(local.rounds), before_final=before_final)
+                      min_rounds=sum(local.rounds) - int(same_rounds),
+                      before_final=before_final)
         try:
             got = thread.run(asyncio.wait_for(job, sc.recover_timeout),
                              timeout=sc.recover_timeout + 10.0)
@@ -131,6 +136,9 @@ class StateKeeper:
             log.info("state sync: %d peer(s) serve no state with more rounds than ours %s; "
                      "not recovering", len(peers), list(local.rounds))
             return
+        if same_rounds and got.fetched_bytes == 0 and got.state.rounds == local.rounds:
+            log.info("state sync: peers hold the same state as ours; nothing to adopt")
+            return
         worker.import_state(got.state)
         self.recovery = got
         log.info("state sync: recovered step %d (rounds %s) from %d peer(s): %d bytes "
@@ -140,6 +148,29 @@ class StateKeeper:
                  got.passes, len(got.agreed_by))
 
     # -- training thread -----------------------------------------------------------------
+    def resync_if_behind(self, worker: Any, thread: Any, dht: Any) -> None:
+        """After a round this node went through alone while peers are live, it is behind
+        them (a timeout cost it more than the matchmaking window, so it can no longer meet
+        them) or its copy diverged: fetch the state of peers that landed more rounds and
+        jump to it, as a joiner does. Only between syncs (nothing in flight)."""
+        if (not (self.active and self.cfg.statesync.enabled) or worker.pending
+                or worker.stats.alone == self._alone_seen):
+            return
+        self._alone_seen = worker.stats.alone
+        peers = _serving_peers(dht)
+        if not peers:
+            return
+
+        async def already_visible() -> None:
+            return None
+
+        log.info("went on alone with %d live peer(s) around: checking whether they are ahead",
+                 len(peers))
+        try:
+            self._recover(worker, thread, peers, already_visible, same_rounds=True)
+        except (RecoveryError, OSError, ValueError) as exc:
+            log.warning("state sync after a lone round failed: %s", exc)
+
     def training(self, on: bool) -> None:
         self.source.training(on)
 

@@ -53,6 +53,7 @@ class WorkerStats:
     rounds: dict[int, int] = field(default_factory=dict)  # fragment -> rounds applied
     rejected: int = 0  # averaged results refused (non-finite)
     skipped: int = 0  # rounds where every attempt failed and the worker went on alone
+    alone: int = 0  # fragment rounds that ended in a group of one (skipped or nobody came)
     retried: int = 0  # rounds that needed more than one attempt
     dropped: list[str] = field(default_factory=list)  # recent "peer: reason" exclusions
     sync_wait_s: float = 0.0  # time the training thread spent blocked on a sync result
@@ -68,6 +69,7 @@ class WorkerStats:
         self.peak_sync_bytes = max(self.peak_sync_bytes, result.payload_bytes_sent)
         self.syncs += 1
         self.skipped += int(result.skipped)
+        self.alone += int(fragment >= 0 and result.group_size < 2)
         self.retried += int(result.attempts > 1)
         self.dropped = (self.dropped + list(result.dropped))[-self._MAX_DROPPED:]
         n, total, worst = self.latency.get(fragment, (0, 0.0, 0.0))
@@ -283,7 +285,7 @@ class Worker:
         """Adopt `state` (joining or resuming): outer state, step, and local weights set to
         the outer weights; inner AdamW starts fresh (docs/architecture.md says why)."""
         if self.plan is None or self.pending:
-            raise RuntimeError("import_state: only before training, outside mode=ddp")
+            raise RuntimeError("import_state: only with no sync in flight, outside mode=ddp")
         expected = [self.plan.rounds_started(p, state.step) for p in range(len(self.outer))]
         if list(state.rounds) != expected:
             raise ValueError(f"state at step {state.step} has round counters "

@@ -1,0 +1,148 @@
+"""The WAN test bed (deploy/testbed.py): tbf limits hold, teardown leaves nothing behind (also
+when its owner is SIGTERMed or SIGKILLed), and 3 nodes train across namespaces.
+
+Needs root, `ip` and `tc`; skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deploy.testbed import (
+    SwarmHosts,
+    Testbed,
+    leftovers,
+    measure_mbit,
+    swarm_on_testbed,
+    sweep,
+    unavailable_reason,
+)
+
+REASON = unavailable_reason()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+ROOT = Path(__file__).parents[2]
+
+# A child that builds a test bed, starts a long-lived process inside host h0, prints the
+# tag and that process's pid, then waits to be signalled.
+OWNER = """
+import subprocess, sys, threading
+from deploy.testbed import Testbed
+bed = Testbed(2, rate_mbit=10).start()
+inner = bed.popen("h0", [sys.executable, "-c", "import threading; threading.Event().wait()"])
+print(bed.tag, inner.pid, flush=True)
+threading.Event().wait()
+"""
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise AssertionError(f"no output within {timeout} s")
+    return proc.stdout.readline()
+
+
+def _start_owner() -> tuple[subprocess.Popen, str, int]:
+    proc = subprocess.Popen([sys.executable, "-c", OWNER], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    tag, inner = _readline(proc, 30).split()
+    assert leftovers([tag]), "the test bed was not built"
+    return proc, tag, int(inner)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a killed child of a dead owner is reaped by init; until then it is a zombie
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+@pytest.mark.timeout(120)
+def test_tbf_caps_a_tcp_stream_at_the_host_rate():
+    with Testbed(["a", "b", "c"], rate_mbit=20, rates={"c": 80}) as bed:
+        a_to_b = measure_mbit(bed, "a", "b", 4_000_000)
+        b_to_a = measure_mbit(bed, "b", "a", 4_000_000)
+        # c's own link is faster: a stream into c is held by a's 20 Mbit/s upload
+        a_to_c = measure_mbit(bed, "a", "c", 4_000_000)
+        c_to_b = measure_mbit(bed, "c", "b", 4_000_000)
+        bed.set_rate("b", 60)
+        c_to_b_faster = measure_mbit(bed, "c", "b", 12_000_000)
+    for got in (a_to_b, b_to_a, a_to_c, c_to_b):
+        assert 0.8 * 20 <= got <= 1.05 * 20, (a_to_b, b_to_a, a_to_c, c_to_b)
+    assert 0.8 * 60 <= c_to_b_faster <= 1.05 * 60, c_to_b_faster
+
+
+@pytest.mark.timeout(60)
+def test_close_removes_namespaces_links_and_their_processes():
+    bed = Testbed(3, rate_mbit=50).start()
+    tag = bed.tag
+    inner = bed.popen("h1", [sys.executable, "-c", "import threading; threading.Event().wait()"])
+    found = leftovers([tag])
+    assert len(found) == 3 + 3 + 1, found  # 3 namespaces, 3 outer veth ends, the bridge
+    bed.close()
+    assert inner.wait(timeout=10) == -signal.SIGKILL
+    assert leftovers([tag]) == []
+    bed.close()  # idempotent
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_owner_tears_the_bed_down():
+    proc, tag, inner = _start_owner()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM  # the default disposition still acts
+    assert leftovers([tag]) == []
+    assert _gone(inner)
+
+
+@pytest.mark.timeout(60)
+def test_sweep_removes_what_a_sigkilled_owner_left():
+    proc, tag, inner = _start_owner()
+    proc.kill()
+    proc.wait(timeout=10)
+    assert leftovers([tag]), "a SIGKILLed owner cannot clean up; sweep must"
+    removed = sweep()
+    assert any(tag in name for name in removed), removed
+    assert leftovers([tag]) == []
+    assert _gone(inner)
+
+
+@pytest.mark.timeout(420)
+def test_three_nodes_train_across_namespaces_and_agree(tmp_path):
+    pytest.importorskip("hivemind")
+    from dilonode.config import load_config
+
+    cfg = load_config(overrides={
+        "run_id": "testbed-3", "seed": 3, "total_steps": 12, "eval_every": 6, "device": "cpu",
+        "model": {"preset": "nano"}, "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
+        "diloco": {"mode": "streaming", "sync_every": 6, "num_fragments": 3,
+                   "fragment_sync_delay": 1, "fragment_update_alpha": 0.5},
+        "codec": {"name": "int4"},
+        "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 40.0,
+                    "allreduce_timeout": 20.0, "max_attempts": 2, "bandwidth_mbps": 50.0},
+        "paths": {"out_dir": str(tmp_path)}})
+    names = ["bootstrap", "node-0", "node-1", "node-2"]
+    started: dict[str, str] = {}
+    with swarm_on_testbed(cfg, 3, rate_mbit=50) as (bed, swarm):
+        assert isinstance(swarm.placement, SwarmHosts) and bed.hosts["bootstrap"].rate_mbit is None
+        swarm.start()
+        summaries = swarm.follow(lambda name, ev: started.update({name: ev["data_addr"]})
+                                 if ev.get("event") == "started" else None)
+        addrs = {n: bed.addr(n) for n in names}
+    assert all(p.returncode == 0 for p in swarm.procs)
+    # each node's data plane listened on its own namespace's address, not loopback
+    assert {n: a.rsplit(":", 1)[0] for n, a in started.items()} == \
+        {n: addrs[n] for n in names[1:]}
+    assert sorted(summaries) == names[1:]
+    assert len({s["outer_digest"] for s in summaries.values()}) == 1, "nodes disagree"
+    for s in summaries.values():
+        assert s["skipped_rounds"] == 0, s["dropped_peers"]
+        assert s["rounds_per_fragment"] == {"0": 2, "1": 2, "2": 2}
+        assert s["bytes_sent"] > 0
