@@ -78,7 +78,7 @@ class Node:
         self.tunnel: Any = None  # libp2p-stream fallback of the data plane (swarm.tunnel)
         self.bans: BanTracker | None = None  # peers left out for repeated rejections
         self.status = NodeStatus(cfg.run_id, cfg.total_steps, history=cfg.status.history,
-                                 peers=self._peers_seen)
+                                 peers=self._peers_seen, trust=self._trust_counters)
         self.status_server: Any = None
 
     # -- life cycle ------------------------------------------------------------------------
@@ -130,6 +130,13 @@ class Node:
         w = self.worker
         return {"step": w.step if w is not None else 0, "worker": self.worker_id,
                 **self.status.summary()}
+
+    def _trust_counters(self) -> dict[str, int]:
+        return {"unauthorized_connections":
+                self.collective.unauthorized_attempts if self.collective else 0,
+                "unauthorized_records": self.dht.unauthorized_records if self.dht else 0,
+                "rejected_contributions": self.bans.rejections_total if self.bans else 0,
+                "peer_bans": self.bans.bans_total if self.bans else 0}
 
     def _peers_seen(self) -> int:
         # max_age=inf: the last read membership made, never a DHT call on a reader's thread.

@@ -99,7 +99,17 @@ def node_metrics(s: Mapping[str, Any]) -> list[Metric]:
                  s["skipped_rounds"]),
         _counter("dilonode_sync_retried_total", "Rounds that needed more than one attempt.",
                  s["retried_rounds"]),
+        *(_counter(f"dilonode_{name}_total", help, s.get("trust", {}).get(name))
+          for name, help in _TRUST_COUNTERS),
     ]
+
+
+_TRUST_COUNTERS = (
+    ("unauthorized_connections", "Data connections refused in the handshake."),
+    ("unauthorized_records", "DHT records ignored: bad signature or identity not allowed."),
+    ("rejected_contributions", "Rounds in which a peer's contribution was rejected."),
+    ("peer_bans", "Peers banned for repeated rejected contributions."),
+)
 
 
 def swarm_metrics(s: Mapping[str, Any]) -> list[Metric]:

@@ -62,6 +62,7 @@ class NodeStatus:
 
     def __init__(self, run_id: str, total_steps: int | None = None, *, history: int = 600,
                  sample_every: float = 1.0, peers: Callable[[], int] | None = None,
+                 trust: Callable[[], dict[str, int]] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.run_id = run_id
         self.total_steps = total_steps
@@ -71,6 +72,7 @@ class NodeStatus:
         self.state = "starting"
         self.sample_every = sample_every
         self._peers = peers or (lambda: 0)
+        self._trust = trust or dict  # counters of refused peers, records and contributions
         self._clock = clock
         self._lock = threading.Lock()
         self._started = clock()
@@ -143,7 +145,7 @@ class NodeStatus:
     # -- readers (any thread) --------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """Everything the status page shows, as plain JSON-ready values."""
-        peers = self._peers()
+        peers, trust = self._peers(), self._trust()
         with self._lock:
             syncs = dict(self._syncs)
             rounds = dict(self._rounds)
@@ -155,7 +157,7 @@ class NodeStatus:
                 "uptime_s": round(self._clock() - self._started, 1),
                 "total_steps": self.total_steps, **self._cur, **self._rates,
                 "peers_seen": peers, "skipped_rounds": self._skipped,
-                "retried_rounds": self._retried,
+                "retried_rounds": self._retried, "trust": trust,
             }
         out["syncs"] = [{"fragment": label, "rounds": rounds[label],
                          "last": {"round": r.round, "at_step": r.at_step,

@@ -171,3 +171,18 @@ def test_a_taken_port_is_a_one_line_error():
             await first.aclose()
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_trust_counters_are_exported():
+    status = NodeStatus("run-1", trust=lambda: {"unauthorized_connections": 3,
+                                                "unauthorized_records": 2,
+                                                "rejected_contributions": 5, "peer_bans": 1})
+    text = render(node_metrics(status.snapshot()))
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["dilonode_unauthorized_connections"].samples[0].value == 3
+    assert families["dilonode_unauthorized_records"].samples[0].value == 2
+    assert families["dilonode_rejected_contributions"].samples[0].value == 5
+    assert families["dilonode_peer_bans"].samples[0].value == 1
+    # a node without those counters (no trust provider) exports none of them
+    plain = render(node_metrics(NodeStatus("run-1").snapshot()))
+    assert "unauthorized" not in plain
