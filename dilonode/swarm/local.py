@@ -205,6 +205,13 @@ def run_local_swarm(cfg: RunConfig, nodes: int, config_path: str | None = None,
             bar.write(f"{name}: peer {ev['peer_id'][:16]}… data {ev['data_addr']}  "
                       f"dashboard {ev.get('status_url') or '-'}")
 
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    # SIGTERM (and SIGINT, which a shell ignores in background jobs) stop the whole swarm,
+    # bootstrap included, like Ctrl+C does.
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     try:
         swarm.start()
         bar.write(f"bootstrap: {' '.join(swarm.maddrs)}")

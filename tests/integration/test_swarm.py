@@ -156,3 +156,31 @@ def test_sigkilled_node_costs_the_others_at_most_a_timeout(tmp_path):
     # survivors agree: after the kill they average among themselves, same outer weights
     assert summaries[0]["outer_digest"] == summaries[1]["outer_digest"]
     assert elapsed < 200
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_local_swarm_stops_every_child(tmp_path, signum):
+    cfg_path = tmp_path / "cfg.json"
+    run_id = f"swarm-signal-{signum}-{time.time_ns()}"
+    cfg_path.write_text(_cfg(tmp_path, total_steps=100_000, run_id=run_id).model_dump_json())
+    # start_new_session: like a background job, and the signal reaches the parent alone
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dilonode.cli", "swarm", "--nodes", "2", "--config",
+         str(cfg_path), "--out", str(tmp_path / "swarm")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "the swarm ended before its nodes started"
+            if "node-1: peer" in line or "node-0: peer" in line:
+                break
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) in (0, 1)
+        # bootstrap, nodes and their DHT children: all gone
+        _wait_no_process_with(str(tmp_path / "swarm"), deadline=time.monotonic() + 20)
+        _wait_no_process_with(run_id, deadline=time.monotonic() + 20)  # the bootstrap
+    finally:
+        if proc.poll() is None:
+            proc.kill()
