@@ -17,6 +17,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `deploy` lives at the root
 
+from results import save_rows  # noqa: E402  (benchmarks/ is on sys.path)
+
 from deploy.churn import ChurnPlan, ChurnResult, run_churn  # noqa: E402
 from deploy.testbed import unavailable_reason  # noqa: E402
 from dilonode.config import load_config  # noqa: E402
@@ -106,10 +108,7 @@ def main() -> None:
               f"| {r['max_step_gap_s']:.1f} s | {gaps} s "
               f"| {'yes' if r['identical_outer'] else 'NO'} | {r['final_eval_loss']:.4f} "
               f"| {r['bytes_sent_survivors_mean'] / 1e6:.2f} MB | {r['wall_s']:.0f} s |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": rows}, indent=2))
+    save_rows(args.json, args, rows)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `deploy` lives at the root
 
+from results import save_rows  # noqa: E402  (benchmarks/ is on sys.path)
+
 from deploy.testbed import swarm_on_testbed, unavailable_reason  # noqa: E402
 from dilonode.config import load_config  # noqa: E402
 
@@ -125,10 +127,7 @@ def main() -> None:
               f"| {r['peers']} ({each}) | {r['seconds']:.2f} s ({r['fetch_s']:.2f} s) "
               f"| {r['ideal_s']:.2f} s | {r['ratio']:.2f}x ({r['fetch_ratio']:.2f}x) "
               f"| {r['spawn_to_recovered_s']:.1f} s |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": rows}, indent=2))
+    save_rows(args.json, args, rows)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ for a sync result (the wait inside `land`); the stricter "step share" counts onl
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
+
+from results import save_rows  # noqa: E402  (benchmarks/ is on sys.path)
 
 from dilonode.config import load_config
 from dilonode.swarm.local import LocalSwarm
@@ -75,10 +76,7 @@ def main() -> None:
               f"{r['utilization_mean'] * 100:>8.1f}% {r['step_share_mean'] * 100:>9.1f}% "
               f"{r['sync_wait_s_max']:>7.2f}s {r['skipped_rounds']:>7} "
               f"{str(r['identical_outer']):>9} {r['wall_s']:>6.0f}s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": rows}, indent=2))
+    save_rows(args.json, args, rows)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `deploy` lives at the root
 
+from results import save_rows  # noqa: E402  (benchmarks/ is on sys.path)
+
 from deploy.testbed import swarm_on_testbed, unavailable_reason  # noqa: E402
 from dilonode.config import load_config  # noqa: E402
 
@@ -147,10 +149,7 @@ def main() -> None:
             rows.append(run(args, name, rate))
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": rows}, indent=2))
+    save_rows(args.json, args, rows)
 
 
 if __name__ == "__main__":
