@@ -14,12 +14,15 @@ against the ideal butterfly/ring volume 2(N-1)/N x encoded tensor. gloo's wire b
 not observable from Python; its ideal is shown. "cpu" is process CPU seconds per member
 per round (for hivemind only the calling process: its averaging runs in helper processes,
 and its round time includes matchmaking), "lag" the worst event-loop delay seen by a 5 ms
-probe during our rounds.
+probe during our rounds, "faults" the minor page faults per member per round (fresh memory
+mapped in; exact, where CPU seconds on a loaded machine are not).
 --inline runs round work on the event loop instead of a worker thread, to measure the
 difference; --profile (rank 0, needs --inline since cProfile sees only the main thread)
 writes one pstats file per codec and prints the top entries by CPU time. Our peers run on
 uvloop, as the daemon does (--loop asyncio for the standard loop); --reuse-output writes
-every round's result into one preallocated buffer (run_round(out=...)).
+every round's result into one preallocated buffer (run_round(out=...)). The data plane
+tunes glibc malloc for the whole process (`tune_allocator`), gloo's rounds included, which
+run after ours in the same processes; --no-tune-malloc leaves it alone.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import multiprocessing as mp
 import os
 import platform
 import pstats
+import resource
 import socket
 import statistics
 import time
@@ -69,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(run_round(out=...)); the daemon allocates a fresh one per round")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="event loop of our peers (the daemon uses uvloop when installed)")
+    p.add_argument("--no-tune-malloc", action="store_true",
+                   help="leave glibc malloc as it is (DataPlane(tune_malloc=False)); by "
+                        "default the data plane calls tune_allocator() as the daemon's does")
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--hivemind", action="store_true", help="also DecentralizedAverager")
     p.add_argument("--profile", type=Path, help="dir for rank 0 pstats (use with --inline)")
@@ -113,7 +120,8 @@ def _spec(args: argparse.Namespace, world: int, codec: str, fragment: int,
 
 async def _ours(rank: int, world: int, x: torch.Tensor,
                 args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    plane = DataPlane(f"bench-{rank}", RUN, socket_buffer_bytes=args.sockbuf)
+    plane = DataPlane(f"bench-{rank}", RUN, socket_buffer_bytes=args.sockbuf,
+                      tune_malloc=not args.no_tune_malloc)
     await plane.start()
     addrs: list[Any] = [None] * world
     dist.all_gather_object(addrs, plane.address)
@@ -150,7 +158,7 @@ async def _our_round(plane: DataPlane, spec: GroupSpec, rank: int, x: torch.Tens
     # In a thread: the loop must keep writing the frames that earlier rounds left queued.
     await asyncio.get_running_loop().run_in_executor(None, dist.barrier)
     probe.take()
-    c0, t0 = time.process_time(), time.perf_counter()
+    c0, t0, f0 = time.process_time(), time.perf_counter(), _minor_faults()
     if prof is not None:
         prof.enable()
     res = await run_round(plane, spec, rank, x, peers, args.timeout, offload=not args.inline,
@@ -158,10 +166,18 @@ async def _our_round(plane: DataPlane, spec: GroupSpec, rank: int, x: torch.Tens
     if prof is not None:
         prof.disable()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    faults = _minor_faults() - f0
     if res.state is not RoundState.DONE:
         raise RuntimeError(f"{spec.codec} round {spec.round}: {res.failure}")
-    return {"wall": wall, "cpu": cpu, "lag": probe.take(), "wire": res.bytes_sent,
+    return {"wall": wall, "cpu": cpu, "faults": faults, "lag": probe.take(),
+            "wire": res.bytes_sent,
             "payload": res.payload_bytes_sent, "digest": res.digest}
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (fresh memory mapped in): exact where CPU
+    seconds on a loaded machine are noisy."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _dump_profile(prof: cProfile.Profile, out_dir: Path, codec: str) -> None:
@@ -288,6 +304,9 @@ def _summarize(method: str, codec: str, rows_per_rank: list[list[dict[str, Any]]
             rows[0]["payload"] for rows in rows_per_rank)
         row["wire_bytes_per_peer"] = statistics.mean(rows[0]["wire"] for rows in rows_per_rank)
         row["loop_lag_max_s"] = max(r["lag"] for rows in rows_per_rank for r in rows)
+        row["page_faults_per_peer"] = statistics.median(
+            statistics.mean(rows[r]["faults"] for rows in rows_per_rank)
+            for r in range(n_rounds))
     if "ok" in first:
         row["failed_steps"] = sum(not r["ok"] for rows in rows_per_rank for r in rows)
     return row
@@ -296,7 +315,7 @@ def _summarize(method: str, codec: str, rows_per_rank: list[list[dict[str, Any]]
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'method':<10} {'codec':<9} {'round s':>8} {'payload/peer':>13} "
             f"{'wire/peer':>11} {'ideal/peer':>11} {'wire/ideal':>10} {'cpu s/peer':>10} "
-            f"{'lag max':>8}")
+            f"{'lag max':>8} {'faults':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         mb = 1e6
@@ -306,9 +325,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
         ratio = f"{r['wire_bytes_per_peer'] / r['ideal_bytes_per_peer']:.4f}" \
             if "wire_bytes_per_peer" in r and r["ideal_bytes_per_peer"] else "-"
         lag = f"{r['loop_lag_max_s'] * 1e3:.0f} ms" if "loop_lag_max_s" in r else "-"
+        faults = f"{r['page_faults_per_peer']:.0f}" if "page_faults_per_peer" in r else "-"
         lines.append(f"{r['method']:<10} {r['codec']:<9} {r['wall_median_s']:>8.3f} "
                      f"{pay:>13} {wire:>11} {r['ideal_bytes_per_peer'] / mb:>8.2f} MB "
-                     f"{ratio:>10} {r['cpu_per_peer_s']:>10.3f} {lag:>8}")
+                     f"{ratio:>10} {r['cpu_per_peer_s']:>10.3f} {lag:>8} {faults:>7}")
     return "\n".join(lines)
 
 
@@ -326,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"numel": args.numel, "procs": args.procs, "rounds": args.rounds,
            "chunk": args.chunk, "inline": args.inline, "sockbuf": args.sockbuf,
            "loop": args.loop, "reuse_output": args.reuse_output,
+           "tune_malloc": not args.no_tune_malloc,
            "cpus": os.cpu_count(), "loadavg_before": load_before,
            "loadavg_after": os.getloadavg(), "python": platform.python_version(),
            "torch": torch.__version__, "total_s": time.perf_counter() - t0}

@@ -7,9 +7,11 @@ outer momentum, float32) from 3 training peers on the WAN test bed, against the 
 The 3 peers train a 15.4M-parameter model (state 123.5 MB) and the joiner starts once every
 fragment has been averaged at least once (before that, chunks of untouched fragments equal
 the joiner's own fresh state and would not be fetched). `recovery` is what the joiner's state
-sync reports: first manifest request to the verified state in memory, including its short
-wait after publishing its peer record; `transfer` is the part spent fetching chunks;
-`spawn to recovered` adds process start and DHT join.
+sync reports: first manifest request to the verified state in memory, including what is
+left of its wait after publishing its peer record (it starts publishing ~2 s before the
+transfer is expected to end); `transfer` is the part spent fetching chunks, `manifests` the
+time spent waiting for manifests between fetches; `spawn to recovered` adds process start
+and DHT join.
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ def run(args: argparse.Namespace, rate: float) -> dict[str, Any]:
     return {"rate_mbit": rate, "state_bytes": total, "fetched_bytes": rec["bytes"],
             "reused_bytes": rec["reused_bytes"], "peers": len(rec["peers"]),
             "bytes_per_peer": sorted(rec["peers"].values()), "seconds": rec["seconds"],
-            "fetch_s": rec["fetch_seconds"], "ideal_s": ideal, "ratio": rec["seconds"] / ideal,
+            "fetch_s": rec["fetch_seconds"], "manifest_s": rec.get("manifest_seconds"),
+            "publish_wait_s": rec.get("publish_wait_seconds"), "passes": rec.get("passes"),
+            "ideal_s": ideal, "ratio": rec["seconds"] / ideal,
             "fetch_ratio": rec["fetch_seconds"] / ideal, "step": rec["step"],
             "spawn_to_recovered_s": spawn_to_recovered}
 
@@ -118,13 +122,15 @@ def main() -> None:
         rows.append(run(args, rate))
         print(json.dumps(rows[-1]), flush=True)
     print("| link | state | fetched | reused | from peers (MB each) | recovery (transfer) "
-          "| ideal | recovery / ideal (transfer / ideal) | spawn to recovered |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| passes (manifests, publish wait) | ideal | recovery / ideal (transfer / ideal) "
+          "| spawn to recovered |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         each = ", ".join(f"{b / 1e6:.1f}" for b in r["bytes_per_peer"])
         print(f"| {r['rate_mbit']:g} Mbit/s | {r['state_bytes'] / 1e6:.1f} MB "
               f"| {r['fetched_bytes'] / 1e6:.1f} MB | {r['reused_bytes'] / 1e6:.1f} MB "
               f"| {r['peers']} ({each}) | {r['seconds']:.2f} s ({r['fetch_s']:.2f} s) "
+              f"| {r['passes']} ({r['manifest_s']:.2f} s, {r['publish_wait_s']:.2f} s) "
               f"| {r['ideal_s']:.2f} s | {r['ratio']:.2f}x ({r['fetch_ratio']:.2f}x) "
               f"| {r['spawn_to_recovered_s']:.1f} s |")
     save_rows(args.json, args, rows)

@@ -1,12 +1,14 @@
 """CPU seconds per peer of one all-reduce round without sockets: N `AllReduceRound`s in one
 process over `MemNet` (real msgpack framing, codecs, reduction and digests; no TCP, MAC or
-event loop), so the figure moves little with the load of a shared machine.
+event loop), so the figure moves little with the load of a shared machine. Like the data
+plane, it first tunes glibc malloc (`tune_allocator`); --no-tune-malloc leaves it alone.
 
     .venv/bin/python benchmarks/round_cpu.py                        # float32,int4, 10M values
     .venv/bin/python benchmarks/round_cpu.py --codecs int8 --numel 1000000 --profile 20
 
 Prints, per codec, the process CPU time of a whole round divided by the number of peers:
-the minimum and every value over --rounds rounds (one warm-up round is not counted).
+the minimum and every value over --rounds rounds (one warm-up round is not counted), and
+the fewest minor page faults per peer of a round.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import resource
 import time
 
 import torch
 
 from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet, RoundState
 from dilonode.allreduce.round import group_digest
+from dilonode.allreduce.transport import tune_allocator
 
 __all__ = ["main"]
 
@@ -35,6 +39,12 @@ def _round(xs: list[torch.Tensor], codec: str, chunk: int, round_no: int) -> Non
         raise RuntimeError(f"{codec}: round {round_no} did not complete identically")
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far: fresh memory being mapped in, a cost that
+    CPU seconds on a loaded machine show only noisily, counted exactly."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--numel", type=int, default=10_000_000)
@@ -43,19 +53,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codecs", default="float32,int4")
     p.add_argument("--chunk", type=int, default=1 << 18, help="values per frame")
     p.add_argument("--profile", type=int, default=0, help="print the top N entries (CPU)")
+    p.add_argument("--no-tune-malloc", action="store_true", help="skip tune_allocator()")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if not args.no_tune_malloc:
+        tune_allocator()
     xs = [torch.randn(args.numel, generator=torch.Generator().manual_seed(i))
           for i in range(args.peers)]
     for codec in args.codecs.split(","):
         _round(xs, codec, args.chunk, 0)
-        cpu = []
+        cpu, faults = [], []
         for r in range(1, args.rounds + 1):
-            c0 = time.process_time()
+            c0, f0 = time.process_time(), _minor_faults()
             _round(xs, codec, args.chunk, r)
             cpu.append((time.process_time() - c0) / args.peers)
+            faults.append((_minor_faults() - f0) / args.peers)
         print(f"{codec:9s} CPU s per peer per round: min {min(cpu):.3f}, all "
-              f"{', '.join(f'{c:.3f}' for c in cpu)}", flush=True)
+              f"{', '.join(f'{c:.3f}' for c in cpu)}; page faults per peer per round: "
+              f"{min(faults):.0f}", flush=True)
         if args.profile:
             prof = cProfile.Profile(time.process_time)
             prof.runcall(_round, xs, codec, args.chunk, args.rounds + 1)

@@ -38,13 +38,13 @@ class _Fixed:
         return self.state
 
 
-def _serve(mb: float, chunk_bytes: int, addr_q: mp.Queue, stop: mp.Event) -> None:
+def _serve(name: str, mb: float, chunk_bytes: int, addr_q: mp.Queue, stop: mp.Event) -> None:
     cfg = load_config(overrides={"statesync": {"chunk_bytes": chunk_bytes}})
 
     async def main() -> None:
         server = StateServer(SnapshotSource(_Fixed(_state(mb))), cfg.run_id,
-                             config_digest(cfg), cfg.statesync)
-        addr_q.put(await server.start())
+                             config_digest(cfg), cfg.statesync, peer_id=name)
+        addr_q.put((name, await server.start()))
         while not stop.is_set():
             await asyncio.sleep(0.1)
         await server.aclose()
@@ -63,14 +63,15 @@ def main() -> None:
                                                "window": args.window}})
     ctx = mp.get_context("spawn")
     addr_q, stop = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_serve, args=(args.mb, args.chunk_bytes, addr_q, stop))
-             for _ in range(args.peers)]
+    procs = [ctx.Process(target=_serve, args=(f"peer{i}", args.mb, args.chunk_bytes, addr_q,
+                                              stop)) for i in range(args.peers)]
     for p in procs:
         p.start()
     try:
-        peers = {f"peer{i}": addr_q.get(timeout=120) for i in range(args.peers)}
+        peers = dict(addr_q.get(timeout=120) for _ in range(args.peers))
         t0 = time.perf_counter()
-        rec = asyncio.run(recover(peers, None, cfg.run_id, config_digest(cfg), cfg.statesync))
+        rec = asyncio.run(recover(peers, None, cfg.run_id, config_digest(cfg), cfg.statesync,
+                                  peer_id="joiner"))
         wall = time.perf_counter() - t0
     finally:
         stop.set()

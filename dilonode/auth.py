@@ -15,6 +15,8 @@ Pure computation (no sockets, no hivemind import), used by the data plane's hand
   MACed message is domain-separated and bound to the run id and, through
   `Credentials.secret_key`, to the secret.
 * `seal_record` / `open_record`: the signed envelope of a DHT record.
+* `peer_id_of_ssh_key`: the peer id of an RSA key in the OpenSSH form hivemind's
+  `RSASignatureValidator` writes into `[owner:...]` subkey markers (`dilonode.swarm.dht`).
 
 Usage::
 
@@ -52,6 +54,7 @@ __all__ = [
     "load_secret",
     "open_record",
     "peer_id_of",
+    "peer_id_of_ssh_key",
     "seal_record",
     "swarm_key",
     "verify",
@@ -206,6 +209,35 @@ def verify(public_key: bytes, message: bytes, signature: bytes) -> None:
         raise AuthError("bad signature") from None
 
 
+@functools.lru_cache(maxsize=4096)
+def peer_id_of_ssh_key(ssh_key: bytes) -> str:
+    """The libp2p peer id of an RSA public key in OpenSSH form (`ssh-rsa <base64>`).
+
+    Only the canonical form is accepted (no comment, exactly what `Identity.ssh_public_key`
+    writes), so a key has one encoding and an owner-protected subkey one spelling.
+    AuthError when it is not such a key, or outside the RSA sizes `_load_public_key` takes.
+    """
+    if len(ssh_key) > 2 * MAX_PUBLIC_KEY_BYTES:
+        raise AuthError(f"OpenSSH key is {len(ssh_key)} bytes > {2 * MAX_PUBLIC_KEY_BYTES}")
+    try:
+        key = serialization.load_ssh_public_key(ssh_key)
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise AuthError(f"not an OpenSSH public key ({type(exc).__name__})") from None
+    if not isinstance(key, rsa.RSAPublicKey):
+        raise AuthError("OpenSSH key is not an RSA key")
+    if _ssh_bytes(key) != ssh_key:
+        raise AuthError("OpenSSH key is not in canonical form")
+    der = key.public_bytes(serialization.Encoding.DER,
+                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    public_key = _key_proto(_KEY_TYPE_RSA, der)
+    _load_public_key(public_key)  # the size bounds
+    return peer_id_of(public_key)
+
+
+def _ssh_bytes(key: rsa.RSAPublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+
+
 class Identity:
     """A node's libp2p RSA private key; `peer_id` and `public_key` derive from it."""
 
@@ -268,6 +300,16 @@ class Identity:
     def sign(self, message: bytes) -> bytes:
         """RSA PKCS#1 v1.5 SHA-256 (deterministic, libp2p's scheme for RSA keys)."""
         return self._key.sign(message, _PKCS1, hashes.SHA256())
+
+    @property
+    def ssh_public_key(self) -> bytes:
+        """The public key in OpenSSH form, as hivemind's `RSAPublicKey.to_bytes` writes it."""
+        return _ssh_bytes(self._key.public_key())
+
+    @property
+    def rsa_key(self) -> rsa.RSAPrivateKey:
+        """The private key itself, for hivemind's record validator (signs DHT stores)."""
+        return self._key
 
 
 # ---------------------------------------------------------------------- policy

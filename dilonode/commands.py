@@ -163,7 +163,9 @@ def run_node(args: argparse.Namespace) -> int:
                               "bytes": rec.fetched_bytes, "reused_bytes": rec.reused_bytes,
                               "seconds": round(rec.seconds, 3),
                               "fetch_seconds": round(rec.fetch_seconds, 3),
-                              "peers": rec.sources}),
+                              "manifest_seconds": round(rec.manifest_seconds, 3),
+                              "publish_wait_seconds": round(rec.publish_wait_seconds, 3),
+                              "passes": rec.passes, "peers": rec.sources}),
                   flush=True)
         line = progress_line() if fmt == "text" else None
         try:

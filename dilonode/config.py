@@ -215,7 +215,9 @@ class NetworkConfig(_Frozen):
     matchmaking_timeout: float = Field(10.0, gt=0.0, description="seconds to form a group")
     allreduce_timeout: float = Field(30.0, gt=0.0, description="seconds per all-reduce attempt")
     max_attempts: int = Field(3, ge=1, le=10, description="attempts per round before skipping")
-    chunk_numel: int = Field(1 << 16, ge=64, description="values per pipelined chunk")
+    chunk_numel: int = Field(
+        1 << 18, ge=64, description="values per pipelined chunk; larger chunks cost less CPU "
+        "per round (docs/benchmarks.md), smaller ones return first results sooner")
     bandwidth_mbps: float = Field(
         100.0, gt=0.0, description="advertised bandwidth; weights this node's butterfly part")
     min_peers: int = Field(

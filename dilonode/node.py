@@ -112,8 +112,10 @@ class Node:
             address = f"{net.announce_host}:{address.rsplit(':', 1)[1]}"
         # Recover before publishing our record, so peers do not wait for us in matchmaking.
         self._build_worker()
-        self.membership = Membership(self.dht, self.cfg.run_id, net, address, self._status)
-        self.membership.state_addr = self.keeper.start_server(self.collective.thread)
+        self.membership = Membership(self.dht, self.cfg.run_id, net, address, self._status,
+                                     settings=policy.settings())
+        self.membership.state_addr = self.keeper.start_server(self.collective.thread,
+                                                              self.dht.credentials)
         self.keeper.prepare(self.worker, self.collective.thread, self.dht,
                             publish=self.membership.start)
         self.membership.wait_for_peers(net.min_peers, net.start_timeout)
@@ -132,8 +134,10 @@ class Node:
                 **self.status.summary()}
 
     def _trust_counters(self) -> dict[str, int]:
+        # Data-plane and state-sync handshakes refused, in one counter.
         return {"unauthorized_connections":
-                self.collective.unauthorized_attempts if self.collective else 0,
+                (self.collective.unauthorized_attempts if self.collective else 0)
+                + self.keeper.unauthorized_attempts,
                 "unauthorized_records": self.dht.unauthorized_records if self.dht else 0,
                 "rejected_contributions": self.bans.rejections_total if self.bans else 0,
                 "peer_bans": self.bans.bans_total if self.bans else 0}

@@ -49,15 +49,20 @@ def part_bounds(numel: int, weights: Sequence[float], align: int = 1) -> list[tu
     return bounds
 
 
-def reduce_mean(contributions: Sequence[torch.Tensor]) -> torch.Tensor:
+def reduce_mean(contributions: Sequence[torch.Tensor],
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Mean of equally shaped float32 tensors, summed in the given (member) order.
 
     The order is part of the protocol: float32 addition is not associative, and every
-    implementation must sum in ascending member index to agree bit for bit.
+    implementation must sum in ascending member index to agree bit for bit. `out` (float32,
+    the same shape, overlapping no contribution) receives the mean instead of a new tensor.
     """
     if not contributions:
         raise ValueError("reduce_mean: no contributions")
-    acc = contributions[0].to(torch.float32, copy=True)
+    if out is None:
+        acc = contributions[0].to(torch.float32, copy=True)
+    else:
+        acc = out.copy_(contributions[0])
     for c in contributions[1:]:
         acc.add_(c)
     return acc.div_(len(contributions))

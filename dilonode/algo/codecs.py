@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import operator
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -42,6 +43,7 @@ __all__ = [
     "CodecError",
     "CodecMeta",
     "all_finite",
+    "decode_shared",
     "get_codec",
     "max_abs_error_bound",
 ]
@@ -85,6 +87,15 @@ class Codec(Protocol):
         ...
 
     def encoded_size(self, numel: int) -> int: ...
+
+
+def decode_shared(codec: Codec, data: bytes, meta: CodecMeta) -> torch.Tensor:
+    """`codec.decode(data, meta)` for a caller that only reads the values: where the wire
+    bytes already are the float32 values (float32 on a little-endian host) the result is a
+    view of the immutable `data` instead of a copy. Same checks and errors as `decode`."""
+    if isinstance(codec, _FloatCodec):
+        return codec.decode_shared(data, meta)
+    return codec.decode(data, meta)
 
 
 def all_finite(a: np.ndarray | torch.Tensor) -> bool:
@@ -214,6 +225,21 @@ class _FloatCodec:
                 self._raise_overflow(x)
             bits = h.view(torch.int16).numpy()  # (n,) raw 16-bit patterns
         return bits.astype(self._wire, copy=False).tobytes(), self._meta(x.numel())
+
+    def decode_shared(self, data: bytes, meta: CodecMeta) -> torch.Tensor:
+        """`decode`, except that float32 values are a read-only view of `data` (no copy)."""
+        if self._dtype != torch.float32 or sys.byteorder != "little":
+            return self.decode(data, meta)
+        n = _check_meta(self, meta, check_block=False)
+        mv = _check_length(self, data, n)
+        with warnings.catch_warnings():
+            # Once per process torch warns that `data` is read-only; callers never write.
+            warnings.simplefilter("ignore", UserWarning)
+            values = torch.frombuffer(mv, dtype=torch.float32) if n else torch.empty(0)
+        if not all_finite(values):
+            bad = n - int(torch.isfinite(values).sum())
+            raise CodecError(f"{self.name} payload holds {bad} non-finite value(s)")
+        return values  # (n,) shares `data`'s memory
 
     def _raise_overflow(self, x: torch.Tensor) -> None:
         if not bool(torch.isfinite(x).all()):

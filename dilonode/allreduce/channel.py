@@ -13,8 +13,9 @@ run id and the swarm secret) cover the transcript hash of every field above, wit
 in the signed bytes so one side's proof cannot be reflected as the other's. The session key
 mixes the X25519 shared secret with the swarm key, so neither a relay in the middle nor a
 member who knows the secret can compute it. Every later frame on the connection is followed
-by a 16-byte tag: keyed BLAKE3 of (frame sequence number, frame bytes) (keyed BLAKE2b
-ran at ~0.5 GB/s here, a quarter of a float32 round's CPU; BLAKE3 is about 10x faster).
+by a 16-byte tag: the GMAC (AES-256-GCM over no plaintext, the frame as associated data)
+of the frame under the session key, with the frame's sequence number as nonce
+(`_FrameMac`; keyed BLAKE2b, then keyed BLAKE3 before protocol version 5, were slower).
 
 `OutboundHandshake` is the connector's side, `InboundChannel` the acceptor's (it turns bytes
 into authenticated round messages). With `creds=None` a side runs in *trust mode*: it sends
@@ -33,9 +34,9 @@ import hmac
 import os
 from collections.abc import Iterator
 
-import blake3
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from dilonode.auth import AuthError, Credentials, peer_id_of, swarm_key, verify
 from dilonode.wire.errors import RemoteProtocolError, one_line
@@ -59,7 +60,7 @@ HANDSHAKE_FRAME_MAX = 4096  # a handshake frame is ~1 KB; refuse more before buf
 _DOMAIN = "dilonode/v3/handshake"
 _ROLE_ACCEPTOR = b"dilonode/v3/handshake/acceptor\0"
 _ROLE_CONNECTOR = b"dilonode/v3/handshake/connector\0"
-_SEQ = 8  # bytes of the big-endian frame counter each tag covers
+_NONCE = 12  # bytes of the big-endian frame counter that is each tag's GCM nonce
 
 
 class HandshakeError(RemoteProtocolError):
@@ -144,6 +145,30 @@ def _check_creds(creds: Credentials | None, run_id: str, peer_id: str) -> None:
 # ---------------------------------------------------------------------- per-frame MAC
 
 
+class _FrameMac:
+    """GMAC of frame number `seq` under a 32-byte key: AES-256-GCM with the frame as
+    associated data, nothing encrypted, nonce = `seq` (96 bits, big-endian).
+
+    Each key tags one direction of one connection and `seq` never repeats there, so no
+    nonce is used twice. AES-NI and carry-less multiply run it at 11-17 GB/s on one core
+    of the benchmark machine, against 5 GB/s for keyed BLAKE3 (protocol version 4), which
+    took a tenth of a float32 round's CPU.
+    """
+
+    def __init__(self, key: bytes, seq: int) -> None:
+        if len(key) != 32:
+            raise ValueError(f"frame MAC key: need 32 bytes, got {len(key)}")
+        nonce = seq.to_bytes(_NONCE, "big")
+        self._ctx = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._ctx.authenticate_additional_data(data)
+
+    def digest(self) -> bytes:
+        self._ctx.finalize()
+        return self._ctx.tag[:TAG_BYTES]
+
+
 class FrameSealer:
     """Connector side: the tag to write after each frame, in order."""
 
@@ -153,11 +178,11 @@ class FrameSealer:
 
     def seal(self, *frame: bytes | bytearray | memoryview) -> bytes:
         """The next frame's tag; the frame may come in pieces (header, body), uncopied."""
-        mac = blake3.blake3(self._seq.to_bytes(_SEQ, "big"), key=self._key)
+        mac = _FrameMac(self._key, self._seq)
         for piece in frame:
             mac.update(piece)
         self._seq += 1
-        return mac.digest(TAG_BYTES)
+        return mac.digest()
 
 
 class TaggedFrameReader:
@@ -177,8 +202,8 @@ class TaggedFrameReader:
         self._tag: bytearray | None = None  # set while reading a tag
         self._held: list[tuple[Message, int]] = []
 
-    def _new_mac(self) -> blake3.blake3:
-        return blake3.blake3(self._seq.to_bytes(_SEQ, "big"), key=self._key)
+    def _new_mac(self) -> _FrameMac:
+        return _FrameMac(self._key, self._seq)
 
     def _frame_bytes(self, data: bytes | memoryview) -> None:
         self._mac.update(data)
@@ -213,7 +238,7 @@ class TaggedFrameReader:
 
     def _verified(self) -> list[tuple[Message, int]]:
         assert self._tag is not None
-        if not hmac.compare_digest(self._mac.digest(TAG_BYTES), bytes(self._tag)):
+        if not hmac.compare_digest(self._mac.digest(), bytes(self._tag)):
             raise HandshakeError(f"frame {self._seq}: MAC does not verify (tampered or "
                                  "injected data)")
         out, self._held, self._tag = self._held, [], None
@@ -257,6 +282,7 @@ class OutboundHandshake:
         self.hello = Hello(run_id=run_id, peer_id=peer_id, public_key=public_key,
                            nonce=_public(self._private))
         self._swarm_key = _swarm_key(creds, run_id)
+        self.session_key = b""  # set by on_ack (state sync derives its reply key from it)
 
     def hello_frame(self) -> bytes:
         return encode_frame(self.hello)
@@ -277,7 +303,8 @@ class OutboundHandshake:
                      ack.signature, ack.mac, who)
         signature, mac = _proof(self.creds, self._swarm_key, _ROLE_CONNECTOR, transcript)
         auth = HelloAuth(run_id=self.hello.run_id, signature=signature, mac=mac)
-        return encode_frame(auth), FrameSealer(_session_key(self._swarm_key, shared, transcript))
+        self.session_key = _session_key(self._swarm_key, shared, transcript)
+        return encode_frame(auth), FrameSealer(self.session_key)
 
 
 class InboundChannel:
@@ -305,6 +332,7 @@ class InboundChannel:
         self._ack: HelloAck | None = None
         self._shared = b""
         self._reader: TaggedFrameReader | None = None
+        self.session_key = b""  # set once the peer is proven (state sync uses it too)
 
     @property
     def authenticated(self) -> bool:
@@ -358,3 +386,4 @@ class InboundChannel:
         decoder = FrameDecoder(max_frame_bytes=self.max_frame_bytes, run_id=self.run_id)
         key = _session_key(self._swarm_key, self._shared, transcript)
         self._reader = TaggedFrameReader(key, decoder)
+        self.session_key = key

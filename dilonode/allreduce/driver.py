@@ -260,6 +260,15 @@ class RoundPolicy:
             raise ValueError(f"RoundPolicy: max_attempts={self.max_attempts}, "
                              f"timeout={self.timeout}: need >= 1 and > 0")
 
+    def settings(self) -> dict[str, str | int | float]:
+        """What every member of a group must share, as matchmaking compares it: the codec
+        and chunking (the wire layout) and how owners check and combine contributions."""
+        agg = self.aggregator
+        return {"codec": self.codec, "block_size": self.block_size,
+                "chunk_numel": self.chunk_numel, "aggregator": agg.name,
+                "norm_bound": agg.norm_bound, "trim": agg.trim, "clip_tau": agg.clip_tau,
+                "clip_iters": agg.clip_iters}
+
 
 @dataclass(frozen=True)
 class SwarmOutcome:
@@ -303,6 +312,10 @@ class SwarmRounds:
             except Exception as exc:  # a matchmaking failure must not kill the daemon
                 errors.append(one_line(f"attempt {attempt}: no group: {exc}"))
                 log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
+                # A leader that never closed its group is left out of the next attempt.
+                blame = getattr(exc, "blame", None)
+                if isinstance(blame, str) and blame != self.plane.peer_id:
+                    excluded.setdefault(blame, one_line(str(exc)))
                 continue
             out = await run_round(self.plane, spec, my_index, local, peers,
                                   self.policy.timeout, self.clock, offload=self.offload,

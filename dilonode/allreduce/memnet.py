@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from dilonode.allreduce.round import Action, AllReduceRound, Done, Failed, RoundState, Send
 from dilonode.wire.errors import RemoteProtocolError
-from dilonode.wire.framing import FrameDecoder, encode_frame
+from dilonode.wire.framing import FrameDecoder, FrameParts, encode_frame_parts
 from dilonode.wire.messages import Message
 
 __all__ = ["Corruption", "Faults", "MemNet"]
@@ -91,7 +91,7 @@ class _InFlight:
     seq: int
     src: int = field(compare=False)
     dst: int = field(compare=False)
-    what: Message | bytes = field(compare=False)
+    what: Message | FrameParts = field(compare=False)  # a message, or a frame's bytes
 
 
 class MemNet:
@@ -145,23 +145,28 @@ class MemNet:
         tiebreak = self.faults.rng.random() if self.faults.reorder else 0.0
         if what is send.msg and self.wire:
             what = send.frame
-        elif not isinstance(what, bytes) and self.wire:
-            what = encode_frame(what)
+        elif isinstance(what, bytes):
+            what = (what,)
+        elif self.wire:
+            what = encode_frame_parts(what)
         heapq.heappush(self._queue, _InFlight(at, tiebreak, next(self._seq), src, send.to, what))
 
     def _deliver(self, item: _InFlight) -> None:
         self.now = max(self.now, item.at)
         self.delivered += 1
         rnd = self.rounds[item.dst]
-        if not isinstance(item.what, bytes):
+        if not isinstance(item.what, tuple):
             self._handle(item.dst, rnd.receive(item.src, item.what, self.now))
             return
-        # A fresh decoder per frame stands in for a connection that is dropped on error.
+        # A fresh decoder per frame stands in for a connection that is dropped on error; the
+        # pieces are fed one by one, as a socket would deliver them.
+        decoder, msgs = FrameDecoder(), []
         try:
-            msgs = FrameDecoder().feed(item.what)
+            for piece in item.what:
+                msgs += decoder.feed(piece)
         except RemoteProtocolError as exc:
             self._handle(item.dst, rnd.peer_error(item.src, exc.reason, self.now))
             return
+        size = sum(len(p) for p in item.what)
         for msg in msgs:
-            self._handle(item.dst, rnd.receive(item.src, msg, self.now,
-                                               frame_bytes=len(item.what)))
+            self._handle(item.dst, rnd.receive(item.src, msg, self.now, frame_bytes=size))

@@ -28,8 +28,8 @@ verified; there is never a partial average.
 
 Actions returned to the driver:
 
-* `Send(to, msg, frame)`: write `frame` (= `encode_frame(msg)`, shared between the
-  recipients of a broadcast) to member `to`.
+* `Send(to, msg, frame)`: write `frame` (= `encode_frame_parts(msg)`: the frame's bytes
+  in pieces, the payload uncopied; shared between the recipients of a broadcast) to `to`.
 * `Done(digest)`: the round completed; `result` and `digest` are available.
 * `Failed(failure)`: the round failed; `failure` names the reason and the culprits.
 
@@ -69,11 +69,23 @@ import numpy as np
 import torch
 
 from dilonode import PROTOCOL_VERSION
-from dilonode.algo.butterfly import part_bounds
-from dilonode.algo.codecs import Codec, CodecError, CodecMeta, all_finite, get_codec
+from dilonode.algo.butterfly import part_bounds, reduce_mean
+from dilonode.algo.codecs import (
+    Codec,
+    CodecError,
+    CodecMeta,
+    all_finite,
+    decode_shared,
+    get_codec,
+)
 from dilonode.algo.robust import AggregatorSpec, aggregate, convicted
 from dilonode.wire.errors import LocalProtocolError, RemoteProtocolError, one_line
-from dilonode.wire.framing import DEFAULT_MAX_FRAME_BYTES, encode_frame
+from dilonode.wire.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    FrameParts,
+    encode_frame,
+    encode_frame_parts,
+)
 from dilonode.wire.messages import (
     ABORT_REASON_MAX,
     MAX_MEMBERS,
@@ -301,11 +313,11 @@ class RoundFailure:
 
 @dataclass(frozen=True)
 class Send:
-    """Write `frame` (the encoding of `msg`) to member `to`."""
+    """Write `frame` (the encoding of `msg`, in pieces to write in order) to member `to`."""
 
     to: int
     msg: Message
-    frame: bytes = field(repr=False)
+    frame: FrameParts = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -356,6 +368,8 @@ class AllReduceRound:
         self.aggregator = aggregator or AggregatorSpec()
         self._local = local.detach().cpu().contiguous()
         self._codec = spec.codec_obj
+        # decode(encode(x)) == x for finite x: the one codec whose round trip can be skipped.
+        self._lossless = self._codec.name == "float32"
         self._state = RoundState.IDLE
         self._deadline: float | None = None
         self._out: torch.Tensor | None = None
@@ -518,9 +532,9 @@ class AllReduceRound:
                 "sender": self.my_index}
 
     def _send(self, targets: list[int], msg: Message) -> list[Action]:
-        frame = encode_frame(msg)
+        frame = encode_frame_parts(msg)
         payload = len(msg.payload) if isinstance(msg, Contribution | Result) else 0
-        self.bytes_sent += len(frame) * len(targets)
+        self.bytes_sent += sum(len(p) for p in frame) * len(targets)
         self.payload_bytes_sent += payload * len(targets)
         return [Send(to, msg, frame) for to in targets]
 
@@ -539,13 +553,22 @@ class AllReduceRound:
                     continue
                 offset, numel = spec.chunk_span(j, k)
                 start = spec.parts[j][0] + offset
-                payload, _ = self._codec.encode(self._local[start:start + numel])
+                payload = self._encode_local(start, numel)
                 msg = Contribution(**self._envelope(), owner=j, chunk=k,
                                    n_chunks=spec.n_chunks(j), offset=offset, numel=numel,
                                    codec=spec.codec, block_size=spec.block_size,
                                    payload=payload)
                 actions += self._send([j], msg)
         return actions
+
+    def _encode_local(self, start: int, numel: int) -> bytes:
+        """Our encoded values [start, start + numel) of `local`, as a contribution."""
+        own = self._local[start:start + numel]
+        if self._lossless:
+            # float32 bytes as they are: `local` was checked finite at construction, and
+            # encode would only check that again.
+            return np.ascontiguousarray(own.numpy(), dtype="<f4").tobytes()
+        return self._codec.encode(own)[0]
 
     # ------------------------------------------------------------------ incoming messages
 
@@ -608,20 +631,22 @@ class AllReduceRound:
 
     def _decode(self, msg: Contribution | Result,
                 into: torch.Tensor | None = None) -> torch.Tensor:
-        """The payload's values, decoded into `into` (a slice of the output) if given."""
+        """The payload's values, decoded into `into` (a slice of the output) if given, else
+        read-only (possibly a view of the payload: `decode_shared`).
+
+        Every codec's decode refuses NaN/Inf, block scales whose multiples overflow
+        included (the `Codec` contract, tested per codec), so the values are finite.
+        """
         meta = CodecMeta(codec=self._codec.name, numel=msg.numel,
                          block_size=self._codec.block_size)
-        values = torch.empty(msg.numel, dtype=torch.float32) if into is None else into
         try:
-            self._codec.decode_into(msg.payload, meta, values)
+            if into is None:
+                return decode_shared(self._codec, msg.payload, meta)
+            self._codec.decode_into(msg.payload, meta, into)
         except CodecError as exc:
             raise RemoteProtocolError(f"{msg.type} chunk {msg.chunk}: bad payload: "
                                       f"{exc}") from None
-        # Large finite scales can still overflow to inf when multiplied out.
-        if not _all_finite(values):
-            raise RemoteProtocolError(f"{msg.type} chunk {msg.chunk}: payload decodes to "
-                                      "NaN/Inf")
-        return values
+        return into
 
     def _on_contribution(self, sender: int, msg: Contribution) -> list[Action]:
         if msg.owner != self.my_index:
@@ -682,25 +707,32 @@ class AllReduceRound:
         start = spec.parts[me][0] + offset
         contribs = self._pending.pop(k)
         contribs[me] = self._own_contribution(start, numel)
-        # Every decoded chunk was checked finite on arrival (ours at construction).
-        combined = aggregate([contribs[i] for i in range(spec.size)], self.aggregator,
-                             assume_finite=True)
-        self._rejected_by.setdefault(me, set()).update(combined.rejected)
+        ordered = [contribs[i] for i in range(spec.size)]
+        target = self._output()[start:start + numel]
+        if self.aggregator == AggregatorSpec():
+            # The plain mean, straight into the output slice (no temporary), where the
+            # encoded-and-decoded mean goes anyway.
+            value, rejected = reduce_mean(ordered, out=target), ()
+        else:
+            # Every decoded chunk was checked finite on arrival (ours at construction).
+            combined = aggregate(ordered, self.aggregator, assume_finite=True)
+            value, rejected = combined.value, combined.rejected
+        self._rejected_by.setdefault(me, set()).update(rejected)
         try:
-            payload, meta = self._codec.encode(combined.value)
+            payload, meta = self._codec.encode(value)
         except CodecError as exc:  # e.g. float32 sums overflowing to inf
             return self._fail(f"cannot encode the mean of my chunk {k}: {exc}", (), abort=True)
-        self._keep(me, k, payload, meta)
+        # float32 decodes to exactly what it encoded: a mean already in place stays.
+        self._keep(me, k, payload, meta, in_place=value is target and self._lossless)
         self._chunk_done[k] = True
         self._mine_reduced += 1
         actions: list[Action] = []
         last = len(self._chunk_done) - 1
         if k == last:
             # Sent once the digest of the whole part is known.
-            self._held_last = (payload, combined.rejected)
+            self._held_last = (payload, rejected)
         else:
-            actions += self._send(self._others(),
-                                  self._result_msg(k, payload, None, combined.rejected))
+            actions += self._send(self._others(), self._result_msg(k, payload, None, rejected))
         if self._mine_reduced == len(self._chunk_done) and self._held_last is not None:
             msg = self._result_msg(last, self._held_last[0], part_digest(self._chunk_hashes[me]),
                                    self._held_last[1])
@@ -711,15 +743,18 @@ class AllReduceRound:
     def _own_contribution(self, start: int, numel: int) -> torch.Tensor:
         """decode(encode(local[start:start + numel])), as every contribution is treated."""
         own = self._local[start:start + numel]
-        if self._codec.name == "float32":
+        if self._lossless:
             return own  # lossless for finite values (checked at construction): skip the copies
         return self._codec.decode(*self._codec.encode(own))
 
-    def _keep(self, owner: int, k: int, payload: bytes, meta: CodecMeta) -> None:
-        """Decode the result chunk k of `owner`'s part that we produced into the output."""
+    def _keep(self, owner: int, k: int, payload: bytes, meta: CodecMeta, *,
+              in_place: bool = False) -> None:
+        """Decode the result chunk k of `owner`'s part that we produced into the output
+        (unless `in_place`: the output already holds exactly the decoded values)."""
         start = self.spec.parts[owner][0] + self.spec.chunk_span(owner, k)[0]
         values = self._output()[start:start + meta.numel]
-        self._codec.decode_into(payload, meta, values)
+        if not in_place:
+            self._codec.decode_into(payload, meta, values)
         self._chunk_hashes[owner][k] = chunk_hash(values)
 
     def _result_msg(self, k: int, payload: bytes, digest: str | None,

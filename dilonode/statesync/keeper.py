@@ -2,7 +2,7 @@
 restarts, behind four calls the node makes.
 
     keeper = StateKeeper(cfg, resume=True)
-    addr = keeper.start_server(loop_thread)           # advertise it in the peer record
+    addr = keeper.start_server(loop_thread, creds)    # advertise it in the peer record
     keeper.prepare(worker, loop_thread, dht, publish) # resume, recover from peers, serve
     ... keeper.on_step(worker) after every step (snapshots for joiners, checkpoints) ...
     keeper.finish(worker)                             # checkpoint on a clean stop
@@ -10,9 +10,9 @@ restarts, behind four calls the node makes.
 
 `prepare` loads the newest valid checkpoint when resuming, then, when live peers serve a state
 newer than ours, recovers it from them (chunks we hold are not fetched), publishes our peer
-record just before the last recovery pass, logs one line with bytes and seconds, writes the
-recovered state as a checkpoint, and from then on serves our state to later joiners. Mode
-ddp has no outer state: the keeper only publishes there.
+record about `_PEER_VIEW_S` before its last transfer ends, logs one line with bytes and
+seconds, writes the recovered state as a checkpoint, and from then on serves our state to
+later joiners. Mode ddp has no outer state: the keeper only publishes there.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from dilonode.auth import Credentials
 from dilonode.config import RunConfig
 from dilonode.statesync.service import (
     Recovery,
@@ -62,15 +63,21 @@ class StateKeeper:
         self.recovery: Recovery | None = None
         self.resumed_from: Path | None = None
         self._alone_seen = 0
+        self._refused = 0  # peers our recoveries refused (impostor, tampered frame)
 
     # -- start -------------------------------------------------------------------------
-    def start_server(self, thread: Any) -> str | None:
-        """Listen for joiners (answering "no state yet" until `prepare` is done); returns
-        the address to advertise, or None when not serving."""
+    @property
+    def unauthorized_attempts(self) -> int:
+        """State-sync connections refused in the handshake or for a bad MAC, both ways."""
+        return self._refused + (self.server.unauthorized_attempts if self.server else 0)
+
+    def start_server(self, thread: Any, auth: Credentials) -> str | None:
+        """Listen for joiners that `auth` admits (answering "no state yet" until `prepare`
+        is done); returns the address to advertise, or None when not serving."""
         if not (self.active and self.cfg.statesync.enabled):
             return None
         self.server = StateServer(self.source, self.cfg.run_id, self.digest,
-                                  self.cfg.statesync, host=self.cfg.network.host)
+                                  self.cfg.statesync, host=self.cfg.network.host, auth=auth)
         address = thread.run(self.server.start(), timeout=10.0)
         announce = self.cfg.network.announce_host
         return f"{announce}:{address.rsplit(':', 1)[1]}" if announce else address
@@ -93,7 +100,11 @@ class StateKeeper:
         if self.active and self.resume:
             self._resume(worker)
         if self.active and self.cfg.statesync.enabled:
-            self._recover(worker, thread, _serving_peers(dht), before_final)
+            # Publish so that the wait ends about when the transfer does: rounds the peers
+            # start after it wait for us while we read manifests once more, as they did
+            # when we published after the transfer.
+            self._recover(worker, thread, _serving_peers(dht), dht.credentials, before_final,
+                          final_lead=_PEER_VIEW_S)
         if not published:
             publish()
         self.checkpointer.start_from(worker.step)
@@ -114,24 +125,28 @@ class StateKeeper:
         self.resumed_from = path
         log.info("resumed from checkpoint %s at step %d", path.name, state.step)
 
-    def _recover(self, worker: Any, thread: Any, peers: dict[str, str],
+    def _recover(self, worker: Any, thread: Any, peers: dict[str, str], auth: Credentials,
                  before_final: Callable[[], Awaitable[None]], *,
-                 same_rounds: bool = False) -> None:
+                 same_rounds: bool = False, final_lead: float = 0.0) -> None:
         """`same_rounds`: also take a state with as many rounds as ours (ours may have
-        diverged in a lone round), but only when its content differs from ours."""
+        diverged in a lone round), but only when its content differs from ours.
+        `final_lead`: see `recover` (start publishing before the transfer ends)."""
         if not peers:
             return
         sc = self.cfg.statesync
         local = worker.export_state()
         job = recover(peers, local, self.cfg.run_id, self.digest, sc,
                       min_rounds=sum(local.rounds) - int(same_rounds),
-                      before_final=before_final)
+                      before_final=before_final, auth=auth, final_lead=final_lead,
+                      own_candidate=same_rounds)
         try:
             got = thread.run(asyncio.wait_for(job, sc.recover_timeout),
                              timeout=sc.recover_timeout + 10.0)
         except TimeoutError:
             raise RecoveryError(f"state sync: no complete state within statesync."
                                 f"recover_timeout = {sc.recover_timeout} s") from None
+        if got is not None:
+            self._refused += got.refused
         if got is None:
             log.info("state sync: %d peer(s) serve no state with more rounds than ours %s; "
                      "not recovering", len(peers), list(local.rounds))
@@ -139,13 +154,15 @@ class StateKeeper:
         if same_rounds and got.fetched_bytes == 0 and got.state.rounds == local.rounds:
             log.info("state sync: peers hold the same state as ours; nothing to adopt")
             return
-        worker.import_state(got.state)
+        with self.source.replacing():
+            worker.import_state(got.state)
         self.recovery = got
         log.info("state sync: recovered step %d (rounds %s) from %d peer(s): %d bytes "
-                 "fetched (%.2f s transferring), %d reused, in %.2f s (%d passes; agreed by "
-                 "%d)", got.state.step, list(got.state.rounds), len(got.sources),
-                 got.fetched_bytes, got.fetch_seconds, got.reused_bytes, got.seconds,
-                 got.passes, len(got.agreed_by))
+                 "fetched (%.2f s transferring), %d reused, in %.2f s (%d passes, %.2f s "
+                 "waiting for manifests, %.2f s for the publish wait; agreed by %d)",
+                 got.state.step, list(got.state.rounds), len(got.sources), got.fetched_bytes,
+                 got.fetch_seconds, got.reused_bytes, got.seconds, got.passes,
+                 got.manifest_seconds, got.publish_wait_seconds, len(got.agreed_by))
 
     # -- training thread -----------------------------------------------------------------
     def resync_if_behind(self, worker: Any, thread: Any, dht: Any) -> None:
@@ -166,10 +183,16 @@ class StateKeeper:
 
         log.info("went on alone with %d live peer(s) around: checking whether they are ahead",
                  len(peers))
+        # Peers that went alone in the same round are asking us at the same time: serve
+        # them directly (nothing is in flight) rather than wait for a step we are not taking.
+        self.source.blocked(True)
         try:
-            self._recover(worker, thread, peers, already_visible, same_rounds=True)
+            self._recover(worker, thread, peers, dht.credentials, already_visible,
+                          same_rounds=True)
         except (RecoveryError, OSError, ValueError) as exc:
             log.warning("state sync after a lone round failed: %s", exc)
+        finally:
+            self.source.blocked(False)
 
     def training(self, on: bool) -> None:
         self.source.training(on)

@@ -1,17 +1,18 @@
 """Wire messages of state sync (protocol/README.md, "State sync"), validated, and their framing.
 
-A joiner opens one TCP connection to each serving peer's state listener and sends requests;
-the server answers each in order, so a client may pipeline several. Frames are a 4-byte
-big-endian body length and a msgpack map whose `type` names the message:
+A joiner opens one TCP connection to each serving peer's state listener, authenticates it
+(`link`: each frame is then followed by a MAC tag) and sends requests; the server answers
+each in order, so a client may pipeline several. Frames are a 4-byte big-endian body length
+and a msgpack map whose `type` names the message:
 
     manifest?  {version, run_id}                 -> manifest | error
     chunk?     {digest}                          -> chunk | error
     manifest   {version, run_id, config_digest, step, current_step, rounds, outer_steps,
-                chunk_bytes, tensors: [{name, numel, chunks: [sha256 bytes, ...]}, ...]}
-    chunk      {digest, payload}                 (sha256(payload) == digest)
+                chunk_bytes, tensors: [{name, numel, chunks: [BLAKE3-256 bytes, ...]}, ...]}
+    chunk      {digest, payload}                 (blake3(payload) == digest)
     error      {reason}
 
-Chunks are asked for by content (sha256), so a chunk survives a newer snapshot when its
+Chunks are asked for by content (their BLAKE3 hash), so a chunk survives a newer snapshot when its
 fragment has not changed, and a joiner never downloads bytes it already holds. No I/O here.
 """
 
@@ -56,7 +57,7 @@ class ChunkRequest(_Model):
 
 
 class TensorChunks(_Model):
-    """One float32 tensor of the state and the sha256 of each of its chunks, in order."""
+    """One float32 tensor of the state and the BLAKE3 hash of each of its chunks, in order."""
 
     name: str = Field(min_length=1, max_length=64)
     numel: int = Field(ge=1, le=2**40)
@@ -76,7 +77,7 @@ class Manifest(_Model):
     run_id: str = Field(min_length=1, max_length=128)
     config_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     step: Count
-    current_step: Count  # the server's own step when it took the snapshot
+    current_step: Count  # the server's own step when the request came in
     rounds: list[Count] = Field(min_length=1, max_length=4096)
     outer_steps: list[Count] = Field(min_length=1, max_length=4096)
     chunk_bytes: int = Field(ge=4096, le=64 << 20)

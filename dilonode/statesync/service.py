@@ -1,5 +1,9 @@
 """State sync over TCP: the server every node runs for joiners, and the joiner's client.
 
+Every connection is authenticated (`link.Link`: the data plane's handshake, then a MAC on
+every frame both ways): a server serves only joiners the run's credentials admit, and a
+joiner takes state only from the peer id whose signed record gave it the address.
+
 Serving (`SnapshotSource` + `StateServer`): a manifest request asks the training thread, via
 `SnapshotSource`, for a copy of the outer state at the next round boundary (no fragment sync
 in flight, so peers that took part in the same rounds hold identical bytes). The training
@@ -26,33 +30,34 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from dilonode import PROTOCOL_VERSION
+from dilonode.allreduce.channel import HandshakeError
+from dilonode.auth import Credentials
 from dilonode.config import StateSyncConfig
+from dilonode.statesync.link import Link
 from dilonode.statesync.plan import (
     Assembler,
     FetchPlan,
     Target,
     choose_target,
     chunk_bytes_of,
+    digests_of,
+    fetch_order,
     manifest_of,
 )
 from dilonode.statesync.protocol import (
-    HEADER,
-    MAX_FRAME_BYTES,
     Chunk,
     ChunkRequest,
     Error,
     Manifest,
     ManifestRequest,
     StateMessage,
-    decode_body,
-    encode_frame,
 )
 from dilonode.train.state import WorkerState
 from dilonode.wire.errors import RemoteProtocolError, one_line
@@ -64,6 +69,8 @@ log = logging.getLogger(__name__)
 _IDLE_CLOSE_S = 120.0  # a connection with no request for this long is closed
 _MAX_FAILED_FETCHES = 3
 _RETRY_S = 0.2  # pause before asking peers again (busy, or a round is landing)
+_RATE_AFTER_S = 0.5  # the transfer rate is trusted after this long (near-end estimate)
+_WATCH_S = 1.0  # during a fetch, re-read manifests this often (a round may land)
 _HOLD_S = 120.0  # snapshots are dropped after this long without a manifest request
 BUSY = "busy"  # error reason prefix: ask again shortly
 MAX_SOURCES = 8  # peers asked at once; more adds connections, not bandwidth
@@ -109,6 +116,14 @@ class SnapshotSource:
         with self._cond:
             self._frozen = on
 
+    @contextlib.contextmanager
+    def replacing(self) -> Iterator[None]:
+        """Training thread: the outer state is being replaced (a re-sync adopts a peer's);
+        no snapshot is copied meanwhile, and the held one is stale afterwards."""
+        with self._cond:
+            yield
+            self._latest = None
+
     def detach(self) -> None:
         """Serve nothing from now on (the worker's counters no longer match its state)."""
         with self._cond:
@@ -133,6 +148,12 @@ class SnapshotSource:
         self._wanted = False
         self.taken += 1
         self._cond.notify_all()
+
+    def step_now(self) -> int | None:
+        """The worker's step as of now, without waiting for the trainer (a plain int read);
+        None when there is nothing to serve."""
+        worker = self._worker
+        return None if worker is None else worker.step
 
     def request(self, timeout: float) -> WorkerState:
         """A snapshot of the current state.
@@ -159,44 +180,30 @@ class SnapshotSource:
             return self._latest
 
 
-class _Conn:
-    """One framed TCP connection; every read has a timeout."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 timeout: float) -> None:
-        self.reader, self.writer, self.timeout = reader, writer, timeout
-
-    @classmethod
-    async def open(cls, addr: str, timeout: float) -> _Conn:
-        host, _, port = addr.rpartition(":")
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)),
-                                                timeout)
-        return cls(reader, writer, timeout)
-
-    def send(self, msg: StateMessage) -> None:
-        self.writer.write(encode_frame(msg))
-
-    async def drain(self) -> None:
-        await asyncio.wait_for(self.writer.drain(), self.timeout)
-
-    async def recv(self, timeout: float | None = None) -> StateMessage:
-        async with asyncio.timeout(timeout or self.timeout):
-            (n,) = HEADER.unpack(await self.reader.readexactly(HEADER.size))
-            if not 1 <= n <= MAX_FRAME_BYTES:
-                raise RemoteProtocolError(f"state sync frame of {n} bytes (max "
-                                          f"{MAX_FRAME_BYTES})")
-            return decode_body(await self.reader.readexactly(n))
-
-    def close(self) -> None:
-        self.writer.close()
+def _whoami(auth: Credentials | None, peer_id: str | None) -> str:
+    """Our peer id in the handshake: the credentials' own, or a made-up one in trust mode."""
+    if auth is not None:
+        if peer_id not in (None, auth.peer_id):
+            raise ValueError(f"state sync: credentials of {auth.peer_id} used as {peer_id}")
+        return auth.peer_id
+    if peer_id is None:
+        raise ValueError("state sync: trust mode (no credentials) needs an explicit peer_id")
+    return peer_id
 
 
 class StateServer:
-    """Serves manifests and chunks of this node's snapshots on the network loop."""
+    """Serves manifests and chunks of this node's snapshots on the network loop.
+
+    Only to joiners that pass the handshake under `auth` (the node's credentials; None:
+    trust mode, tests and benchmarks only, with the made-up `peer_id`); refused attempts
+    are logged and counted in `unauthorized_attempts`.
+    """
 
     def __init__(self, source: SnapshotSource, run_id: str, config_digest: str,
-                 cfg: StateSyncConfig, host: str = "127.0.0.1") -> None:
+                 cfg: StateSyncConfig, host: str = "127.0.0.1", *,
+                 auth: Credentials | None = None, peer_id: str | None = None) -> None:
         self.source, self.run_id, self.digest, self.cfg = source, run_id, config_digest, cfg
+        self.auth, self.peer_id = auth, _whoami(auth, peer_id)
         self.host = cfg.host or host
         self._server: asyncio.Server | None = None
         self._lock: asyncio.Lock | None = None
@@ -205,11 +212,12 @@ class StateServer:
         # finish its unchanged chunks after another joiner asked for a newer one.
         self._served: deque[tuple[WorkerState, Manifest, dict[bytes, tuple[str, int]]]] = \
             deque(maxlen=2)
-        self._conns: dict[asyncio.Task[Any], _Conn] = {}
+        self._conns: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
         self._asked_at = time.monotonic()
         self._janitor: asyncio.Task[None] | None = None
         self.bytes_served = 0
         self.manifests_served = 0
+        self.unauthorized_attempts = 0
         self.address = ""
 
     async def start(self) -> str:
@@ -233,8 +241,8 @@ class StateServer:
             self._server.close()
         if self._janitor is not None:
             self._janitor.cancel()
-        for conn in list(self._conns.values()):
-            conn.close()  # their handlers see EOF and return
+        for writer in list(self._conns.values()):
+            writer.close()  # their handlers see EOF and return
         if self._conns:
             _, late = await asyncio.wait(list(self._conns), timeout=2.0)
             for task in late:
@@ -243,9 +251,12 @@ class StateServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        conn = self._conns[task] = _Conn(reader, writer, self.cfg.request_timeout)
+        self._conns[task] = writer
         peer = writer.get_extra_info("peername")
         try:
+            conn = await Link.accept(reader, writer, self.auth, self.run_id, self.peer_id,
+                                     self.cfg.request_timeout)
+            peer = f"{conn.peer_id} at {peer}"
             while True:
                 req = await conn.recv(_IDLE_CLOSE_S)
                 conn.send(await self._answer(req))
@@ -253,10 +264,11 @@ class StateServer:
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass  # the joiner is done, gone or idle
         except RemoteProtocolError as exc:
-            log.warning("state sync: dropping %s: %s", peer, exc)
+            self.unauthorized_attempts += isinstance(exc, HandshakeError)
+            log.warning("state sync: dropping %s: %s", peer, exc.reason)
         finally:
             self._conns.pop(task, None)
-            conn.close()
+            writer.close()
 
     async def _answer(self, req: StateMessage) -> StateMessage:
         if isinstance(req, ManifestRequest):
@@ -271,6 +283,10 @@ class StateServer:
     async def _manifest(self) -> StateMessage:
         assert self._lock is not None
         self._asked_at = time.monotonic()
+        # A joiner's floor: every round started by now is in a state it may adopt. The
+        # snapshot comes at the trainer's next step, when a round that already counts the
+        # joiner (and waits for it) may have started, so its step would be too late.
+        asked = self.source.step_now()
         async with self._lock:  # concurrent joiners share one snapshot and its hashing
             try:
                 state = await asyncio.to_thread(self.source.request, self.cfg.snapshot_wait)
@@ -284,7 +300,10 @@ class StateServer:
                          for i, d in enumerate(t.chunks)}
                 self._served.append((state, manifest, index))
             self.manifests_served += 1
-            return self._served[-1][1]
+            manifest = self._served[-1][1]
+            if asked is None:
+                return manifest
+            return manifest.model_copy(update={"current_step": asked})
 
     def _chunk(self, digest: bytes) -> StateMessage:
         for state, _, index in reversed(self._served):
@@ -316,53 +335,127 @@ class Recovery:
     reused_bytes: int = 0  # state bytes we already held (own state or checkpoint)
     seconds: float = 0.0  # first manifest request to adoption (waits after publishing too)
     fetch_seconds: float = 0.0  # time spent fetching chunks (the transfer itself)
+    manifest_seconds: float = 0.0  # time spent waiting for manifests (outside fetches)
+    publish_wait_seconds: float = 0.0  # time blocked on `before_final` (outside fetches)
     passes: int = 0
     sources: dict[str, int] = field(default_factory=dict)  # peer -> payload bytes from it
     agreed_by: tuple[str, ...] = ()  # peers whose manifest was exactly the adopted state
+    refused: int = 0  # peers dropped for failing authentication (impostor, tampered frame)
 
 
 class _Client:
     """One recovery: connections to the serving peers and the passes over them."""
 
     def __init__(self, peers: dict[str, str], run_id: str, digest: str,
-                 cfg: StateSyncConfig) -> None:
+                 cfg: StateSyncConfig, auth: Credentials | None, peer_id: str) -> None:
         # A random subset, so that many joiners spread over a large swarm.
         chosen = random.sample(sorted(peers), min(len(peers), MAX_SOURCES))
         self.addrs = {p: peers[p] for p in sorted(chosen)}
         self.run_id, self.digest, self.cfg = run_id, digest, cfg
-        self.conns: dict[str, _Conn] = {}
+        self.auth, self.peer_id = auth, peer_id
+        self.conns: dict[str, Link] = {}
+        self.watch: dict[str, Link | None] = {}  # second connections for manifests mid-fetch
+        self.partial: Assembler | None = None  # a fetch left for a newer state: its chunks
+        self.newer: dict[str, Manifest] | None = None  # the manifests that showed it
         self.busy: set[str] = set()
         self.fetched_once = False
+        # Called once when a fetch is expected to end within `lead` s (then cleared).
+        self.near_end: Callable[[], None] | None = None
+        self.lead = 0.0
         self.result = Recovery(state=WorkerState(0, (), ()))
 
-    def _drop(self, peer: str, why: str) -> None:
+    def _drop(self, peer: str, why: str, refused: bool = False) -> None:
+        self.result.refused += refused
         log.warning("state sync: dropping peer %s: %s", peer, one_line(why, 200))
-        conn = self.conns.pop(peer, None)
         self.addrs.pop(peer, None)
-        if conn is not None:
-            conn.close()
+        for links in (self.conns, self.watch):
+            if (conn := links.pop(peer, None)) is not None:
+                conn.close()
 
     async def _manifest(self, peer: str) -> Manifest | None:
         try:
             if peer not in self.conns:
-                self.conns[peer] = await _Conn.open(self.addrs[peer], self.cfg.request_timeout)
+                # `peer` is the id its signed record names: the handshake refuses anyone else.
+                self.conns[peer] = await Link.connect(self.addrs[peer], self.auth, self.run_id,
+                                                      self.peer_id, peer,
+                                                      self.cfg.request_timeout)
             conn = self.conns[peer]
             conn.send(ManifestRequest(run_id=self.run_id))
             msg = await conn.recv()
         except (OSError, TimeoutError, asyncio.IncompleteReadError, RemoteProtocolError) as exc:
-            self._drop(peer, _why(exc))
+            self._drop(peer, _why(exc), isinstance(exc, HandshakeError))
             return None
         if isinstance(msg, Error):
             log.info("state sync: peer %s has no manifest: %s", peer, msg.reason)
             if msg.reason.startswith(BUSY):
                 self.busy.add(peer)
             return None
-        if not isinstance(msg, Manifest) or msg.run_id != self.run_id or \
-                msg.version != PROTOCOL_VERSION or msg.config_digest != self.digest:
+        if not self._ours(msg):
             self._drop(peer, "answered with a manifest of another run, protocol or config"
                        if isinstance(msg, Manifest) else f"answered {msg.type} to manifest?")
             return None
+        assert isinstance(msg, Manifest)
         return msg
+
+    def _ours(self, msg: StateMessage) -> bool:
+        return isinstance(msg, Manifest) and msg.run_id == self.run_id and \
+            msg.version == PROTOCOL_VERSION and msg.config_digest == self.digest
+
+    async def _poll(self, peer: str) -> Manifest | None:
+        """A fresh manifest over a second connection (the first carries chunks); a peer that
+        fails here is left alone by the watch (its chunk connection decides its fate)."""
+        try:
+            link, addr = self.watch.get(peer, False), self.addrs.get(peer)
+            if link is None or addr is None:  # not watched, or dropped meanwhile
+                return None
+            if link is False:
+                link = self.watch[peer] = await Link.connect(
+                    addr, self.auth, self.run_id, self.peer_id, peer, self.cfg.request_timeout)
+            assert isinstance(link, Link)
+            link.send(ManifestRequest(run_id=self.run_id))
+            msg = await link.recv()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, RemoteProtocolError) as exc:
+            log.info("state sync: not watching peer %s: %s", peer, _why(exc))
+            if (link := self.watch.get(peer)) is not None:
+                link.close()
+            self.watch[peer] = None
+            return None
+        return msg if isinstance(msg, Manifest) and self._ours(msg) else None
+
+    async def _watch_newer(self, target: Target, latest: dict[str, Manifest],
+                           stop: asyncio.Event, changed: asyncio.Event) -> None:
+        """Re-read manifests every `_WATCH_S` during a fetch; once the peers agree on a state
+        with more rounds, stop the fetch, so that the chunks of the fragment a round changed
+        come from the new state (chunks fetched so far carry over to it)."""
+        while True:
+            await asyncio.sleep(_WATCH_S)
+            peers = [p for p in self.addrs if self.watch.get(p, False) is not None]
+            got = await asyncio.gather(*(self._poll(p) for p in peers))
+            latest.update({p: m for p, m in zip(peers, got, strict=True) if m is not None})
+            newer = choose_target({p: m for p, m in latest.items() if p in self.addrs})
+            if newer is not None and sum(newer.manifest.rounds) > sum(target.manifest.rounds):
+                self.newer = {p: m for p, m in latest.items() if p in self.addrs}
+                stop.set()
+                changed.set()
+                return
+
+    async def floor_now(self) -> int | None:
+        """The peers' highest `current_step` now, over fresh connections (those of a fetch
+        in progress are busy); None when no peer answered."""
+        async def one(peer: str, addr: str) -> int | None:
+            link = await Link.connect(addr, self.auth, self.run_id, self.peer_id, peer,
+                                      self.cfg.request_timeout)
+            try:
+                link.send(ManifestRequest(run_id=self.run_id))
+                msg = await link.recv()
+            finally:
+                link.close()
+            return msg.current_step if isinstance(msg, Manifest) and self._ours(msg) else None
+
+        got = await asyncio.gather(*(one(p, a) for p, a in list(self.addrs.items())),
+                                   return_exceptions=True)
+        steps = [g for g in got if isinstance(g, int)]
+        return max(steps) if steps else None
 
     async def manifests(self) -> dict[str, Manifest]:
         """One manifest per peer that has one now; `busy` names those to ask again."""
@@ -371,35 +464,71 @@ class _Client:
         return {p: m for p, m in zip(peers, got, strict=True) if m is not None}
 
     async def fetch(self, target: Target, manifests: dict[str, Manifest],
-                    held: WorkerState | None, known: dict[str, list[bytes]]) -> WorkerState:
+                    held: WorkerState | None, known: dict[str, list[bytes]]
+                    ) -> WorkerState | None:
+        """The target state, or None when the peers moved on to a newer state mid-fetch
+        (then `newer` holds their manifests and `partial` what was fetched)."""
         asm = Assembler(target.manifest)
+        if held is not None and not known:  # hash our own state once, not on every pass
+            known.update({name: digests_of(t, asm.cb) for name, t in held.tensors.items()})
         reused = asm.reuse(held, known)
         if not self.fetched_once:  # later passes reuse what we fetched, not what we had
             self.result.reused_bytes, self.fetched_once = reused, True
+        if self.partial is not None:
+            asm.carry(self.partial)
         sources = {p: {d for t in m.tensors for d in t.chunks} for p, m in manifests.items()}
-        plan = FetchPlan(asm.needed(), sources)
-        changed = asyncio.Event()
-        await asyncio.gather(*(self._pull(p, plan, asm, changed) for p in list(sources)))
+        plan = FetchPlan(fetch_order(target.manifest, asm.needed()), sources)
+        changed, stop = asyncio.Event(), asyncio.Event()
+        watches = [asyncio.create_task(self._watch_end(plan, target.manifest.chunk_bytes)),
+                   asyncio.create_task(self._watch_newer(target, dict(manifests), stop,
+                                                         changed))]
+        try:
+            await asyncio.gather(*(self._pull(p, plan, asm, changed, stop)
+                                   for p in list(sources)))
+        finally:
+            for task in watches:
+                task.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
+            self._close_watch()  # a poll cut short leaves its reply on the wire: reconnect
         for peer, n in plan.fetched_from.items():
             self.result.sources[peer] = self.result.sources.get(peer, 0) + n
             self.result.fetched_bytes += n
+        self.partial = None
+        if not plan.complete and stop.is_set():
+            self.partial = asm
+            return None
         if not plan.complete:
             raise RecoveryError(f"state sync: {plan.missing} chunks of the state at step "
                                 f"{target.step} could not be fetched from any live peer")
         return asm.state()
 
+    async def _watch_end(self, plan: FetchPlan, chunk_bytes: int) -> None:
+        """Call `near_end` once the chunks still missing should arrive within `lead` s at
+        the rate seen so far."""
+        t0 = time.perf_counter()
+        while self.near_end is not None:
+            await asyncio.sleep(0.1)
+            done, elapsed = sum(plan.fetched_from.values()), time.perf_counter() - t0
+            if done and elapsed >= _RATE_AFTER_S and \
+                    plan.missing * chunk_bytes * elapsed / done <= self.lead:
+                hook, self.near_end = self.near_end, None
+                hook()
+
     async def _pull(self, peer: str, plan: FetchPlan, asm: Assembler,
-                    changed: asyncio.Event) -> None:
+                    changed: asyncio.Event, stop: asyncio.Event) -> None:
+        """Fetch chunks from `peer` until none is left for it, or until `stop` (then the
+        requests in flight are still answered and kept)."""
         conn, outstanding = self.conns.get(peer), deque[bytes]()
         if conn is None:
             plan.drop(peer)
             return
         while not plan.complete:
-            while len(outstanding) < self.cfg.window and (d := plan.next_for(peer)):
+            while not stop.is_set() and len(outstanding) < self.cfg.window and \
+                    (d := plan.next_for(peer)):
                 conn.send(ChunkRequest(digest=d))
                 outstanding.append(d)
             if not outstanding:
-                if plan.stuck():
+                if plan.stuck() or stop.is_set():
                     return
                 changed.clear()  # nothing for us now; wake when a dropped peer's work returns
                 with contextlib.suppress(TimeoutError):
@@ -418,50 +547,100 @@ class _Client:
             except (OSError, TimeoutError, asyncio.IncompleteReadError,
                     RemoteProtocolError) as exc:
                 plan.drop(peer)
-                self._drop(peer, _why(exc))
+                self._drop(peer, _why(exc), isinstance(exc, HandshakeError))
                 changed.set()
                 return
             changed.set()
+
+    def _close_watch(self) -> None:
+        for link in self.watch.values():
+            if link is not None:
+                link.close()
+        self.watch.clear()
 
     def close(self) -> None:
         for conn in self.conns.values():
             conn.close()
         self.conns.clear()
+        self._close_watch()
 
 
 async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                   config_digest: str, cfg: StateSyncConfig, min_rounds: int = -1,
-                  before_final: Callable[[], Awaitable[None]] | None = None
-                  ) -> Recovery | None:
+                  before_final: Callable[[], Awaitable[None]] | None = None, *,
+                  auth: Credentials | None = None, peer_id: str | None = None,
+                  final_lead: float = 0.0, own_candidate: bool = False) -> Recovery | None:
     """Fetch the swarm's current outer state from `peers` (peer id -> state address).
+
+    Each connection proves that the peer id it was looked up under answers, and proves us
+    to it, under `auth` (our credentials; None: trust mode with the made-up `peer_id`).
 
     `local` is the state we hold (fresh or from a checkpoint): its chunks are never fetched.
     `before_final` runs once the fetched state is current (or after `cfg.max_passes`
     fetches): the node publishes its record there and waits until peers see it. Rounds the
     peers start after that wait expect us; rounds started before it may not, so the state
     adopted must include all of them: we re-read manifests until its step is at least the
-    peers' step right after the wait. Returns None when no peer serves a state with more
-    than `min_rounds` rounds landed (summed over fragments); raises `RecoveryError` when
-    peers are ahead but the state could not be completed. The caller bounds the whole
-    call (statesync.recover_timeout); every request has its own timeout.
+    peers' step right after the wait. With `final_lead` > 0, `before_final` starts that
+    many seconds before a fetch is expected to end (the keeper passes its wait, so waiting
+    overlaps the end of the transfer instead of following it and one more manifest pass);
+    should that state turn out not to be current, the next fetch comes after publishing,
+    as after `cfg.max_passes`; the peers' step is then read as soon as the wait is over.
+    Returns None when no peer serves a state with more than `min_rounds` rounds landed
+    (summed over fragments); raises `RecoveryError` when peers are ahead but the state
+    could not be completed. The caller bounds the whole call (statesync.recover_timeout);
+    every request has its own timeout.
+
+    `own_candidate` (a re-sync after a lone round): `local` competes in the choice as our
+    own peer's state, and if it wins nothing is fetched. Peers that diverged in the same
+    round then all pick the same state, instead of each adopting another's.
     """
     t0 = time.perf_counter()
-    client = _Client(peers, run_id, config_digest, cfg)
+    me = _whoami(auth, peer_id)
+    client = _Client(peers, run_id, config_digest, cfg, auth, me)
+    own = ({me: manifest_of(local, run_id, config_digest, cfg.chunk_bytes)}
+           if own_candidate and local is not None else {})
     held, known = local, dict[str, list[bytes]]()
     held_target: Target | None = None  # the state `held` is, with its freshest step
     floor: int | None = None  # after publishing: rounds started by then may exclude us
     fetches, failures, published = 0, 0, False
+    final: asyncio.Future[None] | None = None  # before_final, started during a fetch
+
+    async def publish_then_floor() -> None:
+        # Read the floor as soon as the wait is over, not when the fetch is: rounds the peers
+        # start after the wait expect us and wait for us, so a later floor could include
+        # one that only lands once we join it.
+        nonlocal floor
+        assert before_final is not None
+        await before_final()
+        floor = await client.floor_now()
+
+    def start_final() -> None:
+        nonlocal final
+        if final is None and before_final is not None:
+            final = asyncio.ensure_future(publish_then_floor())
+
+    if before_final is not None and final_lead > 0:
+        client.near_end, client.lead = start_final, final_lead
     try:
         while True:
             client.result.passes += 1
-            manifests = await client.manifests()
+            t_pass = time.perf_counter()
+            watched = client.newer is not None
+            manifests, client.newer = client.newer or await client.manifests(), None
+            client.result.manifest_seconds += time.perf_counter() - t_pass
+            log.info("state sync: pass %d: %d manifest(s)%s in %.2f s, %.2f s since start",
+                     client.result.passes, len(manifests), " (read while fetching)"
+                     if watched else "", time.perf_counter() - t_pass,
+                     time.perf_counter() - t0)
             if not manifests and client.busy:
                 await asyncio.sleep(_RETRY_S)  # a trainer is mid-step; ask again
                 continue
-            target = choose_target(manifests)
+            target = choose_target({**manifests, **own} if held_target is None else manifests)
             if target is None or (held_target is None and
                                   sum(target.manifest.rounds) <= min_rounds):
                 break
+            if me in target.supporters and held_target is None:
+                break  # our own state is the one the others pick too: keep it
             if floor is None and published and before_final is None:
                 floor = max(m.current_step for m in manifests.values())
             current = held_target is not None and \
@@ -470,8 +649,10 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                 if current:
                     held_target = target  # same content, fresher step
                 if before_final is not None:
-                    await before_final()
-                    before_final, published = None, True
+                    t_wait = time.perf_counter()
+                    await (final if final is not None else before_final())
+                    client.result.publish_wait_seconds += time.perf_counter() - t_wait
+                    before_final, published, client.near_end = None, True, None
                     continue
                 if floor is None or target.step >= floor:
                     break
@@ -479,7 +660,7 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                 continue
             t_fetch = time.perf_counter()
             try:
-                held = await client.fetch(target, manifests, held, known)
+                got = await client.fetch(target, manifests, held, known)
             except RecoveryError as exc:  # e.g. every peer holding a chunk moved on: re-read
                 failures += 1
                 if failures >= _MAX_FAILED_FETCHES or not client.addrs:
@@ -488,9 +669,19 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                 continue
             finally:
                 client.result.fetch_seconds += time.perf_counter() - t_fetch
-            held_target, fetches = target, fetches + 1
+            fetches += 1
+            if got is None:  # a round landed mid-fetch: go on with the newer state
+                continue
+            held, held_target = got, target
             known = {t.name: list(t.chunks) for t in target.manifest.tensors}
+            if final is not None and before_final is not None:
+                t_wait = time.perf_counter()
+                await final  # published (and `floor` read) near the end of this fetch
+                client.result.publish_wait_seconds += time.perf_counter() - t_wait
+                before_final, published, client.near_end = None, True, None
     finally:
+        if final is not None and not final.done():
+            final.cancel()
         client.close()
     if held_target is None or held is None:
         return None

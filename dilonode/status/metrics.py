@@ -105,7 +105,8 @@ def node_metrics(s: Mapping[str, Any]) -> list[Metric]:
 
 
 _TRUST_COUNTERS = (
-    ("unauthorized_connections", "Data connections refused in the handshake."),
+    ("unauthorized_connections", "Data and state-sync connections refused in the handshake "
+     "or for a bad frame MAC."),
     ("unauthorized_records", "DHT records ignored: bad signature or identity not allowed."),
     ("rejected_contributions", "Rounds in which a peer's contribution was rejected."),
     ("peer_bans", "Peers banned for repeated rejected contributions."),

@@ -9,12 +9,22 @@ travel through it. Usage::
         peers = dht.fetch_peers(timeout=5.0)        # valid records of this run only
 
 The constructor does no I/O; `start()` forks hivemind's DHT process (which runs a `p2pd`
-child) and `close()` shuts both down within `shutdown_timeout` plus a second or two.
+child) and `close()` shuts both down within `shutdown_timeout` plus a second or two; calls
+still waiting for the process then raise RuntimeError (it would never answer them, and a
+thread waiting out a long timeout would hold up the interpreter's exit).
 Every DHT call takes a timeout and raises `TimeoutError` when it runs out. Records that
 fail `decode_record` are logged at WARNING (once per distinct record and reason, then at
 DEBUG, so a heartbeat loop does not flood the log) and counted in `rejected_records`; those
 failing authentication (bad or missing signature, an author outside the allowlist, a wrong
 swarm secret) also in `unauthorized_records`.
+
+Every subkey this node writes is owner-protected (hivemind's `RSASignatureValidator`
+scheme): stored as `<peer id>[owner:<that peer's RSA key, OpenSSH form>]`, with the DHT
+value signed by that key. Every SwarmDHT (the bootstrap's too) runs `_owner_validator`, so
+its DHT process refuses to store, and drops from search answers, any record whose subkey is
+not protected by the key of the peer id it names, or whose signature does not verify: no
+one else can displace a node's entry with a later expiration. `store_raw`, `get_raw` and
+`publish` speak plain subkeys (the peer id), so callers never see the marker.
 
 The node's libp2p identity is ours, not p2pd's: `start()` loads the key at `identity_path`
 (writing a new one there, in hivemind's format, when missing) or makes a fresh one, hands
@@ -27,6 +37,7 @@ handshakes. The peer id the DHT reports is checked against the key's.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -41,7 +52,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
-from dilonode.auth import AuthError, Credentials, Identity
+import msgpack
+
+from dilonode.auth import AuthError, Credentials, Identity, peer_id_of_ssh_key
 from dilonode.swarm.records import (
     RUN_ID_PATTERN,
     PeerRecord,
@@ -51,7 +64,7 @@ from dilonode.swarm.records import (
     peers_key,
 )
 
-__all__ = ["RawEntry", "SwarmDHT", "decode_entries"]
+__all__ = ["RawEntry", "SwarmDHT", "decode_entries", "owner_subkey", "plain_subkey"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +72,8 @@ log = logging.getLogger(__name__)
 _MAX_REMEMBERED_REJECTIONS = 1024
 _hivemind_ready = False
 _hivemind_lock = threading.Lock()
+# hivemind's marker, `RSASignatureValidator.PUBLIC_KEY_FORMAT`, at the end of the subkey.
+_OWNER_SUBKEY = re.compile(r"(?P<plain>[^\[\]]*)\[owner:(?P<key>[^\[\]]+)\]", re.ASCII)
 
 
 R = TypeVar("R", bound=Record)
@@ -81,6 +96,50 @@ def decode_entries(board: Any, key: str, raw: dict[str, RawEntry], kind: type[R]
         else:
             out[subkey] = record
     return out
+
+
+def owner_subkey(identity: Identity) -> str:
+    """The owner-protected form of `identity`'s own subkey: `<peer id>[owner:<ssh key>]`."""
+    return f"{identity.peer_id}[owner:{identity.ssh_public_key.decode()}]"
+
+
+def plain_subkey(subkey: str) -> str:
+    """The peer id an owner-protected subkey stands for; AuthError unless `subkey` is exactly
+    `<peer id>[owner:<that peer's key, canonical OpenSSH form>]` (one spelling per peer, so
+    two stored subkeys never stand for the same plain one)."""
+    match = _OWNER_SUBKEY.fullmatch(subkey)
+    if match is None:
+        raise AuthError("subkey is not owner-protected (no [owner:<key>] marker)")
+    plain = match["plain"]
+    owner = peer_id_of_ssh_key(match["key"].encode())
+    if owner != plain:
+        raise AuthError(f"subkey names peer {plain[:64]!r} but its owner key is {owner}'s")
+    return plain
+
+
+def _owner_validator(identity: Identity) -> Any:
+    """hivemind's `RSASignatureValidator` signing with `identity`'s key, refusing any record
+    that is not owner-protected by the peer its subkey names (see the module docstring)."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    class NodeKey(RSAPrivateKey):  # type: ignore[misc]
+        def __init__(self, key: Any) -> None:  # the node's key, not a freshly generated one
+            self._private_key = key
+
+    class OwnerValidator(RSASignatureValidator):  # type: ignore[misc]
+        def validate(self, record: Any) -> bool:
+            try:
+                subkey = msgpack.unpackb(record.subkey, raw=False) if record.subkey else None
+                if not isinstance(subkey, str):
+                    return False  # a plain value, or a dictionary subkey of another type
+                plain_subkey(subkey)
+                return bool(super().validate(record))
+            # Whatever a peer sends that does not parse is invalid, never an error here.
+            except Exception:
+                return False
+
+    return OwnerValidator(NodeKey(identity.rsa_key))
 
 
 class RawEntry(NamedTuple):
@@ -194,10 +253,14 @@ class SwarmDHT:
         self._secret = secret
         self._allowed = allowed
         self._credentials: Credentials | None = None
+        self._owner_subkey = ""
         self._dht: Any = None
         self._peer_id: str | None = None
         # A multiprocessing Connection is not safe for concurrent sends from several threads.
         self._send_lock = threading.Lock()
+        # Calls waiting for the DHT process; close() fails them, since a process that is
+        # gone never answers and their callers would wait out their whole timeout.
+        self._in_flight: set[Any] = set()
         self._count_lock = threading.Lock()
         self._seen_rejections: set[tuple[str, str, str]] = set()
 
@@ -217,6 +280,7 @@ class SwarmDHT:
             identity_path=str(key_path),
             # A key made just now is nobody else's: skip hivemind's slow check of the swarm.
             check_if_identity_free=not fresh,
+            record_validators=[_owner_validator(identity)],
             shutdown_timeout=self.shutdown_timeout,
             startup_timeout=self.start_timeout,
         )
@@ -236,6 +300,7 @@ class SwarmDHT:
             if self.identity_path is None:  # p2pd has read the throwaway key file by now
                 shutil.rmtree(key_path.parent, ignore_errors=True)
         self._credentials = Credentials(identity, self.run_id, self._secret, self._allowed)
+        self._owner_subkey = owner_subkey(identity)
         if self._allowed is not None and identity.peer_id not in self._allowed:
             log.warning("this node (%s) is not in auth.allowed_peers: peers will refuse it",
                         identity.peer_id)
@@ -255,10 +320,16 @@ class SwarmDHT:
         return identity, path, True
 
     def close(self) -> None:
-        """Shut the DHT process down; idempotent, returns within a few seconds."""
+        """Shut the DHT process down; idempotent, returns within a few seconds. Calls still
+        waiting for an answer then raise RuntimeError."""
         dht, self._dht = self._dht, None
         if dht is not None:
             self._stop_process(dht)
+        with self._send_lock:
+            pending, self._in_flight = self._in_flight, set()
+        for future in pending:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # answered since
+                future.set_exception(RuntimeError("SwarmDHT closed during the call"))
 
     def _stop_process(self, dht: Any) -> None:
         if not dht.is_alive():
@@ -316,17 +387,26 @@ class SwarmDHT:
                   timeout: float | None = None) -> bool:
         """Store `value` under (key, subkey) until DHT time now + ttl; False if refused.
 
-        hivemind keeps, per subkey, the value with the latest expiration, so a store with
-        an earlier expiration than the current one is refused (returns False).
+        `subkey` must be this node's peer id: it is stored owner-protected, and the DHT
+        refuses anything else. hivemind keeps, per subkey, the value with the latest
+        expiration, so a store with an earlier expiration than the current one is refused
+        (returns False).
         """
         from hivemind.utils import get_dht_time
 
+        if subkey != self.peer_id:
+            raise ValueError(f"subkey {subkey[:64]!r}: a node writes only under its own peer "
+                             f"id {self.peer_id}")
+        return self._store(key, value, get_dht_time() + ttl, timeout)
+
+    def _store(self, key: str, value: bytes, expires_at: float, timeout: float | None) -> bool:
         dht = self._running()
-        return bool(self._call(dht.store, key, value, get_dht_time() + ttl, subkey=subkey,
+        return bool(self._call(dht.store, key, value, expires_at, subkey=self._owner_subkey,
                                timeout=timeout))
 
     def get_raw(self, key: str, timeout: float | None = None) -> dict[str, RawEntry]:
-        """The latest unexpired values of every subkey of `key` (empty if none)."""
+        """The latest unexpired values of every subkey of `key` (empty if none), by plain
+        subkey (the peer id); entries that are not owner-protected are dropped."""
         found = self._call(self._running().get, key, latest=True, timeout=timeout)
         if found is None:
             return {}
@@ -336,9 +416,16 @@ class SwarmDHT:
         out: dict[str, RawEntry] = {}
         for subkey, item in found.value.items():
             if not isinstance(subkey, str) or not isinstance(item.value, bytes):
-                self.note_rejected(key, repr(subkey), "subkey or value of the wrong type")
+                self.note_rejected(key, repr(subkey)[:80], "subkey or value of the wrong type")
                 continue
-            out[subkey] = RawEntry(item.value, float(item.expiration_time))
+            # Our DHT process already refused these; a check here costs little and keeps
+            # readers safe should a search ever hand back an unvalidated record.
+            try:
+                plain = plain_subkey(subkey)
+            except AuthError as exc:
+                self.note_rejected(key, subkey[:80], str(exc), unauthorized=True)
+                continue
+            out[plain] = RawEntry(item.value, float(item.expiration_time))
         return out
 
     def note_rejected(self, key: str, subkey: str, reason: str, *,
@@ -364,10 +451,8 @@ class SwarmDHT:
                              f"{self.peer_id}@{self.run_id}")
         expires_at = get_dht_time() + ttl
         stamped = record.model_copy(update={"expires_at": expires_at})
-        dht = self._running()
-        return bool(self._call(dht.store, peers_key(self.run_id),
-                               encode_record(stamped, self.credentials),
-                               expires_at, subkey=record.peer_id, timeout=timeout))
+        return self._store(peers_key(self.run_id), encode_record(stamped, self.credentials),
+                           expires_at, timeout)
 
     def fetch_peers(self, timeout: float | None = None) -> list[PeerRecord]:
         """Valid, unexpired PeerRecords of this run and protocol version, sorted by peer id."""
@@ -390,7 +475,10 @@ class SwarmDHT:
         """Send one request to the DHT process and wait at most `timeout` for its answer."""
         limit = self.op_timeout if timeout is None else timeout
         with self._send_lock:
+            if self._dht is None:  # closed while this call waited for the lock
+                raise RuntimeError("SwarmDHT not started (or closed)")
             future = method(*args, return_future=True, **kwargs)
+            self._in_flight.add(future)
         try:
             return future.result(timeout=max(limit, 0.0))
         # Distinct classes on Python 3.10, aliases from 3.11 on.
@@ -398,3 +486,6 @@ class SwarmDHT:
             future.cancel()
             name = getattr(method, "__name__", "call")
             raise TimeoutError(f"DHT {name} got no answer within {limit:.1f}s") from None
+        finally:
+            with self._send_lock:
+                self._in_flight.discard(future)

@@ -5,46 +5,71 @@
 1. Register: store our `GroupEntry` under `group_key(run_id, fragment, round, attempt)` with
    subkey = our peer id, expiring `timeout + window` seconds later (long enough for every
    peer whose window overlaps ours to read it, short enough that the key dies soon after).
+   The entry carries our round settings (codec, chunking, aggregator); an entry whose
+   settings differ from ours is ignored with a one-line reason naming the difference.
 2. Wait up to `window` after our own registration, polling the key every `poll_interval`
-   seconds to re-store our entry if it is not visible (a refused or lost store). The wait
+   seconds (re-storing our entry if it is not visible: a refused or lost store). The wait
    ends early once every `expected` peer (those the caller believes alive, from the peer
-   records) has registered: in a steady swarm a round forms in a few DHT round trips. A
-   peer that is not expected, or is late, is only seen if it registers within the window.
-3. Read the key once more (`latest=True`). The members are all valid entries of that read
-   plus ourselves, sorted by peer id; weights are their bandwidths. An entry is valid only
-   if it is signed by the peer it names and that peer is admitted (swarm secret,
-   allowlist: `board.credentials`), so no one can register another peer or slip in.
+   records) has registered, or as soon as a leader has closed the group (step 3).
+3. Close: the group's leader is the smallest peer id among the valid entries it reads at
+   the end of its wait (minus the peers it excludes). It re-stores its own entry with a
+   `roster` (members, data addresses, weights, sorted by peer id) and uses that roster.
+   Every other peer adopts the first roster it reads that names it and was written by the
+   smallest member of that roster; it waits for one until about one window after its own
+   wait ended (the leader registered at most a window after it), and blames the leader
+   (`MatchmakingError.blame`) if none comes, so the retry leaves the leader out.
+   A peer that reads only rosters without itself registered too late (or was excluded by
+   the leader): it is a group of one for this attempt, and joins the next round. A peer
+   alone at the end of its window while others are expected (they lag) is not waited on
+   by anyone yet, so it waits on, up to the timeout, for the first of them and then one
+   more window for the rest, rather than close a group of one and leave them all alone.
 
-Peers that register at different times may read different sets. That is tolerated here and
-caught by the all-reduce layer: its first message carries `Group.digest()`, a mismatch fails
-the attempt, and the caller retries with `attempt + 1` (a fresh key). A group of one is a
-valid result. Everything is bounded by `timeout`; failure to register or to read the final
-set raises `MatchmakingError`.
+One writer per group makes every member's view the same, where reading the key at the end of
+each peer's own window did not: peers that register at different times read different sets,
+and a joiner appearing mid-window split rounds into mismatching views. What remains is a
+race between two peers that each believe they lead (a smaller peer id registering between
+the other's last read and its roster becoming visible); the all-reduce layer still catches
+any disagreement (its first message carries `Group.digest()`, a mismatch fails the attempt,
+and the caller retries with `attempt + 1`, a fresh key). An entry is valid only if it is
+signed by the peer it names and that peer is admitted (swarm secret, allowlist:
+`board.credentials`), so no one can register another peer, slip in, or forge a roster.
+Everything is bounded by `timeout`; failure to register or to read raises `MatchmakingError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from dilonode.auth import Credentials
 from dilonode.swarm.dht import RawEntry, decode_entries
-from dilonode.swarm.records import GroupEntry, encode_record, group_key
+from dilonode.swarm.records import GroupEntry, RosterMember, encode_record, group_key
 
-__all__ = ["Group", "GroupBoard", "MatchmakingError", "form_group"]
+__all__ = ["Group", "GroupBoard", "MatchmakingError", "form_group", "settings_difference"]
 
 log = logging.getLogger(__name__)
 
 # Final read budget kept out of the window when `timeout` is tight.
 _READ_RESERVE_S = 0.5
+# Beyond one window, how long a follower allows its leader to make the roster visible
+# (DHT latency, a loaded leader).
+_ROSTER_SLACK_S = 1.0
 
 
 class MatchmakingError(RuntimeError):
-    """The attempt could not register or read its group within the timeout."""
+    """The attempt could not register, read its group or get a roster within the timeout.
+
+    `blame` names the peer that should have closed the group and did not, if any.
+    """
+
+    def __init__(self, message: str, blame: str | None = None) -> None:
+        super().__init__(message)
+        self.blame = blame
 
 
 class GroupBoard(Protocol):
@@ -100,85 +125,186 @@ def _check_args(board: GroupBoard, run_id: str, fragment: int, round: int, attem
                          f"not {run_id}/{fragment}/{round}/{attempt}")
     if me.peer_id != board.peer_id:
         raise ValueError(f"entry names peer {me.peer_id}, this node is {board.peer_id}")
+    if me.roster is not None:
+        raise ValueError("a registration carries no roster (the leader adds it)")
     if not 0.0 <= window < timeout:
         raise ValueError(f"need 0 <= window < timeout, got window={window}, timeout={timeout}")
 
 
-def _valid_entries(board: GroupBoard, key: str, raw: dict[str, RawEntry],
-                   me: GroupEntry) -> dict[str, GroupEntry]:
-    out = {}
-    for subkey, got in decode_entries(board, key, raw, GroupEntry, board.credentials).items():
+def settings_difference(theirs: Mapping[str, object], ours: Mapping[str, object]) -> str:
+    """'' when equal, else one line naming every setting that differs."""
+    diff = [f"{k}={theirs.get(k, '-')!r} (ours {ours.get(k, '-')!r})"
+            for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+    return "round settings differ: " + ", ".join(diff) if diff else ""
+
+
+class _Board:
+    """One attempt's view of its key: polls, decodes each distinct stored value once (so a
+    bad entry is verified and counted once, not at every poll), and keeps our entry in."""
+
+    def __init__(self, board: GroupBoard, key: str, me: GroupEntry, ttl: float,
+                 poll_interval: float) -> None:
+        self.board, self.key, self.me, self.ttl = board, key, me, ttl
+        self.poll_interval = poll_interval
+        self._decoded: dict[tuple[str, bytes], GroupEntry | None] = {}
+        self.entries: dict[str, GroupEntry] = {}  # valid entries of the last read
+        self.own_visible = False
+
+    def store(self, entry: GroupEntry, until: float) -> bool:
+        return self.board.store_raw(self.key, entry.peer_id,
+                                    encode_record(entry, self.board.credentials), self.ttl,
+                                    timeout=max(until - time.monotonic(), 0.0))
+
+    def read(self, until: float) -> dict[str, GroupEntry]:
+        """Read the key (TimeoutError past `until`) and return its valid entries."""
+        raw = self.board.get_raw(self.key, timeout=max(until - time.monotonic(), 0.0))
+        self.own_visible = self.me.peer_id in raw
+        fresh = {k: v for k, v in raw.items() if (k, v.value) not in self._decoded}
+        good = decode_entries(self.board, self.key, fresh, GroupEntry, self.board.credentials)
+        for subkey, got in fresh.items():
+            entry = good.get(subkey)
+            if entry is not None and (reason := self._mismatch(entry)):
+                self.board.note_rejected(self.key, subkey, reason)
+                entry = None
+            self._decoded[(subkey, got.value)] = entry
+        self.entries = {k: e for k, v in raw.items()
+                        if (e := self._decoded[(k, v.value)]) is not None}
+        return self.entries
+
+    def _mismatch(self, got: GroupEntry) -> str:
+        me = self.me
         if (got.fragment, got.round, got.attempt) != (me.fragment, me.round, me.attempt):
-            board.note_rejected(key, subkey, "entry for another fragment/round/attempt")
-        else:
-            out[subkey] = got
-    return out
+            return "entry for another fragment/round/attempt"
+        return settings_difference(got.settings, me.settings)
+
+    def watch(self, until: float, done: Callable[[dict[str, GroupEntry]], bool]) -> bool:
+        """Poll until `done(entries)` (True) or `until` (False); re-store our entry while
+        it is not visible. A slow or failed poll is not an error: the caller decides."""
+        while until - time.monotonic() > 0:
+            try:
+                if done(self.read(until)):
+                    return True
+                if not self.own_visible:
+                    self.store(self.me, until)
+            except TimeoutError:
+                pass
+            time.sleep(max(min(self.poll_interval, until - time.monotonic()), 0.0))
+        return False
 
 
-def _register(board: GroupBoard, key: str, me: GroupEntry, ttl: float, deadline: float) -> None:
+def _register(view: _Board, deadline: float) -> None:
     try:
-        ok = board.store_raw(key, me.peer_id, encode_record(me, board.credentials), ttl,
-                             timeout=max(deadline - time.monotonic(), 0.0))
+        ok = view.store(view.me, deadline)
     except TimeoutError as exc:
-        raise MatchmakingError(f"could not register under {key}: {exc}") from None
+        raise MatchmakingError(f"could not register under {view.key}: {exc}") from None
     if not ok:
         # Refused: an entry with a later expiration is already there (ours from a retry).
-        log.debug("store under %s refused; relying on the existing entry", key)
+        log.debug("store under %s refused; relying on the existing entry", view.key)
 
 
-def _wait_window(board: GroupBoard, key: str, me: GroupEntry, ttl: float, window_end: float,
-                 poll_interval: float, expected: frozenset[str]) -> None:
-    """Poll until the window ends, or earlier once every expected peer has registered."""
-    while (left := window_end - time.monotonic()) > 0:
-        try:
-            seen = board.get_raw(key, timeout=left)
-            if me.peer_id not in seen:
-                board.store_raw(key, me.peer_id, encode_record(me, board.credentials), ttl,
-                                timeout=max(window_end - time.monotonic(), 0.0))
-            elif expected and expected <= seen.keys():
-                return  # everyone we know to be alive is in: no need to wait longer
-        except TimeoutError:
-            pass  # only the final read counts; a slow poll is not an error
-        time.sleep(max(min(poll_interval, window_end - time.monotonic()), 0.0))
+def _roster_for(entries: dict[str, GroupEntry], me: str) -> tuple[list[RosterMember] | None,
+                                                                 bool]:
+    """(the roster naming `me`, whether any roster exists): a roster counts only when its
+    writer is its smallest member; of several naming `me`, the smallest writer's wins."""
+    closed = sorted(e for e in entries.items() if e[1].roster is not None and e[1].roster
+                    and e[1].roster[0].peer_id == e[0])
+    for _, entry in closed:
+        assert entry.roster is not None
+        if any(m.peer_id == me for m in entry.roster):
+            return entry.roster, True
+    return None, bool(closed)
 
 
-def _build(entries: dict[str, GroupEntry], me: GroupEntry) -> Group:
-    entries[me.peer_id] = me  # we are a member even if our own store was not visible yet
-    ordered = [entries[p] for p in sorted(entries)]
-    members = tuple(e.peer_id for e in ordered)
-    return Group(
-        members=members,
-        data_addrs=tuple(e.data_addr for e in ordered),
-        weights=tuple(e.bandwidth_mbps for e in ordered),
-        my_index=members.index(me.peer_id),
-        run_id=me.run_id, fragment=me.fragment, round=me.round, attempt=me.attempt,
-    )
+def _group(members: list[RosterMember], me: GroupEntry) -> Group:
+    ids = tuple(m.peer_id for m in members)
+    return Group(members=ids, data_addrs=tuple(m.data_addr for m in members),
+                 weights=tuple(m.bandwidth_mbps for m in members),
+                 my_index=ids.index(me.peer_id), run_id=me.run_id, fragment=me.fragment,
+                 round=me.round, attempt=me.attempt)
+
+
+def _alone(me: GroupEntry) -> Group:
+    return _group([RosterMember(peer_id=me.peer_id, data_addr=me.data_addr,
+                                bandwidth_mbps=me.bandwidth_mbps)], me)
+
+
+def _close(view: _Board, exclude: frozenset[str], deadline: float) -> Group:
+    """As leader: publish the roster of what we read (our own entry, now with the roster)."""
+    entries = {p: e for p, e in view.entries.items() if p not in exclude}
+    entries[view.me.peer_id] = view.me
+    roster = [RosterMember(peer_id=p, data_addr=e.data_addr, bandwidth_mbps=e.bandwidth_mbps)
+              for p, e in sorted(entries.items())]
+    closing = view.me.model_copy(update={"roster": roster})
+    try:
+        view.store(closing, deadline)  # a later expiration than the registration: replaces it
+    except TimeoutError as exc:
+        raise MatchmakingError(f"could not publish the roster under {view.key}: {exc}") from None
+    return _group(roster, view.me)
 
 
 def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attempt: int,
                me: GroupEntry, window: float, timeout: float, *,
-               poll_interval: float = 0.5, expected: Collection[str] = ()) -> Group:
-    """Register `me` for this attempt, wait `window`, and return the group read at its end.
+               poll_interval: float = 0.5, expected: Collection[str] = (),
+               exclude: Collection[str] = ()) -> Group:
+    """Register `me` for this attempt and return the group its leader closed.
 
     `expected` (peer ids believed alive, e.g. from the peer records) ends the wait early once
-    all of them have registered; peers registering later join the next round.
+    all of them have registered; peers registering later join the next round. `exclude`
+    (peers this node will not group with) is honoured when this node leads; a follower
+    takes its leader's roster as it is, so that every member runs the same group.
 
     `board` is a started `SwarmDHT`. Returns within `timeout` seconds or raises
     `MatchmakingError`; see the module docstring for the protocol.
     """
     _check_args(board, run_id, fragment, round, attempt, me, window, timeout)
-    deadline = time.monotonic() + timeout
-    key = group_key(run_id, fragment, round, attempt)
-    ttl = timeout + window
-    _register(board, key, me, ttl, deadline)
+    start = time.monotonic()
+    deadline = start + timeout
+    view = _Board(board, group_key(run_id, fragment, round, attempt), me, timeout + window,
+                  poll_interval)
+    _register(view, deadline)
     reserve = min(_READ_RESERVE_S, timeout - window)
     window_end = min(time.monotonic() + window, deadline - reserve)
-    _wait_window(board, key, me, ttl, window_end, poll_interval, frozenset(expected))
-    try:
-        raw = board.get_raw(key, timeout=max(deadline - time.monotonic(), 0.0))
-    except TimeoutError as exc:
-        raise MatchmakingError(f"could not read the group under {key}: {exc}") from None
-    group = _build(_valid_entries(board, key, raw, me), me)
-    log.info("group %s: %d member(s), I am #%d, digest %s", key, group.size, group.my_index,
-             group.digest()[:12])
+    wanted, skip = frozenset(expected) - {me.peer_id}, frozenset(exclude) - {me.peer_id}
+
+    def closed_or_complete(entries: dict[str, GroupEntry]) -> bool:
+        return _roster_for(entries, me.peer_id)[1] or bool(wanted) and wanted <= entries.keys()
+
+    def lonely(entries: dict[str, GroupEntry]) -> bool:
+        return not entries.keys() - skip - {me.peer_id}
+
+    if not view.watch(window_end, closed_or_complete):
+        try:  # the leader decides on a fresh read, not on the last poll
+            view.read(deadline)
+        except TimeoutError as exc:
+            raise MatchmakingError(f"could not read the group under {view.key}: {exc}") from None
+        if wanted and lonely(view.entries) and not _roster_for(view.entries, me.peer_id)[1]:
+            # Alone while others are expected (they lag, e.g. on a loaded host): nobody
+            # waits on us yet, so wait on for the first of them, then a window for the rest.
+            # Closing alone would leave every late peer alone too.
+            last = deadline - reserve
+            if view.watch(last, lambda got: _roster_for(got, me.peer_id)[1] or not lonely(got)):
+                view.watch(min(time.monotonic() + window, last), closed_or_complete)
+            with contextlib.suppress(TimeoutError):
+                view.read(deadline)
+    entries = view.entries
+    roster, any_roster = _roster_for(entries, me.peer_id)
+    if roster is None and not any_roster:
+        leader = min({p for p in entries if p not in skip} | {me.peer_id})
+        if leader == me.peer_id:
+            group = _close(view, skip, deadline)
+            log.info("group %s: closed with %d member(s), digest %s", view.key, group.size,
+                     group.digest()[:12])
+            return group
+        wait_end = min(deadline, time.monotonic() + window + _ROSTER_SLACK_S)
+        view.watch(wait_end, lambda got: _roster_for(got, me.peer_id)[1])
+        roster, any_roster = _roster_for(view.entries, me.peer_id)
+        if roster is None and not any_roster:
+            raise MatchmakingError(f"no roster from leader {leader} under {view.key} within "
+                                   f"{time.monotonic() - start:.1f}s", blame=leader)
+    if roster is None:
+        log.info("group %s: closed without us (late or excluded); alone this round", view.key)
+        return _alone(me)
+    group = _group(roster, me)
+    log.info("group %s: %d member(s), I am #%d, digest %s", view.key, group.size,
+             group.my_index, group.digest()[:12])
     return group

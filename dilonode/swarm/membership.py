@@ -8,17 +8,16 @@ network layer without a trainer.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dilonode.allreduce.driver import FormedGroup
 from dilonode.config import NetworkConfig
 from dilonode.swarm.dht import SwarmDHT
-from dilonode.swarm.matchmaking import Group, form_group
+from dilonode.swarm.matchmaking import form_group
 from dilonode.swarm.records import GroupEntry, PeerRecord
 
 __all__ = ["Membership"]
@@ -30,9 +29,12 @@ class Membership:
     """Peer record, heartbeat and matchmaking for one node on a started `SwarmDHT`."""
 
     def __init__(self, dht: SwarmDHT, run_id: str, net: NetworkConfig, data_addr: str,
-                 status: Callable[[], dict[str, Any]] | None = None) -> None:
+                 status: Callable[[], dict[str, Any]] | None = None, *,
+                 settings: Mapping[str, str | int | float] | None = None) -> None:
         self.dht, self.run_id, self.net, self.data_addr = dht, run_id, net, data_addr
         self.status = status or (lambda: {})
+        # Round settings every group member must share (`RoundPolicy.settings()`).
+        self.settings = dict(settings or {})
         self.state_addr: str | None = None  # advertised state-sync listener, if any
         # Peer records can be briefly missing from a DHT read: peers that were in our groups
         # within one record ttl are expected too (a dead one costs a window, as its record does).
@@ -103,17 +105,15 @@ class Membership:
         expected = self._expected(exclude)
         me = GroupEntry(peer_id=self.dht.peer_id, run_id=self.run_id, data_addr=self.data_addr,
                         fragment=fragment, round=round_no, attempt=attempt,
-                        bandwidth_mbps=self.net.bandwidth_mbps)
+                        bandwidth_mbps=self.net.bandwidth_mbps, settings=self.settings)
         group = form_group(self.dht, self.run_id, fragment, round_no, attempt, me,
                            self.net.matchmaking_window, self.net.matchmaking_timeout,
-                           poll_interval=0.05, expected=expected)
-        group = _without(group, exclude, self.dht.peer_id)
+                           poll_interval=0.05, expected=expected, exclude=exclude)
         now = time.monotonic()
         with self._lock:
             self._seen.update({m: now for m in group.members})
         return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
                            group.digest())
-
 
     def _expected(self, exclude: set[str]) -> set[str]:
         now, ttl = time.monotonic(), self.net.peer_ttl
@@ -122,15 +122,3 @@ class Membership:
         # Every round asks; one DHT read a second is plenty (records live peer_ttl seconds).
         live = {r.peer_id for r in self.live_peers(max_age=1.0)}
         return (live | recent) - exclude
-
-
-def _without(group: Group, exclude: set[str], me: str) -> Group:
-    """The group minus excluded peers (the retry after a failure must not include them)."""
-    if not exclude & set(group.members):
-        return group
-    keep = [i for i, m in enumerate(group.members) if m not in exclude]
-    members = tuple(group.members[i] for i in keep)
-    return dataclasses.replace(group, members=members,
-                               data_addrs=tuple(group.data_addrs[i] for i in keep),
-                               weights=tuple(group.weights[i] for i in keep),
-                               my_index=members.index(me))

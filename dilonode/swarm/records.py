@@ -33,8 +33,10 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "RUN_ID_PATTERN",
     "GroupEntry",
+    "MAX_ROSTER",
     "PeerRecord",
     "Record",
+    "RosterMember",
     "decode_record",
     "encode_record",
     "group_key",
@@ -107,18 +109,61 @@ class PeerRecord(Record):
         return None if value is None else _check_data_addr(value)
 
 
-class GroupEntry(Record):
-    """A node's registration for one matchmaking attempt; `bandwidth_mbps` is its weight."""
+# Longest roster a leader may publish: keeps an entry well under MAX_RECORD_BYTES.
+MAX_ROSTER = 256
+# Round settings are a handful of scalars (codec, chunking, aggregator).
+_MAX_SETTINGS = 32
 
-    fragment: int = Field(ge=0, lt=2**32)
-    round: int = Field(ge=0, lt=2**63)
-    attempt: int = Field(ge=0, lt=2**32)
+
+class RosterMember(BaseModel):
+    """One member of a closed group, as its leader read it: who, where, what weight."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
+
+    peer_id: str = Field(pattern=_PEER_ID_PATTERN)
+    data_addr: str
     bandwidth_mbps: float = Field(gt=0.0)
+
+    @field_validator("data_addr")
+    @classmethod
+    def _data_addr(cls, value: str) -> str:
+        return _check_data_addr(value)
 
     @field_validator("bandwidth_mbps")
     @classmethod
     def _finite(cls, value: float) -> float:
         return _check_finite(value)
+
+
+class GroupEntry(Record):
+    """A node's registration for one matchmaking attempt; `bandwidth_mbps` is its weight.
+
+    `settings` are the round settings every member must share (codec, chunking, how owners
+    aggregate); entries whose settings differ from ours are not grouped with us. `roster`
+    is set only by a group's leader when it closes the group (`dilonode.swarm.matchmaking`).
+    """
+
+    fragment: int = Field(ge=0, lt=2**32)
+    round: int = Field(ge=0, lt=2**63)
+    attempt: int = Field(ge=0, lt=2**32)
+    bandwidth_mbps: float = Field(gt=0.0)
+    settings: dict[str, str | int | float] = Field(default_factory=dict,
+                                                   max_length=_MAX_SETTINGS)
+    roster: list[RosterMember] | None = Field(None, min_length=1, max_length=MAX_ROSTER)
+
+    @field_validator("bandwidth_mbps")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        return _check_finite(value)
+
+    @field_validator("roster")
+    @classmethod
+    def _roster(cls, value: list[RosterMember] | None) -> list[RosterMember] | None:
+        if value is not None:
+            ids = [m.peer_id for m in value]
+            if ids != sorted(set(ids)):
+                raise ValueError("roster members must be sorted by peer id, without repeats")
+        return value
 
 
 def peers_key(run_id: str) -> str:

@@ -25,7 +25,9 @@ __all__ = [
     "HEADER_BYTES",
     "FrameDecoder",
     "decode_message",
+    "FrameParts",
     "encode_frame",
+    "encode_frame_parts",
     "encode_message",
 ]
 
@@ -37,6 +39,9 @@ _HEADER = struct.Struct(">I")
 _COMPACT_AT = 1 << 16
 _COLLECT_AT = 1 << 16  # bodies at least this large are collected piecewise
 _KEEP_BODY = 16 << 20  # a body buffer up to this size is kept for the next large frame
+
+# One frame as pieces whose concatenation is the frame (see `encode_frame_parts`).
+FrameParts = tuple[bytes, ...]
 
 
 def _bin_header(n: int) -> bytes:
@@ -71,15 +76,35 @@ def encode_message(msg: Message) -> bytes:
     return b"".join(_body_parts(msg))
 
 
-def encode_frame(msg: Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
-    """Length prefix + msgpack body; LocalProtocolError if we would send an oversize frame."""
+def encode_frame_parts(msg: Message, *,
+                       max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> FrameParts:
+    """`encode_frame(msg)` as pieces to write one after the other (`writelines`).
+
+    The small pieces around each payload are joined, but a payload stays the message's own
+    bytes object: a sender writes a large chunk without copying it into a frame first.
+    """
     parts = _body_parts(msg)
     length = sum(len(p) for p in parts)
     if length > max_frame_bytes:
         raise LocalProtocolError(
             f"encode_frame: {msg.type} body is {length} bytes > max_frame_bytes "
             f"{max_frame_bytes}; use smaller chunks")
-    return b"".join([_HEADER.pack(length), *parts])
+    out: list[bytes] = []
+    small: list[bytes] = [_HEADER.pack(length)]
+    for part in parts:
+        if len(part) >= _COLLECT_AT:
+            out += [b"".join(small), part]
+            small = []
+        else:
+            small.append(part)
+    if small:
+        out.append(b"".join(small))
+    return tuple(out)
+
+
+def encode_frame(msg: Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    """Length prefix + msgpack body; LocalProtocolError if we would send an oversize frame."""
+    return b"".join(encode_frame_parts(msg, max_frame_bytes=max_frame_bytes))
 
 
 def _unpack(body: bytes | memoryview) -> object:

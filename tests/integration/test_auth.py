@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,12 +31,12 @@ from dilonode.allreduce.driver import FormedGroup, RoundPolicy, SwarmOutcome, Sw
 from dilonode.allreduce.round import RoundState
 from dilonode.allreduce.transport import DataPlane, PeerUnreachable
 from dilonode.auth import Credentials, Identity, seal_record, swarm_key
-from dilonode.swarm.dht import RawEntry
-from dilonode.swarm.matchmaking import form_group
-from dilonode.swarm.membership import _without
-from dilonode.swarm.records import GroupEntry, group_key
+from dilonode.swarm.dht import decode_entries
+from dilonode.swarm.matchmaking import Group, form_group
+from dilonode.swarm.records import GroupEntry, encode_record, group_key
 from dilonode.wire import Contribution, HelloAuth, encode_frame
 from dilonode.wire.framing import HEADER_BYTES
+from tests.boards import Board, View
 
 pytestmark = [pytest.mark.slow]
 
@@ -47,46 +46,6 @@ SECRET = b"0123456789abcdef-shared-swarm-secret"
 NUMEL = 20_000
 A, B, W, X, F = (Identity.generate() for _ in range(5))
 ALLOWED = frozenset({A.peer_id, B.peer_id, W.peer_id})
-
-
-class Board:
-    """In-memory DHT keys: per subkey the value expiring last wins (as in hivemind)."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, dict[str, tuple[bytes, float]]] = {}
-        self.lock = threading.Lock()
-
-
-class View:
-    """One node's `GroupBoard` on a shared `Board`, recording what it rejected."""
-
-    def __init__(self, board: Board, creds: Credentials) -> None:
-        self.board, self.credentials = board, creds
-        self.rejected: list[tuple[str, str, bool]] = []
-
-    @property
-    def peer_id(self) -> str:
-        return self.credentials.peer_id
-
-    def store_raw(self, key: str, subkey: str, value: bytes, ttl: float,
-                  timeout: float | None = None) -> bool:
-        expires = time.time() + ttl
-        with self.board.lock:
-            slot = self.board.data.setdefault(key, {})
-            if subkey in slot and slot[subkey][1] >= expires:
-                return False
-            slot[subkey] = (value, expires)
-            return True
-
-    def get_raw(self, key: str, timeout: float | None = None) -> dict[str, RawEntry]:
-        now = time.time()
-        with self.board.lock:
-            return {s: RawEntry(v, e) for s, (v, e) in self.board.data.get(key, {}).items()
-                    if e > now}
-
-    def note_rejected(self, key: str, subkey: str, reason: str, *,
-                      unauthorized: bool = False) -> None:
-        self.rejected.append((subkey, reason, unauthorized))
 
 
 class Member:
@@ -107,8 +66,35 @@ class Member:
                         fragment=fragment, round=round_no, attempt=attempt, bandwidth_mbps=1.0)
         group = await asyncio.to_thread(form_group, self.view, RUN, fragment, round_no,
                                         attempt, me, 2.0, 6.0, poll_interval=0.05,
-                                        expected=self.expected - exclude)
-        group = _without(group, exclude, self.creds.peer_id)
+                                        expected=self.expected - exclude, exclude=exclude)
+        return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
+                           group.digest())
+
+
+class Intruder(Member):
+    """Does not wait for anyone's roster: reads the entries it can decode (its own policy
+    admits everyone) and dials every peer it saw, as an attacker would."""
+
+    async def form(self, fragment: int, round_no: int, attempt: int,
+                   exclude: set[str]) -> FormedGroup:
+        if attempt:
+            raise RuntimeError("the intruder tries once")
+        me = GroupEntry(peer_id=self.creds.peer_id, run_id=RUN, data_addr=self.plane.address,
+                        fragment=fragment, round=round_no, attempt=attempt, bandwidth_mbps=1.0)
+        key = group_key(RUN, fragment, round_no, attempt)
+        self.view.store_raw(key, me.peer_id, encode_record(me, self.creds), ttl=30.0)
+        entries: dict[str, GroupEntry] = {}
+        deadline = time.monotonic() + 10.0
+        while not self.expected <= entries.keys():
+            assert time.monotonic() < deadline, "the honest peers did not register"
+            entries = decode_entries(self.view, key, self.view.get_raw(key), GroupEntry,
+                                     self.creds)
+            await asyncio.sleep(0.02)  # polling the board with a deadline
+        group = Group(members=tuple(sorted(entries)),
+                      data_addrs=tuple(entries[p].data_addr for p in sorted(entries)),
+                      weights=tuple(1.0 for _ in entries), my_index=sorted(entries).index(
+                          me.peer_id), run_id=RUN, fragment=fragment, round=round_no,
+                      attempt=attempt)
         return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
                            group.digest())
 
@@ -169,7 +155,7 @@ async def _scenario() -> dict[str, Any]:
     a = Member(board, A, expected=honest)
     b = Member(board, B, expected=honest)
     w = Member(board, W, secret=b"a-wrong-secret-of-16+bytes", expected=everyone)
-    x = Member(board, X, allowed=None, expected=everyone)  # X's own policy lets it in
+    x = Intruder(board, X, allowed=None, expected=honest)  # its own policy admits anyone
     members = [a, b, w, x]
     for m in members:
         await m.plane.start()

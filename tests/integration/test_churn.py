@@ -34,9 +34,6 @@ CFG = {
 }
 
 
-# One retry: when a joiner appears, members sometimes form different groups for a round
-# (matchmaking has no single closer yet; issue 4 is open for it), and the run can skip a round.
-@pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(480)
 def test_four_nodes_survive_kills_and_joins(tmp_path):
     pytest.importorskip("hivemind")
@@ -74,12 +71,12 @@ def test_four_nodes_survive_kills_and_joins(tmp_path):
     # Rounds are placed by step: steps that never stand still for long, with no round skipped
     # (asserted above), mean every fragment keeps advancing; kills on an idle box come faster
     # than a fragment's cadence, so only the stretch after the last kill is checked per fragment.
-    # The bound the retry policy guarantees: every attempt of a round waits at most one
-    # matchmaking window and one all-reduce timeout. The issue asks for two timeouts (20 s);
-    # after a membership mismatch one member sometimes times out on the retry, costing a
-    # whole attempt (seen: 26.5 s), so the tighter goal is tracked in benchmarks/churn.py.
-    net = cfg.network
-    bound = net.max_attempts * (net.matchmaking_window + net.allreduce_timeout)
+    # No stall longer than two all-reduce timeouts: a kill mid-round costs one timeout, then
+    # the retry waits at most one window for the dead peer (its record is still live) while
+    # one leader closes the group for everyone (before that, members could read different
+    # groups and retry again: 26.5 s was seen).
+    bound = 2 * cfg.network.allreduce_timeout
+    print(f"longest step stall {res.max_step_gap_s():.1f} s (bound {bound:.0f} s)")
     assert res.max_step_gap_s() <= bound, (res.max_step_gap_s(), bound)
     after_last_kill = res.advances_per_period()[-1]
     assert sorted(after_last_kill) == ["0", "1", "2"], after_last_kill

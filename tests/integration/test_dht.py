@@ -1,4 +1,5 @@
-"""SwarmDHT and matchmaking on a real hivemind swarm: a bootstrap node and three peers.
+"""SwarmDHT and matchmaking on a real hivemind swarm: a bootstrap node and three peers
+(and, in one test, an attacker running plain hivemind that tries to displace a peer's entry).
 
 Everything listens on 127.0.0.1 with ephemeral ports. Waits poll a condition against a
 deadline; nothing sleeps a fixed time to synchronise.
@@ -6,22 +7,24 @@ deadline; nothing sleeps a fixed time to synchronise.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgpack
 import pytest
 
 pytest.importorskip("hivemind")
 
-from dilonode.auth import seal_record  # noqa: E402
-from dilonode.swarm.dht import SwarmDHT  # noqa: E402
+from dilonode.auth import Identity, seal_record  # noqa: E402
+from dilonode.swarm.dht import SwarmDHT, _owner_validator, owner_subkey  # noqa: E402
 from dilonode.swarm.matchmaking import Group, MatchmakingError, form_group  # noqa: E402
 from dilonode.swarm.records import (  # noqa: E402
     GroupEntry,
@@ -98,14 +101,17 @@ def test_peers_see_each_other(peers: list[SwarmDHT]) -> None:
 @pytest.mark.timeout(120)
 def test_foreign_records_are_ignored_and_counted(
         peers: list[SwarmDHT], caplog: pytest.LogCaptureFixture) -> None:
-    writer, reader = peers[0], peers[1]
+    writer, reader, garbler = peers
     alien = PeerRecord(peer_id="QmForeign", run_id="another-run", data_addr=f"{HOST}:1",
                        bandwidth_mbps=1.0, step=0)
     key = peers_key(RUN)
-    # Validly signed by `writer`, so what the reader refuses is the record's run id.
+    with pytest.raises(ValueError, match="only under its own peer id"):
+        writer.store_raw(key, "QmForeign", b"", ttl=60.0)
+    # Validly signed by `writer`, so what the reader refuses is the record's run id. (These
+    # replace the writers' own peer records, which later tests do not need.)
     sealed = seal_record(writer.credentials, msgpack.packb(alien.model_dump(), use_bin_type=True))
-    assert writer.store_raw(key, "QmForeign", sealed, ttl=60.0)
-    assert writer.store_raw(key, "QmGarbage", b"\xc1 not msgpack", ttl=60.0)
+    assert writer.store_raw(key, writer.peer_id, sealed, ttl=60.0)
+    assert garbler.store_raw(key, garbler.peer_id, b"\xc1 not msgpack", ttl=60.0)
     before = reader.rejected_records
 
     def valid_ids_once_both_rejected() -> tuple[set[str]] | None:
@@ -114,7 +120,7 @@ def test_foreign_records_are_ignored_and_counted(
 
     with caplog.at_level(logging.WARNING, logger="dilonode.swarm.dht"):
         (ids,) = wait_for(valid_ids_once_both_rejected)
-    assert "QmForeign" not in ids and "QmGarbage" not in ids
+    assert writer.peer_id not in ids and garbler.peer_id not in ids
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "run id 'another-run' != 'dht-test'" in warned and "not msgpack" in warned
 
@@ -205,9 +211,89 @@ def test_calls_time_out_when_the_dht_process_is_stuck(boot: SwarmDHT) -> None:
         with pytest.raises(MatchmakingError):
             form_group(node, RUN, 9, 4, 0, _entry(node, 7200, 9, 0), window=0.5, timeout=1.5)
         assert time.monotonic() - t0 < 5.0
-        t0 = time.monotonic()
-        node.close()  # SIGTERM stays pending on a stopped process: close() must SIGKILL
-        assert time.monotonic() - t0 < 6.0
+        with ThreadPoolExecutor(1) as pool:
+            # A call in flight when the node closes (e.g. a matchmaking poll at shutdown)
+            # must fail then, not wait out its timeout: it would hold up the process exit.
+            waiting = pool.submit(node.get_raw, peers_key(RUN), 60.0)
+            wait_for(lambda: node._in_flight, deadline_s=5.0, every=0.05)
+            t0 = time.monotonic()
+            node.close()  # SIGTERM stays pending on a stopped process: close() must SIGKILL
+            assert time.monotonic() - t0 < 6.0
+            with pytest.raises(RuntimeError, match="closed"):
+                waiting.result(timeout=1.0)
     finally:
         if node.started:
             os.kill(pid, signal.SIGKILL)
+
+
+def test_owner_validator_accepts_only_the_owner_named_by_the_subkey() -> None:
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.validation import DHTRecord
+
+    victim, other = Identity.generate(), Identity.generate()
+    mine, theirs = _owner_validator(victim), _owner_validator(other)
+
+    def record(subkey: object, signer: Any = None, expiration: float = 1e10) -> DHTRecord:
+        rec = DHTRecord(b"k" * 20, msgpack.packb(subkey), msgpack.packb(b"v"), expiration)
+        return rec if signer is None else dataclasses.replace(rec, value=signer.sign_value(rec))
+
+    signed = record(owner_subkey(victim), mine)
+    assert theirs.validate(signed) and mine.validate(signed)
+    assert not theirs.validate(record(owner_subkey(victim)))  # unsigned
+    # The signature covers the expiration: no replay with a later one.
+    assert not theirs.validate(dataclasses.replace(signed, expiration_time=2e10))
+    # Validly signed by `other`, under a subkey naming the victim: hivemind's own rule
+    # accepts it; ours refuses it, as it refuses unprotected subkeys and plain values.
+    forged = record(f"{victim.peer_id}[owner:{other.ssh_public_key.decode()}]", theirs)
+    assert RSASignatureValidator.validate(mine, forged)
+    assert not mine.validate(forged)
+    assert not mine.validate(record(victim.peer_id))
+    assert not mine.validate(record(None))
+    assert not mine.validate(DHTRecord(b"k" * 20, b"\xc1", b"", 1e10))
+
+
+async def _held_expirations(_dht: Any, node: Any, key: str) -> dict[Any, float]:
+    """White-box, in a DHT process: what the node holds for `key` (storage and cache)."""
+    from hivemind.dht.routing import DHTID
+
+    key_id = DHTID.generate(source=key)
+    held: dict[Any, float] = {}
+    for store in (node.protocol.storage, node.protocol.cache):
+        found = store.get(key_id)
+        if found is not None:
+            held.update((sub, item.expiration_time) for sub, item in found.value.items())
+    return held
+
+
+@pytest.mark.timeout(120)
+def test_attacker_cannot_hide_a_peers_record(boot: SwarmDHT, peers: list[SwarmDHT]) -> None:
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    victim, reader = peers[1], peers[2]
+    assert victim.publish(_peer_record(victim, 5100), ttl=60.0)
+    key = peers_key(RUN)
+    # A DHT peer with no credentials of the run, signing (hivemind's scheme) with its own key.
+    signer = RSASignatureValidator(RSAPrivateKey())
+    attacker = hivemind.DHT(boot.visible_maddrs(), start=True, record_validators=[signer],
+                            host_maddrs=[f"/ip4/{HOST}/tcp/0"], shutdown_timeout=1.0)
+    try:
+        later = get_dht_time() + 600  # outlives the victim's record
+        subkeys = [victim.peer_id,  # the plain subkey readers used to trust
+                   victim.peer_id + signer.local_public_key.decode(),  # signed, wrong owner
+                   owner_subkey(victim.credentials.identity)]  # the victim's, unsigned
+        for subkey in subkeys:
+            attacker.store(key, b"\xc1 junk", later, subkey=subkey,
+                           return_future=True).result(timeout=10.0)
+        for node in [boot, *peers]:
+            held = node._dht.run_coroutine(partial(_held_expirations, key=key),
+                                           return_future=True).result(timeout=10.0)
+            assert not set(subkeys[:2]) & held.keys(), node.peer_id
+            assert held.get(subkeys[2], 0.0) < later, node.peer_id  # still the victim's
+        record = {r.peer_id: r for r in reader.fetch_peers(timeout=5)}.get(victim.peer_id)
+        assert record is not None and record.data_addr == f"{HOST}:5100"
+        assert reader.get_raw(key, timeout=5)[victim.peer_id].expiration < later
+    finally:
+        attacker.shutdown()

@@ -200,14 +200,15 @@ def test_fetch_resumes_when_a_peer_dies_mid_transfer(caplog):
     total = truth.nbytes
 
     async def main():
+        names = ["dying", "b", "c"]
         servers = [StateServer(SnapshotSource(_FixedWorker(truth)), cfg.run_id, digest,
-                               cfg.statesync) for _ in range(3)]
+                               cfg.statesync, peer_id=name) for name in names]
         addrs = [await s.start() for s in servers]
         proxy, cut_addr = await _cutting_proxy(addrs[0], cut_after=total // 6)
         try:
             peers = {"dying": cut_addr, "b": addrs[1], "c": addrs[2]}
             return await asyncio.wait_for(recover(peers, None, cfg.run_id, digest,
-                                                  cfg.statesync), 30)
+                                                  cfg.statesync, peer_id="joiner"), 30)
         finally:
             proxy.close()
             for s in servers:

@@ -19,9 +19,6 @@ from tests.integration.test_join import BASE, _Proc
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-# One retry: it failed once in a clean-clone CI run on a loaded 2-core box, cause not yet
-# found (named in the closing note; issue 4 is open).
-@pytest.mark.flaky(reruns=1)
 def test_sigterm_abandons_a_stuck_round_withdraws_and_exits(tmp_path):
     pytest.importorskip("hivemind")
     from dilonode.swarm.dht import SwarmDHT
@@ -56,6 +53,8 @@ def test_sigterm_abandons_a_stuck_round_withdraws_and_exits(tmp_path):
         t0 = time.monotonic()
         procs[1].proc.send_signal(signal.SIGTERM)
         summary = procs[1].wait_for("summary", 30)
+        # The exit once hung here for up to the matchmaking window: a DHT read in flight
+        # when the DHT closed was never answered (SwarmDHT.close now fails such calls).
         assert procs[1].proc.wait(timeout=30) == 0
         took = time.monotonic() - t0
         records = {r.peer_id: r for r in observer.fetch_peers(timeout=10.0)}

@@ -108,7 +108,9 @@ def _wait_no_process_with(text: str, deadline: float) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_a_node_cleanly_within_seconds(tmp_path, sig):
-    cfg = _cfg(tmp_path, total_steps=100000)
+    # A lone node: a short window keeps its rounds (each waits the whole window) quick.
+    cfg = _cfg(tmp_path, total_steps=100000,
+               network={**BASE["network"], "matchmaking_window": 1.0})
     cfg_path = tmp_path / "cfg.json"
     cfg_path.write_text(cfg.model_dump_json())
     swarm = LocalSwarm(cfg, 0)

@@ -1,6 +1,7 @@
 """The all-reduce's fast paths: the sum-based finiteness check, decoding straight into an
-output slice, the reused body buffer of the frame decoder, and the BLAKE3 round digests.
-Each is checked against the straightforward computation it replaces."""
+output slice or as a view of the payload, the reused body buffer of the frame decoder, frames
+written in pieces, the BLAKE3 round digests and the GMAC frame tags. Each is checked against
+the straightforward computation it replaces or the spec."""
 
 from __future__ import annotations
 
@@ -160,3 +161,95 @@ def test_result_buffer_must_fit_and_not_overlap_local() -> None:
         with pytest.raises(ValueError, match="out:"):
             AllReduceRound(spec, 0, local[:64], out=bad)
     AllReduceRound(spec, 0, local[:64], out=local[64:])  # adjacent, not overlapping
+
+
+# ---------------------------------------------------------------------- zero-copy paths
+
+
+def test_frame_parts_are_the_frame_with_the_payload_uncopied() -> None:
+    from dilonode.wire.framing import encode_frame_parts
+
+    for numel in (10, 100_000):
+        msg = _contribution(numel, 4)
+        parts = encode_frame_parts(msg)
+        assert b"".join(parts) == encode_frame(msg)
+        # A large payload is its own piece, the very bytes object of the message.
+        assert any(p is msg.payload for p in parts) == (numel == 100_000)
+
+
+def test_float32_decode_shared_is_a_checked_view_of_the_payload() -> None:
+    from dilonode.algo.codecs import decode_shared
+
+    codec = get_codec("float32")
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    payload, meta = codec.encode(x)
+    values = decode_shared(codec, payload, meta)
+    assert torch.equal(values, codec.decode(payload, meta))
+    assert np.shares_memory(values.numpy(), np.frombuffer(payload, np.uint8))
+    bad = bytearray(payload)
+    bad[8:12] = np.array([np.nan], "<f4").tobytes()
+    with pytest.raises(CodecError, match="non-finite"):
+        decode_shared(codec, bytes(bad), meta)
+    with pytest.raises(CodecError, match="must be 4000 bytes"):
+        decode_shared(codec, payload[:-4], meta)
+    for name in ("bfloat16", "int4"):  # the others decode into fresh memory as before
+        other = get_codec(name, 64)
+        p, m = other.encode(x)
+        assert torch.equal(decode_shared(other, p, m), other.decode(p, m))
+
+
+def test_reduce_mean_into_a_buffer_is_bit_identical() -> None:
+    from dilonode.algo.butterfly import reduce_mean
+
+    xs = [torch.randn(777, generator=torch.Generator().manual_seed(i)) * 10 ** i
+          for i in range(5)]
+    out = torch.full((777,), float("nan"))
+    assert reduce_mean(xs, out=out) is out
+    assert torch.equal(out, reduce_mean(xs))
+
+
+def test_float32_round_result_is_the_exact_member_order_mean() -> None:
+    from dilonode.algo.butterfly import reduce_mean
+
+    spec = _spec(4, 1000, "float32", (1.0, 2.0, 1.0, 1.0))
+    xs = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    rounds = [AllReduceRound(spec, i, x) for i, x in enumerate(xs)]
+    MemNet(rounds).run()
+    expected = reduce_mean(xs)
+    assert all(r.state is RoundState.DONE and torch.equal(r.result, expected) for r in rounds)
+    assert all(torch.equal(x, torch.randn(1000, generator=torch.Generator().manual_seed(i)))
+               for i, x in enumerate(xs))  # the local values were only read
+
+
+# ---------------------------------------------------------------------- frame tags
+
+
+def test_frame_tags_are_gmac_as_specified_whatever_the_pieces() -> None:
+    import os
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from dilonode.allreduce.channel import TAG_BYTES, FrameSealer
+
+    key, frame = os.urandom(32), os.urandom(300_001)
+    sealer = FrameSealer(key)
+    tags = [sealer.seal(frame[:7], memoryview(frame)[7:123_457], frame[123_457:]),
+            sealer.seal(frame)]
+    # protocol/README.md section 9: AES-256-GCM, nonce = frame number, frame as AAD.
+    for n, tag in enumerate(tags):
+        expected = AESGCM(key).encrypt(n.to_bytes(12, "big"), b"", frame)
+        assert len(tag) == TAG_BYTES and tag == expected[-TAG_BYTES:]
+    assert tags[0] != tags[1]
+    with pytest.raises(ValueError, match="32 bytes"):
+        FrameSealer(key[:16]).seal(frame)
+
+
+def test_allocator_tuning_applies_once_on_glibc() -> None:
+    import platform
+
+    from dilonode.allreduce.transport import tune_allocator
+
+    first = tune_allocator()
+    assert tune_allocator() is first
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert first

@@ -16,6 +16,7 @@ from dilonode.statesync.plan import (
     FetchPlan,
     choose_target,
     digests_of,
+    fetch_order,
     manifest_of,
 )
 from dilonode.statesync.protocol import (
@@ -173,9 +174,9 @@ def test_a_peer_without_the_chunk_any_more_leaves_it_to_others_and_stuck_is_dete
 
 def test_delivery_is_verified():
     payload = b"x" * 100
-    import hashlib
+    import blake3
 
-    d = hashlib.sha256(payload).digest()
+    d = blake3.blake3(payload).digest()  # the protocol's chunk digest
     plan = FetchPlan([d], {"a": {d}, "b": {d}})
     with pytest.raises(RemoteProtocolError, match="not asked for"):
         plan.delivered("a", d, payload)
@@ -260,3 +261,38 @@ def test_unchanged_fragments_are_shared_not_copied():
     w.outer[0].step(torch.ones(10))  # a round landed
     moved = WorkerState.capture(10, [2], w.outer, first)
     assert moved.tensors["outer.0.weights"] is not first.tensors["outer.0.weights"]
+
+
+# -- catching up with a round that lands mid-fetch -------------------------------------------
+
+
+@pytest.mark.parametrize("rounds,last", [((3, 3, 3), 0), ((4, 3, 3), 1), ((4, 4, 3), 2)])
+def test_fetch_order_puts_the_next_fragment_to_land_last(rounds, last):
+    plan = SyncPlan(6, 3, 1)
+    step = next(s for s in range(100)
+                if [plan.rounds_started(p, s) for p in range(3)] == list(rounds))
+    # the schedule agrees on which fragment starts its next round first
+    nxt = min(range(3), key=lambda p: plan.start_step(p, rounds[p]))
+    assert nxt == last and step < plan.start_step(nxt, rounds[nxt])
+    m = _manifest(_state(1, rounds))
+    order = fetch_order(m, [d for t in m.tensors for d in t.chunks])
+    frag = {d: int(t.name.split(".")[1]) for t in m.tensors for d in t.chunks}
+    tail = {frag[d] for d in order[-len(m.tensors[2 * last].chunks):]}
+    assert tail == {last} and sorted(order) == sorted(frag)
+
+
+def test_assembler_carries_chunks_of_an_unfinished_fetch_to_a_newer_target():
+    old, new = _state(1, (3, 3)), _state(1, (3, 3))
+    new.tensors["outer.1.weights"] = new.tensors["outer.1.weights"] + 1.0  # a round landed
+    first = Assembler(_manifest(old))
+    for name in ("outer.0.weights", "outer.1.weights"):  # fetched before the switch
+        t = old.tensors[name]
+        for i, d in enumerate(digests_of(t, CB)):
+            first.put(d, bytes(t.view(torch.uint8).numpy()[i * CB:(i + 1) * CB]))
+    second = Assembler(_manifest(new))
+    carried = second.carry(first)
+    assert carried == old.tensors["outer.0.weights"].numel() * 4  # not the stale fragment 1
+    left = set(second.needed())
+    assert left == set(digests_of(new.tensors["outer.1.weights"], CB)) | \
+        set(digests_of(new.tensors["outer.0.momentum"], CB)) | \
+        set(digests_of(new.tensors["outer.1.momentum"], CB))

@@ -1,0 +1,51 @@
+"""An in-memory stand-in for the swarm DHT's keys, for matchmaking tests without hivemind."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from dilonode.auth import Credentials
+from dilonode.swarm.dht import RawEntry
+
+__all__ = ["Board", "View"]
+
+
+class Board:
+    """In-memory DHT keys: per subkey the value expiring last wins (as in hivemind)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, tuple[bytes, float]]] = {}
+        self.lock = threading.Lock()
+
+
+class View:
+    """One node's `GroupBoard` on a shared `Board`, recording what it rejected."""
+
+    def __init__(self, board: Board, creds: Credentials) -> None:
+        self.board, self.credentials = board, creds
+        self.rejected: list[tuple[str, str, bool]] = []
+
+    @property
+    def peer_id(self) -> str:
+        return self.credentials.peer_id
+
+    def store_raw(self, key: str, subkey: str, value: bytes, ttl: float,
+                  timeout: float | None = None) -> bool:
+        expires = time.time() + ttl
+        with self.board.lock:
+            slot = self.board.data.setdefault(key, {})
+            if subkey in slot and slot[subkey][1] >= expires:
+                return False
+            slot[subkey] = (value, expires)
+            return True
+
+    def get_raw(self, key: str, timeout: float | None = None) -> dict[str, RawEntry]:
+        now = time.time()
+        with self.board.lock:
+            return {s: RawEntry(v, e) for s, (v, e) in self.board.data.get(key, {}).items()
+                    if e > now}
+
+    def note_rejected(self, key: str, subkey: str, reason: str, *,
+                      unauthorized: bool = False) -> None:
+        self.rejected.append((subkey, reason, unauthorized))

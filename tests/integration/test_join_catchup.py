@@ -1,0 +1,183 @@
+"""A joiner's fetch overtaken by a round, and its publish overlapped with the transfer
+(127.0.0.1, servers in this process behind bandwidth-limited proxies).
+
+* A round lands on every server mid-fetch: the joiner switches to the new state before it
+  fetches the changed fragment (fetched last, being the next to land), carries over the
+  chunks it has, and ends bit for bit on the new state without fetching that fragment twice.
+* With `final_lead`, `before_final` (publish and wait) starts while chunks are still coming,
+  and the recovery needs no extra manifest pass for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+
+import pytest
+import torch
+
+from dilonode.config import load_config
+from dilonode.statesync.service import Recovery, SnapshotSource, StateServer, recover
+from dilonode.train.state import WorkerState, config_digest
+from tests.integration.test_join import _assert_same, _state
+
+CFG = load_config(overrides={"statesync": {"chunk_bytes": 16384, "request_timeout": 5.0,
+                                           "snapshot_wait": 1.0, "window": 2}})
+DIGEST = config_digest(CFG)
+RATE = 1_000_000  # bytes/s per server (3 servers: ~3 MB/s for the joiner)
+OLD = _state(1, numel=250_000)  # 6 MB, rounds (7, 7, 6): fragment 2 lands next
+
+
+def _landed(state: WorkerState, p: int) -> WorkerState:
+    """`state` after one more round of fragment `p` (new weights and momentum)."""
+    g = torch.Generator().manual_seed(99)
+    tensors = dict(state.tensors)
+    for k in ("weights", "momentum"):
+        name = f"outer.{p}.{k}"
+        tensors[name] = tensors[name] + torch.randn(tensors[name].shape, generator=g)
+    rounds = tuple(r + (i == p) for i, r in enumerate(state.rounds))
+    return WorkerState(state.step + 30, rounds, rounds, tensors)
+
+
+class _Worker:
+    """Serves `state`, which the test may replace (a round landing) at any time."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state, self.pending = state, {}
+        self.lock = threading.Lock()
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    def export_state(self, reuse: WorkerState | None = None) -> WorkerState:
+        with self.lock:
+            return self.state
+
+
+async def _throttled(target: str) -> tuple[asyncio.Server, str]:
+    """A proxy to `target` that carries replies at RATE bytes/s."""
+    host, port = target.rsplit(":", 1)
+
+    async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, rate: bool) -> None:
+        try:
+            while data := await src.read(8192):
+                dst.write(data)
+                await dst.drain()
+                if rate:
+                    await asyncio.sleep(len(data) / RATE)
+        finally:
+            dst.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(pump(reader, up_w, False), pump(up_r, writer, True),
+                             return_exceptions=True)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+Job = Callable[[dict[str, str], list[StateServer], list[_Worker]], Awaitable[Recovery | None]]
+
+
+def _run(job: Job) -> tuple[Recovery | None, list[StateServer]]:
+    workers = [_Worker(OLD) for _ in range(3)]
+    servers = [StateServer(SnapshotSource(w), CFG.run_id, DIGEST, CFG.statesync,
+                           peer_id=f"p{i}") for i, w in enumerate(workers)]
+
+    async def main() -> Recovery | None:
+        proxies = []
+        try:
+            peers = {}
+            for s in servers:
+                proxy, addr = await _throttled(await s.start())
+                proxies.append(proxy)
+                peers[s.peer_id] = addr
+            return await asyncio.wait_for(job(peers, servers, workers), 60)
+        finally:
+            for p in proxies:
+                p.close()
+            for s in servers:
+                await s.aclose()
+
+    return asyncio.run(main()), servers
+
+
+@pytest.mark.timeout(90)
+def test_round_landing_mid_fetch_switches_to_the_new_state_without_refetching():
+    new = _landed(OLD, 2)
+    fragment_bytes = 2 * new.tensors["outer.2.weights"].numel() * 4
+
+    async def job(peers, servers, workers) -> Recovery | None:
+        async def land_when_a_fifth_is_served() -> None:
+            while sum(s.bytes_served for s in servers) < OLD.nbytes // 5:
+                await asyncio.sleep(0.02)
+            for w in workers:
+                with w.lock:
+                    w.state = new
+
+        lander = asyncio.create_task(land_when_a_fifth_is_served())
+        rec = await recover(peers, None, CFG.run_id, DIGEST, CFG.statesync, peer_id="joiner")
+        assert lander.done()
+        return rec
+
+    rec, _ = _run(job)
+    assert rec is not None
+    _assert_same(rec.state, new, "recovered vs the state after the round")
+    assert rec.state.step == new.step
+    # Without the switch: all of OLD, then fragment 2 again (nbytes + fragment_bytes).
+    assert rec.fetched_bytes < new.nbytes + fragment_bytes // 4, (rec.fetched_bytes,
+                                                                  new.nbytes)
+
+
+@pytest.mark.timeout(90)
+def test_publish_wait_overlaps_the_end_of_the_transfer():
+    lead = 1.0
+    served_at_publish: list[int] = []
+
+    async def job(peers, servers, workers) -> Recovery | None:
+        async def before_final() -> None:
+            served_at_publish.append(sum(s.bytes_served for s in servers))
+            await asyncio.sleep(lead)
+
+        return await recover(peers, None, CFG.run_id, DIGEST, CFG.statesync,
+                             before_final=before_final, peer_id="joiner", final_lead=lead)
+
+    rec, servers = _run(job)
+    assert rec is not None
+    _assert_same(rec.state, OLD, "recovered vs served")
+    assert len(served_at_publish) == 1
+    # started while chunks were still coming (~1 s before the end of ~2 s at ~3 MB/s)
+    assert OLD.nbytes // 5 < served_at_publish[0] < OLD.nbytes, served_at_publish
+    # ...and then one pass for the floor: manifests, fetch, manifests after the wait
+    assert rec.passes == 2, rec.passes
+    assert rec.seconds < rec.fetch_seconds + lead, (rec.seconds, rec.fetch_seconds)
+
+
+@pytest.mark.timeout(60)
+def test_manifest_current_step_is_the_servers_step_when_asked():
+    """Not the step of the snapshot taken afterwards: a round started in between may
+    already count the joiner, and a floor including it would wait for it to land."""
+    class _Ahead(_Worker):
+        step = 57  # the trainer's step now; the served state's adoption step is OLD.step
+
+    async def main() -> int:
+        server = StateServer(SnapshotSource(_Ahead(OLD)), CFG.run_id, DIGEST, CFG.statesync,
+                             peer_id="p0")
+        addr = await server.start()
+        try:
+            from dilonode.statesync.link import Link
+            from dilonode.statesync.protocol import Manifest, ManifestRequest
+
+            link = await Link.connect(addr, None, CFG.run_id, "joiner", "p0", 5.0)
+            link.send(ManifestRequest(run_id=CFG.run_id))
+            msg = await link.recv()
+            link.close()
+            assert isinstance(msg, Manifest) and msg.step == OLD.step
+            return msg.current_step
+        finally:
+            await server.aclose()
+
+    assert asyncio.run(main()) == 57
