@@ -40,12 +40,14 @@ def test_sigterm_abandons_a_stuck_round_withdraws_and_exits(tmp_path):
     observer = None
     try:
         maddrs = swarm.start_bootstrap()
+        # The observer joins first, while the box is quiet: started after A (training) and
+        # B (frozen), its DHT once missed its 30 s start deadline in a CI run.
+        observer = SwarmDHT(cfg.run_id, maddrs).start()
         procs.append(_Proc(tmp_path, cfg_path, maddrs, 1))
         procs[0].wait_for("started", 120)
         procs[0].proc.send_signal(signal.SIGSTOP)  # B: a record, but never a round
         procs.append(_Proc(tmp_path, cfg_path, maddrs, 0, "--set", "network.min_peers=2"))
         started = procs[1].wait_for("started", 120)
-        observer = SwarmDHT(cfg.run_id, maddrs).start()
         key = group_key(cfg.run_id, 0, 0, 0)  # A's first round: registered, waiting for B
         deadline = time.monotonic() + 60
         while started["peer_id"] not in observer.get_raw(key, timeout=5.0):
