@@ -190,8 +190,13 @@ def _load_public_key(public_key: bytes) -> rsa.RSAPublicKey:
         key = serialization.load_der_public_key(der)
     except (ValueError, UnsupportedAlgorithm) as exc:
         raise AuthError(f"public key is not a DER RSA key ({type(exc).__name__})") from None
+    return _checked_rsa(key, "public key")
+
+
+def _checked_rsa(key: object, what: str) -> rsa.RSAPublicKey:
+    """`key` if it is an RSA public key within the sizes we accept, else AuthError."""
     if not isinstance(key, rsa.RSAPublicKey):
-        raise AuthError("public key is not an RSA key")
+        raise AuthError(f"{what} is not an RSA key")
     if not _MIN_RSA_BITS <= key.key_size <= _MAX_RSA_BITS:
         raise AuthError(f"RSA key of {key.key_size} bits (need {_MIN_RSA_BITS}.."
                         f"{_MAX_RSA_BITS})")
@@ -215,23 +220,20 @@ def peer_id_of_ssh_key(ssh_key: bytes) -> str:
 
     Only the canonical form is accepted (no comment, exactly what `Identity.ssh_public_key`
     writes), so a key has one encoding and an owner-protected subkey one spelling.
-    AuthError when it is not such a key, or outside the RSA sizes `_load_public_key` takes.
+    AuthError when it is not such a key, or outside the RSA sizes we accept.
     """
     if len(ssh_key) > 2 * MAX_PUBLIC_KEY_BYTES:
         raise AuthError(f"OpenSSH key is {len(ssh_key)} bytes > {2 * MAX_PUBLIC_KEY_BYTES}")
     try:
-        key = serialization.load_ssh_public_key(ssh_key)
+        loaded = serialization.load_ssh_public_key(ssh_key)
     except (ValueError, UnsupportedAlgorithm) as exc:
         raise AuthError(f"not an OpenSSH public key ({type(exc).__name__})") from None
-    if not isinstance(key, rsa.RSAPublicKey):
-        raise AuthError("OpenSSH key is not an RSA key")
+    key = _checked_rsa(loaded, "OpenSSH key")
     if _ssh_bytes(key) != ssh_key:
         raise AuthError("OpenSSH key is not in canonical form")
     der = key.public_bytes(serialization.Encoding.DER,
                            serialization.PublicFormat.SubjectPublicKeyInfo)
-    public_key = _key_proto(_KEY_TYPE_RSA, der)
-    _load_public_key(public_key)  # the size bounds
-    return peer_id_of(public_key)
+    return peer_id_of(_key_proto(_KEY_TYPE_RSA, der))
 
 
 def _ssh_bytes(key: rsa.RSAPublicKey) -> bytes:

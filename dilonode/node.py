@@ -102,7 +102,8 @@ class Node:
             plane_options["fallback"] = self.tunnel.open
         self.collective = NetworkCollective(self.dht.peer_id, self.cfg.run_id, self._form,
                                             policy, host=net.host, port=net.port,
-                                            bans=self.bans, plane_options=plane_options)
+                                            bans=self.bans, plane_options=plane_options,
+                                            reuse_results=True)  # the trainer lands first
         address = self.collective.start()
         if self.tunnel is not None:
             self.collective.thread.run(self.tunnel.start(self.collective.plane), timeout=30.0)
@@ -112,8 +113,10 @@ class Node:
             address = f"{net.announce_host}:{address.rsplit(':', 1)[1]}"
         # Recover before publishing our record, so peers do not wait for us in matchmaking.
         self._build_worker()
+        plane = self.collective.plane
         self.membership = Membership(self.dht, self.cfg.run_id, net, address, self._status,
-                                     settings=policy.settings())
+                                     settings=policy.settings(), gone=plane.gone.copy)
+        self.keeper.source.counts = self.membership.counts
         self.membership.state_addr = self.keeper.start_server(self.collective.thread,
                                                               self.dht.credentials)
         self.keeper.prepare(self.worker, self.collective.thread, self.dht,

@@ -300,8 +300,10 @@ class SwarmRounds:
         # every FormGroup honours) until their ban ends.
         self.bans = bans
 
-    async def reduce(self, fragment: int, round_no: int, local: torch.Tensor) -> SwarmOutcome:
-        """Average `local` (1-D float32) with a group, retrying without the culprits."""
+    async def reduce(self, fragment: int, round_no: int, local: torch.Tensor,
+                     out: torch.Tensor | None = None) -> SwarmOutcome:
+        """Average `local` (1-D float32) with a group, retrying without the culprits.
+        `out` (optional) receives a completed round's result (every attempt writes there)."""
         excluded: dict[str, str] = {}
         attempts: list[RoundOutcome] = []
         errors: list[str] = []
@@ -317,19 +319,19 @@ class SwarmRounds:
                 if isinstance(blame, str) and blame != self.plane.peer_id:
                     excluded.setdefault(blame, one_line(str(exc)))
                 continue
-            out = await run_round(self.plane, spec, my_index, local, peers,
+            got = await run_round(self.plane, spec, my_index, local, peers,
                                   self.policy.timeout, self.clock, offload=self.offload,
-                                  aggregator=self.policy.aggregator)
-            attempts.append(out)
-            if out.state is RoundState.DONE:
-                self._note_rejected(fragment, round_no, out.rejected, out.convicted)
-                return SwarmOutcome(out, tuple(attempts), excluded, tuple(errors))
-            assert out.failure is not None
-            errors.append(one_line(f"attempt {attempt}: {out.failure.reason}"))
+                                  aggregator=self.policy.aggregator, out=out)
+            attempts.append(got)
+            if got.state is RoundState.DONE:
+                self._note_rejected(fragment, round_no, got.rejected, got.convicted)
+                return SwarmOutcome(got, tuple(attempts), excluded, tuple(errors))
+            assert got.failure is not None
+            errors.append(one_line(f"attempt {attempt}: {got.failure.reason}"))
             log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
-            for peer_id in out.excluded_peers:
+            for peer_id in got.excluded_peers:
                 if peer_id != self.plane.peer_id:
-                    excluded.setdefault(peer_id, out.failure.reason)
+                    excluded.setdefault(peer_id, got.failure.reason)
         alone = self._alone(fragment, round_no, self.policy.max_attempts, local)
         return SwarmOutcome(alone, tuple(attempts), excluded, tuple(errors))
 
@@ -469,6 +471,12 @@ class NetworkCollective:
     tears both down. `begin(key, flat)` copies `flat`, so the caller may reuse its buffer.
     SyncKey kind "fragment" uses its fragment index on the wire, kind "grad" the reserved
     index `GRAD_FRAGMENT`.
+
+    `reuse_results=True`: the rounds of one fragment write their results into one buffer,
+    so a result is valid only until the next `begin` of the same fragment (the trainer
+    lands each round before it starts that fragment's next one). A fresh 40 MB result per
+    round costs ~10,000 page faults; reusing it cut a 10M-value round's CPU by ~10%
+    (docs/benchmarks.md).
     """
 
     def __init__(self, peer_id: str, run_id: str, form_group: FormGroup,
@@ -476,8 +484,11 @@ class NetworkCollective:
                  use_uvloop: bool = True, offload: bool = True,
                  clock: Callable[[], float] = time.monotonic,
                  plane_options: Mapping[str, Any] | None = None,
-                 bans: BanTracker | None = None) -> None:
+                 bans: BanTracker | None = None, reuse_results: bool = False) -> None:
         self.plane = DataPlane(peer_id, run_id, host, port, **dict(plane_options or {}))
+        self.reuse_results = reuse_results
+        self._results: dict[int, torch.Tensor] = {}  # fragment -> its result buffer
+        self._in_flight: dict[int, concurrent.futures.Future[ReduceResult]] = {}
         self.rounds = SwarmRounds(self.plane, form_group, policy, clock=clock, offload=offload,
                                   bans=bans)
         self.thread = LoopThread(f"dilonode-net-{peer_id}", use_uvloop=use_uvloop)
@@ -514,11 +525,21 @@ class NetworkCollective:
         fragment = key.fragment if key.kind == "fragment" else GRAD_FRAGMENT
         t0 = self.rounds.clock()
         local = flat.detach().to("cpu", torch.float32).flatten().clone()
-        return _NetPending(self.thread.submit(self._reduce(fragment, key.round, local, t0)))
+        out = None
+        if self.reuse_results:
+            out = self._results.get(fragment)
+            busy = self._in_flight.get(fragment)
+            if busy is not None and not busy.done():  # an abandoned round may still write
+                out = None
+            elif out is None or out.numel() != local.numel():
+                out = self._results[fragment] = torch.empty_like(local)
+        fut = self.thread.submit(self._reduce(fragment, key.round, local, t0, out))
+        self._in_flight[fragment] = fut
+        return _NetPending(fut)
 
     async def _reduce(self, fragment: int, round_no: int, local: torch.Tensor,
-                      t0: float) -> ReduceResult:
-        swarm = await self.rounds.reduce(fragment, round_no, local)
+                      t0: float, out_buf: torch.Tensor | None = None) -> ReduceResult:
+        swarm = await self.rounds.reduce(fragment, round_no, local, out_buf)
         out = swarm.outcome
         assert out.result is not None
         return ReduceResult(

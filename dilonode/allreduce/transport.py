@@ -41,6 +41,7 @@ import ctypes
 import logging
 import socket
 import sys
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -220,6 +221,7 @@ class _Inbound(asyncio.Protocol):
         self.closed = False
         self.channel = InboundChannel(plane.auth, plane.run_id, plane.peer_id,
                                       max_frame_bytes=plane.max_frame_bytes)
+        self.proven = False  # the plane has been told this peer is connected
 
     @property
     def peer_id(self) -> str | None:
@@ -253,6 +255,9 @@ class _Inbound(asyncio.Protocol):
                 if self.closed:
                     return
             self._handshake_progress()
+            if not self.proven and self.peer_id is not None:
+                self.proven = True
+                self.plane.gone.pop(self.peer_id, None)
         except RemoteProtocolError as exc:
             self.plane._reject(self, exc.reason, unauthorized=isinstance(exc, HandshakeError))
 
@@ -279,6 +284,8 @@ class _Inbound(asyncio.Protocol):
                 # not satisfy it; an unauthorized attempt either way.
                 self.plane._reject(self, f"handshake abandoned: {reason}", unauthorized=True)
             self.plane._peer_problem(self.peer_id, "gone", reason)
+            if self.peer_id is not None and not self.plane._closed:
+                self.plane.gone[self.peer_id] = time.monotonic()
 
     def close(self) -> None:
         self.closed = True
@@ -503,6 +510,10 @@ class DataPlane:
         self._pending_bytes = 0
         self._recent: deque[RoundKey] = deque(maxlen=_RECENT_KEYS)
         self._inbound: set[_Inbound] = set()
+        # Peers whose connection to us the peer closed, and when (time.monotonic()), until
+        # they connect again: a SIGKILLed peer's DHT record outlives it, this does not.
+        # Written on the loop; read from other threads as `gone.copy()`.
+        self.gone: dict[str, float] = {}
         self._outbound: dict[str, _Outbound] = {}
         self._queued_total = 0
         self._reading_paused = False

@@ -77,7 +77,7 @@ class Manifest(_Model):
     run_id: str = Field(min_length=1, max_length=128)
     config_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     step: Count
-    current_step: Count  # the server's own step when the request came in
+    current_step: Count  # the step the asker must reach (SnapshotSource.step_now)
     rounds: list[Count] = Field(min_length=1, max_length=4096)
     outer_steps: list[Count] = Field(min_length=1, max_length=4096)
     chunk_bytes: int = Field(ge=4096, le=64 << 20)

@@ -102,6 +102,10 @@ class SnapshotSource:
         self._latest: WorkerState | None = None
         self._unservable = ""
         self.taken = 0
+        self._polled_at = time.monotonic()  # the trainer's last pass between steps
+        # (fragment, round, joiner) -> whether that round, in flight here, counts the
+        # joiner (it expected it in matchmaking or grouped it): `Membership.counts`.
+        self.counts: Callable[[int, int, str], bool] | None = None
 
     def attach(self, worker: _Exportable) -> None:
         with self._cond:
@@ -136,6 +140,7 @@ class SnapshotSource:
 
     def poll(self, worker: _Exportable) -> None:
         """Training thread, between steps: take the snapshot asked for, if any."""
+        self._polled_at = time.monotonic()
         if self._wanted:
             with self._cond:
                 self._take(worker)
@@ -149,11 +154,17 @@ class SnapshotSource:
         self.taken += 1
         self._cond.notify_all()
 
-    def step_now(self) -> int | None:
-        """The worker's step as of now, without waiting for the trainer (a plain int read);
-        None when there is nothing to serve."""
-        worker = self._worker
-        return None if worker is None else worker.step
+    def step_now(self, joiner: str | None = None) -> int | None:
+        """The step a joiner's state must reach, as of now, without waiting for the trainer;
+        None when there is nothing to serve. Our current step, except that rounds in flight
+        that count `joiner` are left out: it takes part in them, and asking it to wait for
+        them to land would make it and them wait on each other."""
+        worker, counts = self._worker, self.counts
+        if worker is None:
+            return None
+        if joiner is None or counts is None:
+            return worker.step
+        return worker.floor_step(lambda fragment, round_no: counts(fragment, round_no, joiner))
 
     def request(self, timeout: float) -> WorkerState:
         """A snapshot of the current state.
@@ -173,8 +184,10 @@ class SnapshotSource:
                 taken = self.taken
                 self._wanted = True
                 if not self._cond.wait_for(lambda: self.taken > taken, timeout):
-                    raise TimeoutError(f"{BUSY}: the trainer did not pass a step within "
-                                       f"{timeout} s")
+                    since = time.monotonic() - self._polled_at
+                    raise TimeoutError(
+                        f"{BUSY}: the trainer did not pass a step within {timeout} s (at step "
+                        f"{worker.step}, last between steps {since:.1f} s ago)")
             if self._latest is None:
                 raise LookupError(self._unservable or "no state to serve yet")
             return self._latest
@@ -259,7 +272,7 @@ class StateServer:
             peer = f"{conn.peer_id} at {peer}"
             while True:
                 req = await conn.recv(_IDLE_CLOSE_S)
-                conn.send(await self._answer(req))
+                conn.send(await self._answer(req, conn.peer_id))
                 await conn.drain()
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass  # the joiner is done, gone or idle
@@ -270,23 +283,23 @@ class StateServer:
             self._conns.pop(task, None)
             writer.close()
 
-    async def _answer(self, req: StateMessage) -> StateMessage:
+    async def _answer(self, req: StateMessage, joiner: str | None = None) -> StateMessage:
         if isinstance(req, ManifestRequest):
             if req.version != PROTOCOL_VERSION or req.run_id != self.run_id:
                 return Error(reason=one_line(f"this node serves run {self.run_id!r}, protocol "
                                              f"{PROTOCOL_VERSION}"))
-            return await self._manifest()
+            return await self._manifest(joiner)
         if isinstance(req, ChunkRequest):
             return self._chunk(req.digest)
         raise RemoteProtocolError(f"state sync: {req.type} is not a request")
 
-    async def _manifest(self) -> StateMessage:
+    async def _manifest(self, joiner: str | None = None) -> StateMessage:
         assert self._lock is not None
         self._asked_at = time.monotonic()
         # A joiner's floor: every round started by now is in a state it may adopt. The
         # snapshot comes at the trainer's next step, when a round that already counts the
         # joiner (and waits for it) may have started, so its step would be too late.
-        asked = self.source.step_now()
+        asked = self.source.step_now(joiner)
         async with self._lock:  # concurrent joiners share one snapshot and its hashing
             try:
                 state = await asyncio.to_thread(self.source.request, self.cfg.snapshot_wait)
@@ -439,24 +452,6 @@ class _Client:
                 changed.set()
                 return
 
-    async def floor_now(self) -> int | None:
-        """The peers' highest `current_step` now, over fresh connections (those of a fetch
-        in progress are busy); None when no peer answered."""
-        async def one(peer: str, addr: str) -> int | None:
-            link = await Link.connect(addr, self.auth, self.run_id, self.peer_id, peer,
-                                      self.cfg.request_timeout)
-            try:
-                link.send(ManifestRequest(run_id=self.run_id))
-                msg = await link.recv()
-            finally:
-                link.close()
-            return msg.current_step if isinstance(msg, Manifest) and self._ours(msg) else None
-
-        got = await asyncio.gather(*(one(p, a) for p, a in list(self.addrs.items())),
-                                   return_exceptions=True)
-        steps = [g for g in got if isinstance(g, int)]
-        return max(steps) if steps else None
-
     async def manifests(self) -> dict[str, Manifest]:
         """One manifest per peer that has one now; `busy` names those to ask again."""
         peers, self.busy = list(self.addrs), set()
@@ -580,11 +575,13 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     fetches): the node publishes its record there and waits until peers see it. Rounds the
     peers start after that wait expect us; rounds started before it may not, so the state
     adopted must include all of them: we re-read manifests until its step is at least the
-    peers' step right after the wait. With `final_lead` > 0, `before_final` starts that
-    many seconds before a fetch is expected to end (the keeper passes its wait, so waiting
-    overlaps the end of the transfer instead of following it and one more manifest pass);
-    should that state turn out not to be current, the next fetch comes after publishing,
-    as after `cfg.max_passes`; the peers' step is then read as soon as the wait is over.
+    `current_step` the peers report in the first manifests after the wait (their step,
+    leaving out rounds in flight that count us: we take part in those, and waiting for
+    them to land would make us and them wait on each other). With `final_lead` > 0,
+    `before_final` starts that many seconds before a fetch is expected to end (the keeper
+    passes its wait, so waiting overlaps the end of the transfer instead of following it
+    and one more manifest pass); should that state turn out not to be current, the next
+    fetch comes after publishing, as after `cfg.max_passes`.
     Returns None when no peer serves a state with more than `min_rounds` rounds landed
     (summed over fragments); raises `RecoveryError` when peers are ahead but the state
     could not be completed. The caller bounds the whole call (statesync.recover_timeout);
@@ -597,7 +594,8 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     t0 = time.perf_counter()
     me = _whoami(auth, peer_id)
     client = _Client(peers, run_id, config_digest, cfg, auth, me)
-    own = ({me: manifest_of(local, run_id, config_digest, cfg.chunk_bytes)}
+    own = ({me: await asyncio.to_thread(manifest_of, local, run_id, config_digest,
+                                        cfg.chunk_bytes)}  # hashes the whole state
            if own_candidate and local is not None else {})
     held, known = local, dict[str, list[bytes]]()
     held_target: Target | None = None  # the state `held` is, with its freshest step
@@ -605,19 +603,17 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     fetches, failures, published = 0, 0, False
     final: asyncio.Future[None] | None = None  # before_final, started during a fetch
 
-    async def publish_then_floor() -> None:
-        # Read the floor as soon as the wait is over, not when the fetch is: rounds the peers
-        # start after the wait expect us and wait for us, so a later floor could include
-        # one that only lands once we join it.
-        nonlocal floor
+    async def publish_and_wait() -> None:
         assert before_final is not None
+        t_pub = time.perf_counter()
         await before_final()
-        floor = await client.floor_now()
+        log.info("state sync: published our record and waited %.2f s",
+                 time.perf_counter() - t_pub)
 
     def start_final() -> None:
         nonlocal final
         if final is None and before_final is not None:
-            final = asyncio.ensure_future(publish_then_floor())
+            final = asyncio.ensure_future(publish_and_wait())
 
     if before_final is not None and final_lead > 0:
         client.near_end, client.lead = start_final, final_lead
@@ -676,7 +672,7 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
             known = {t.name: list(t.chunks) for t in target.manifest.tensors}
             if final is not None and before_final is not None:
                 t_wait = time.perf_counter()
-                await final  # published (and `floor` read) near the end of this fetch
+                await final  # published near the end of this fetch
                 client.result.publish_wait_seconds += time.perf_counter() - t_wait
                 before_final, published, client.near_end = None, True, None
     finally:

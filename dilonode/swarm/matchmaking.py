@@ -15,9 +15,10 @@
    the end of its wait (minus the peers it excludes). It re-stores its own entry with a
    `roster` (members, data addresses, weights, sorted by peer id) and uses that roster.
    Every other peer adopts the first roster it reads that names it and was written by the
-   smallest member of that roster; it waits for one until about one window after its own
-   wait ended (the leader registered at most a window after it), and blames the leader
-   (`MatchmakingError.blame`) if none comes, so the retry leaves the leader out.
+   smallest member of that roster; it waits for one until about one window after it first
+   read the leader's entry (the leader registered before that, so its own wait is over by
+   then), and blames the leader (`MatchmakingError.blame`) if none comes, so the retry
+   leaves the leader out.
    A peer that reads only rosters without itself registered too late (or was excluded by
    the leader): it is a group of one for this attempt, and joins the next round. A peer
    alone at the end of its window while others are expected (they lag) is not waited on
@@ -148,6 +149,9 @@ class _Board:
         self.poll_interval = poll_interval
         self._decoded: dict[tuple[str, bytes], GroupEntry | None] = {}
         self.entries: dict[str, GroupEntry] = {}  # valid entries of the last read
+        # When each peer's entry was first read: it registered before then, so its window
+        # (and its roster, if it leads) ends at most one window later.
+        self.first_seen: dict[str, float] = {}
         self.own_visible = False
 
     def store(self, entry: GroupEntry, until: float) -> bool:
@@ -169,6 +173,9 @@ class _Board:
             self._decoded[(subkey, got.value)] = entry
         self.entries = {k: e for k, v in raw.items()
                         if (e := self._decoded[(k, v.value)]) is not None}
+        now = time.monotonic()
+        for peer in self.entries:
+            self.first_seen.setdefault(peer, now)
         return self.entries
 
     def _mismatch(self, got: GroupEntry) -> str:
@@ -244,14 +251,19 @@ def _close(view: _Board, exclude: frozenset[str], deadline: float) -> Group:
 
 def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attempt: int,
                me: GroupEntry, window: float, timeout: float, *,
-               poll_interval: float = 0.5, expected: Collection[str] = (),
-               exclude: Collection[str] = ()) -> Group:
+               poll_interval: float = 0.5,
+               expected: Collection[str] | Callable[[], Collection[str]] = (),
+               exclude: Collection[str] = (),
+               gone: Callable[[], Collection[str]] | None = None) -> Group:
     """Register `me` for this attempt and return the group its leader closed.
 
     `expected` (peer ids believed alive, e.g. from the peer records) ends the wait early once
-    all of them have registered; peers registering later join the next round. `exclude`
+    all of them have registered; peers registering later join the next round. A callable
+    is asked again at every poll (a peer found dead meanwhile is not waited for). `exclude`
     (peers this node will not group with) is honoured when this node leads; a follower
-    takes its leader's roster as it is, so that every member runs the same group.
+    takes its leader's roster as it is, so that every member runs the same group. `gone`
+    (asked at every poll) names peers known dead now (they hung up on our data plane): a
+    follower whose leader is among them blames it at once instead of waiting for its roster.
 
     `board` is a started `SwarmDHT`. Returns within `timeout` seconds or raises
     `MatchmakingError`; see the module docstring for the protocol.
@@ -264,10 +276,19 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
     _register(view, deadline)
     reserve = min(_READ_RESERVE_S, timeout - window)
     window_end = min(time.monotonic() + window, deadline - reserve)
-    wanted, skip = frozenset(expected) - {me.peer_id}, frozenset(exclude) - {me.peer_id}
+    skip = frozenset(exclude) - {me.peer_id}
+
+    def dead() -> frozenset[str]:
+        return frozenset(gone() if gone is not None else ()) - {me.peer_id}
+
+    def wanted() -> frozenset[str]:
+        return frozenset(expected() if callable(expected) else expected) - {me.peer_id}
 
     def closed_or_complete(entries: dict[str, GroupEntry]) -> bool:
-        return _roster_for(entries, me.peer_id)[1] or bool(wanted) and wanted <= entries.keys()
+        if _roster_for(entries, me.peer_id)[1]:
+            return True
+        want = wanted()
+        return bool(want) and want <= entries.keys()
 
     def lonely(entries: dict[str, GroupEntry]) -> bool:
         return not entries.keys() - skip - {me.peer_id}
@@ -277,30 +298,38 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
             view.read(deadline)
         except TimeoutError as exc:
             raise MatchmakingError(f"could not read the group under {view.key}: {exc}") from None
-        if wanted and lonely(view.entries) and not _roster_for(view.entries, me.peer_id)[1]:
+        if wanted() and lonely(view.entries) and not _roster_for(view.entries, me.peer_id)[1]:
             # Alone while others are expected (they lag, e.g. on a loaded host): nobody
             # waits on us yet, so wait on for the first of them, then a window for the rest.
             # Closing alone would leave every late peer alone too.
             last = deadline - reserve
-            if view.watch(last, lambda got: _roster_for(got, me.peer_id)[1] or not lonely(got)):
+            if view.watch(last, lambda got: _roster_for(got, me.peer_id)[1] or not lonely(got)
+                          or not wanted()):
                 view.watch(min(time.monotonic() + window, last), closed_or_complete)
             with contextlib.suppress(TimeoutError):
                 view.read(deadline)
     entries = view.entries
     roster, any_roster = _roster_for(entries, me.peer_id)
     if roster is None and not any_roster:
+        # Not `dead()` here: peers that do not know yet would pick another leader.
         leader = min({p for p in entries if p not in skip} | {me.peer_id})
         if leader == me.peer_id:
             group = _close(view, skip, deadline)
             log.info("group %s: closed with %d member(s), digest %s", view.key, group.size,
                      group.digest()[:12])
             return group
-        wait_end = min(deadline, time.monotonic() + window + _ROSTER_SLACK_S)
-        view.watch(wait_end, lambda got: _roster_for(got, me.peer_id)[1])
+        # The leader registered before we first read its entry, so it closes by one window
+        # after that (plus DHT latency and its poll), not one window after our own wait:
+        # a leader that died costs the others a window and the slack, not two windows.
+        closes_by = view.first_seen.get(leader, time.monotonic()) + window
+        wait_end = min(deadline, max(closes_by, time.monotonic())
+                       + _ROSTER_SLACK_S + poll_interval)
+        view.watch(wait_end, lambda got: _roster_for(got, me.peer_id)[1] or leader in dead())
         roster, any_roster = _roster_for(view.entries, me.peer_id)
         if roster is None and not any_roster:
+            why = " (it hung up)" if leader in dead() else ""
             raise MatchmakingError(f"no roster from leader {leader} under {view.key} within "
-                                   f"{time.monotonic() - start:.1f}s", blame=leader)
+                                   f"{time.monotonic() - start:.1f}s{why}", blame=leader)
     if roster is None:
         log.info("group %s: closed without us (late or excluded); alone this round", view.key)
         return _alone(me)

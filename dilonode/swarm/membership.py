@@ -30,8 +30,11 @@ class Membership:
 
     def __init__(self, dht: SwarmDHT, run_id: str, net: NetworkConfig, data_addr: str,
                  status: Callable[[], dict[str, Any]] | None = None, *,
-                 settings: Mapping[str, str | int | float] | None = None) -> None:
+                 settings: Mapping[str, str | int | float] | None = None,
+                 gone: Callable[[], Mapping[str, float]] | None = None) -> None:
         self.dht, self.run_id, self.net, self.data_addr = dht, run_id, net, data_addr
+        # Peers that hung up on our data plane, and when (`DataPlane.gone`).
+        self.gone = gone or dict
         self.status = status or (lambda: {})
         # Round settings every group member must share (`RoundPolicy.settings()`).
         self.settings = dict(settings or {})
@@ -39,7 +42,14 @@ class Membership:
         # Peer records can be briefly missing from a DHT read: peers that were in our groups
         # within one record ttl are expected too (a dead one costs a window, as its record does).
         self._seen: dict[str, float] = {}
+        # Peers a retry left out (blamed, dropped, banned), and when: like peers that hung up
+        # (`gone`), not expected for one record ttl, since a killed peer's record outlives it
+        # and would cost every round in that time a whole window. They can still register
+        # and be grouped.
+        self._suspect: dict[str, float] = {}
         self._live: tuple[float, list[PeerRecord]] = (float("-inf"), [])
+        # Per fragment, its latest round here: (round, peers expected, members once grouped).
+        self._rounds: dict[int, tuple[int, frozenset[str], frozenset[str] | None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -102,18 +112,58 @@ class Membership:
 
     def form_blocking(self, fragment: int, round_no: int, attempt: int,
                       exclude: set[str]) -> FormedGroup:
-        expected = self._expected(exclude)
+        with self._lock:
+            now = time.monotonic()
+            self._suspect.update({p: now for p in exclude})
+
+        # Who this round waits for is fixed when it starts (a joiner whose record appears
+        # later joins the next round: it waits for this one to land, see `counts`); a peer
+        # found dead meanwhile stops being waited for at the next poll.
+        waits_for = frozenset(self._expected(exclude))
+        with self._lock:
+            self._rounds[fragment] = (round_no, waits_for, None)
+
+        def expected() -> frozenset[str]:
+            return waits_for - self._suspects()
+
         me = GroupEntry(peer_id=self.dht.peer_id, run_id=self.run_id, data_addr=self.data_addr,
                         fragment=fragment, round=round_no, attempt=attempt,
                         bandwidth_mbps=self.net.bandwidth_mbps, settings=self.settings)
         group = form_group(self.dht, self.run_id, fragment, round_no, attempt, me,
                            self.net.matchmaking_window, self.net.matchmaking_timeout,
-                           poll_interval=0.05, expected=expected, exclude=exclude)
+                           poll_interval=0.05, expected=expected, exclude=exclude,
+                           gone=self._hung_up)
         now = time.monotonic()
         with self._lock:
             self._seen.update({m: now for m in group.members})
+            self._rounds[fragment] = (round_no, frozenset(), frozenset(group.members))
         return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
                            group.digest())
+
+    def counts(self, fragment: int, round_no: int, peer_id: str) -> bool:
+        """Whether our `round_no` of `fragment` counts `peer_id`: it is in the group, or, while
+        the group is forming, expected when the round started (we wait for it to register;
+        a peer found dead since is not, but then it is no joiner asking). For joiners' floors
+        (`SnapshotSource.counts`): a joiner takes part in such a round instead of waiting
+        for it to land."""
+        with self._lock:
+            got = self._rounds.get(fragment)
+        if got is None or got[0] != round_no:
+            return False
+        _, expected, members = got
+        return peer_id in (expected if members is None else members)
+
+    def _hung_up(self) -> set[str]:
+        """Peers that hung up on our data plane within one record ttl (and did not connect
+        again): dead, as far as we can tell."""
+        now, ttl = time.monotonic(), self.net.peer_ttl
+        return {p for p, t in self.gone().items() if now - t < ttl}
+
+    def _suspects(self) -> set[str]:
+        now, ttl = time.monotonic(), self.net.peer_ttl
+        with self._lock:
+            return {p for p, t in [*self._suspect.items(), *self.gone().items()]
+                    if now - t < ttl}
 
     def _expected(self, exclude: set[str]) -> set[str]:
         now, ttl = time.monotonic(), self.net.peer_ttl
@@ -121,4 +171,4 @@ class Membership:
             recent = {p for p, t in self._seen.items() if now - t < ttl}
         # Every round asks; one DHT read a second is plenty (records live peer_ttl seconds).
         live = {r.peer_id for r in self.live_peers(max_age=1.0)}
-        return (live | recent) - exclude
+        return (live | recent) - exclude - self._suspects()

@@ -23,7 +23,7 @@ from dilonode.algo.outer import OuterState
 from dilonode.algo.schedule import SyncPlan
 from dilonode.config import RunConfig
 
-__all__ = ["WorkerState", "adoption_step", "config_digest", "tensor_names"]
+__all__ = ["WorkerState", "adoption_step", "config_digest", "settled_step", "tensor_names"]
 
 
 def config_digest(cfg: RunConfig) -> str:
@@ -34,13 +34,19 @@ def config_digest(cfg: RunConfig) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
+def settled_step(plan: SyncPlan, landed: list[int]) -> int:
+    """The first step by whose end `plan` has landed the first `landed[p]` rounds of each
+    fragment p (0 when none)."""
+    return max((plan.start_step(p, n - 1) + plan.delay for p, n in enumerate(landed) if n),
+               default=0)
+
+
 def adoption_step(plan: SyncPlan, landed: list[int]) -> int | None:
     """The latest step at which a worker following `plan` has landed exactly `landed[p]`
     rounds of each fragment p and has none in flight, or None if no step does (when tau is
     so long that some round is always in flight)."""
     hi = min(plan.start_step(p, n) for p, n in enumerate(landed)) - 1  # before a next start
-    lo = max((plan.start_step(p, n - 1) + plan.delay for p, n in enumerate(landed) if n),
-             default=0)  # after the last landing
+    lo = settled_step(plan, landed)  # after the last landing
     return hi if 0 <= lo <= hi else None
 
 

@@ -26,7 +26,7 @@ from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TokenData
 from dilonode.train.device import autocast, pick_device
 from dilonode.train.model import build_model, lm_loss
-from dilonode.train.state import WorkerState, adoption_step
+from dilonode.train.state import WorkerState, adoption_step, settled_step
 
 __all__ = ["Interrupted", "Worker", "WorkerStats", "build_inner_optimizer", "inner_lr"]
 
@@ -279,7 +279,26 @@ class Worker:
         if step is None:
             raise RuntimeError(f"export_state: no step of this schedule has landed exactly "
                                f"{landed} rounds with none in flight (tau >= H/P?)")
-        return WorkerState.capture(step, landed, self.outer, reuse, taken_at=self.step)
+        # After `drain` (end of training) rounds may have landed before their scheduled step;
+        # a checkpoint named by our own step would then resume with them due again.
+        taken_at = max(self.step, settled_step(self.plan, landed))
+        return WorkerState.capture(step, landed, self.outer, reuse, taken_at=taken_at)
+
+    def floor_step(self, counts_joiner: Callable[[int, int], bool]) -> int:
+        """For a joiner: the step its adopted state must reach. Every round started by now
+        must be in it, except rounds still in flight that count it (`counts_joiner(fragment,
+        round)`: they expected it in matchmaking or grouped it), which it takes part in.
+        Read from another thread: a plain snapshot of `step` and `pending`."""
+        step, pending = self.step, dict(self.pending)
+        if self.plan is None:
+            return step
+        started = [self.plan.rounds_started(p, step) for p in range(len(self.outer))]
+        needed = [n - (p in pending and counts_joiner(p, pending[p][0]))
+                  for p, n in enumerate(started)]
+        if needed == started:
+            return step
+        floor = adoption_step(self.plan, needed)
+        return step if floor is None else floor
 
     def import_state(self, state: WorkerState) -> None:
         """Adopt `state` (joining or resuming): outer state, step, and local weights set to

@@ -36,7 +36,8 @@ def main(argv: list[str]) -> None:
     coll = NetworkCollective(dht.peer_id, RUN_ID, None,  # type: ignore[arg-type]
                              RoundPolicy(codec="int4", timeout=net.allreduce_timeout,
                                          max_attempts=net.max_attempts))
-    member = Membership(dht, RUN_ID, net, coll.start(), settings=coll.rounds.policy.settings())
+    member = Membership(dht, RUN_ID, net, coll.start(), settings=coll.rounds.policy.settings(),
+                        gone=coll.plane.gone.copy)
     coll.rounds.form_group = member.form
     member.start()
     try:

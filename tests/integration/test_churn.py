@@ -71,14 +71,12 @@ def test_four_nodes_survive_kills_and_joins(tmp_path):
     # Rounds are placed by step: steps that never stand still for long, with no round skipped
     # (asserted above), mean every fragment keeps advancing; kills on an idle box come faster
     # than a fragment's cadence, so only the stretch after the last kill is checked per fragment.
-    # One kill costs a round at most one timeout (11.5 s measured), under the two
-    # timeouts (20 s). But kills here come every 10 s, faster than that: once the leaders of
-    # two consecutive attempts of one round were the two nodes killed one after the other,
-    # and the round took 22 s. So the test asserts what the retry policy guarantees for any
-    # kill sequence (every attempt: at most one window plus one timeout); the stall is
-    # printed, and benchmarks/churn.py (a kill every 30 s) reports it against 20 s.
-    net = cfg.network
-    bound = net.max_attempts * (net.matchmaking_window + net.allreduce_timeout)
+    # No stall longer than two all-reduce timeouts (the bound), also when kills come
+    # faster than that: a dead peer stops being waited for as soon as it hung up on the data
+    # plane, a leader that died before closing costs a window and a second, and joiners take
+    # part in the rounds that wait for them instead of waiting for those to land.
+    # (Before these, one kill cost 11.5 s and two leaders killed back to back 22 s.)
+    bound = 2 * cfg.network.allreduce_timeout
     print(f"longest step stall {res.max_step_gap_s():.1f} s (bound {bound:.0f} s)")
     assert res.max_step_gap_s() <= bound, (res.max_step_gap_s(), bound)
     after_last_kill = res.advances_per_period()[-1]

@@ -9,6 +9,7 @@ Every wait has a deadline; synchronization is on pipes and events, never on slee
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -240,12 +241,17 @@ def test_wrong_run_or_version_hello_is_rejected(caplog: pytest.LogCaptureFixture
 
 
 @pytest.mark.timeout(60)
-def test_network_collective_in_threads_returns_identical_means() -> None:
+@pytest.mark.parametrize("reuse", [False, True])
+def test_network_collective_in_threads_returns_identical_means(reuse: bool) -> None:
+    """With `reuse_results`, two rounds of one fragment write one buffer (as the daemon
+    runs it: each result is used before that fragment's next round starts)."""
     torch.set_num_threads(1)
     policy = RoundPolicy(codec="int4", block_size=64, chunk_numel=2048, timeout=20.0)
     addrs: dict[str, str] = {}
-    nodes = [NetworkCollective(pid, RUN, _static_group(pid, addrs), policy) for pid in IDS]
+    nodes = [NetworkCollective(pid, RUN, _static_group(pid, addrs), policy,
+                               reuse_results=reuse) for pid in IDS]
     results: dict[tuple[int, int], Any] = {}
+    buffers: dict[tuple[int, int], int] = {}
     try:
         for pid, node in zip(IDS, nodes, strict=True):
             addrs[pid] = node.start()
@@ -253,8 +259,11 @@ def test_network_collective_in_threads_returns_identical_means() -> None:
 
         def train(i: int) -> None:
             for r in range(2):  # two syncs reuse the same connections
-                pending = nodes[i].begin(SyncKey("fragment", r, r), flats[(i, r)])
-                results[(i, r)] = pending.wait(timeout=WAIT)
+                fragment = 0 if reuse else r
+                pending = nodes[i].begin(SyncKey("fragment", fragment, r), flats[(i, r)])
+                got = pending.wait(timeout=WAIT)
+                buffers[(i, r)] = got.mean.data_ptr()
+                results[(i, r)] = dataclasses.replace(got, mean=got.mean.clone())
 
         threads = [threading.Thread(target=train, args=(i,)) for i in range(3)]
         for t in threads:
@@ -273,6 +282,8 @@ def test_network_collective_in_threads_returns_identical_means() -> None:
             assert res.group_size == 3 and res.dropped == () and not res.skipped
             assert res.payload_bytes_sent > 0
     assert all(node.plane.stats["connections_out"] == 2 for node in nodes)
+    for i in range(3):
+        assert (buffers[(i, 0)] == buffers[(i, 1)]) is reuse
 
 
 # ---------------------------------------------------------------------- in-process details
@@ -313,6 +324,34 @@ def test_early_frames_wait_for_their_round_and_expire(caplog: pytest.LogCaptureF
         early, sent, stats = asyncio.run(main())
     assert early == sent and stats["late_frames"] == 0
     assert any("no round registered in time" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_that_hangs_up_is_marked_gone_until_it_connects_again() -> None:
+    """Matchmaking stops expecting a peer whose connection closed (a SIGKILLed peer's DHT
+    record outlives it); a peer that connects again is cleared."""
+    spec = _spec(IDS[:2])
+
+    async def main() -> tuple[set[str], set[str], set[str]]:
+        async with DataPlane(IDS[0], RUN) as a:
+            sends = [s for s in _frames(spec, 1) if s.to == 0]
+            b = DataPlane(IDS[1], RUN)
+            await b.start()
+            await b.send(IDS[0], a.address, sends[0].frame)
+            await _until(lambda: a.stats["frames_in"] == 1)
+            connected = set(a.gone)
+            await b.aclose()  # the peer's process ends: its connections close
+            await _until(lambda: IDS[1] in a.gone)
+            hung_up = set(a.gone)
+            async with DataPlane(IDS[1], RUN) as again:
+                await again.send(IDS[0], a.address, sends[1].frame)
+                await _until(lambda: a.stats["frames_in"] == 2)
+                await _until(lambda: IDS[1] not in a.gone)
+                back = set(a.gone)
+        return connected, hung_up, back
+
+    connected, hung_up, back = asyncio.run(main())
+    assert connected == set() and hung_up == {IDS[1]} and back == set()
 
 
 @pytest.mark.timeout(30)

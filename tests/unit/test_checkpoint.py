@@ -19,6 +19,7 @@ import torch
 from dilonode.algo.codecs import get_codec
 from dilonode.collective import LocalGroup
 from dilonode.config import load_config
+from dilonode.statesync.service import SnapshotSource
 from dilonode.train.checkpoint import (
     Checkpointer,
     latest_checkpoints,
@@ -198,12 +199,18 @@ def _worker(cfg, identity=0) -> tuple[Worker, LocalGroup]:
     return Worker(cfg, load_data(cfg.data), group.view(0), identity=identity), group
 
 
-def test_worker_export_import_roundtrip():
-    cfg = load_config(overrides={
+def _h4_p2_config():
+    """nano, H = 4, two fragments, tau = 1: fragment 0's rounds start at steps 2, 6, 10, ...,
+    fragment 1's at 4, 8, ...; each lands one step after it starts."""
+    return load_config(overrides={
         "model": {"preset": "nano"}, "device": "cpu",
         "data": {"seq_len": 16, "batch_size": 2},
         "diloco": {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1},
         "codec": {"name": "float32"}})
+
+
+def test_worker_export_import_roundtrip():
+    cfg = _h4_p2_config()
     a, _ = _worker(cfg)
     while a.step < 9:
         a.train_step()
@@ -225,6 +232,55 @@ def test_worker_export_import_roundtrip():
     bad = WorkerState(10, state.rounds, state.outer_steps, state.tensors)
     with pytest.raises(ValueError, match="round counters"):
         b.import_state(bad)  # at step 10 fragment 0 has started its third round
+
+
+def test_a_checkpoint_after_drain_resumes_without_rounds_due_again(tmp_path):
+    """Training ends at step 8, where fragment 1's round starts (it lands at 9): `drain`
+    lands it early. The checkpoint must resume at 9, not at 8, where the schedule would
+    land that round again with nothing in flight (found resuming a GPU swarm's node)."""
+    cfg = _h4_p2_config()
+    a, _ = _worker(cfg)
+    while a.step < 8:
+        a.train_step()
+        a.launch()
+        a.land()
+    a.drain()
+    save_checkpoint(tmp_path, a.export_state(), RUN, DIGEST, keep=1)
+    state, path = load_latest(tmp_path, RUN, DIGEST)
+    assert path.name == "ckpt-0000000009.json" and (state.step, state.rounds) == (9, (2, 2))
+    b, _ = _worker(cfg)
+    b.import_state(state)
+    while b.step < 14:  # fragment 0 lands at 11, fragment 1 at 13
+        b.train_step()
+        b.launch()
+        b.land()
+    assert b.stats.rounds == {0: 1, 1: 1}
+
+
+def test_a_joiners_floor_leaves_out_only_the_rounds_in_flight_that_count_it():
+    """While fragment 1's round is in flight (step 8), a joiner that round counts may adopt
+    the state from before it (step 7: it takes part in the round), and the snapshot served
+    meanwhile reaches that floor; a joiner it does not count must wait for it to land."""
+    cfg = _h4_p2_config()
+    w, _ = _worker(cfg)
+    while w.step < 8:
+        w.train_step()
+        w.launch()
+        if w.step < 8:
+            w.land()
+    assert list(w.pending) == [1]
+    round_1 = w.pending[1][0]
+    src = SnapshotSource()
+    src.attach(w)
+    src.counts = lambda frag, rnd, joiner: joiner == "J" and (frag, rnd) == (1, round_1)
+    served = src.request(1.0)  # not training: taken at once, without the round in flight
+    assert served.step == 7
+    assert src.step_now("J") == 7 <= served.step  # counted: no waiting on each other
+    assert src.step_now("K") == 8 > served.step  # not counted: wait for the landing
+    assert src.step_now() == 8
+    w.train_step()
+    w.land()  # step 9: the round landed
+    assert not w.pending and src.step_now("J") == src.step_now("K") == 9
 
 
 class _ResumingWorker:

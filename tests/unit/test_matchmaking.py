@@ -16,7 +16,7 @@ import pytest
 
 from dilonode.auth import Credentials, Identity
 from dilonode.swarm.matchmaking import Group, MatchmakingError, form_group, settings_difference
-from dilonode.swarm.records import GroupEntry, group_key
+from dilonode.swarm.records import GroupEntry, PeerRecord, group_key
 from tests.boards import Board, View
 
 RUN = "mm-unit"
@@ -98,19 +98,23 @@ def test_a_lone_peer_waits_past_its_window_for_expected_peers() -> None:
 
 def test_a_leader_that_never_closes_is_blamed() -> None:
     """The smallest peer registers and dies before closing: the others give up about one
-    window after their own wait and blame it, so the retry leaves it out."""
+    window after they first saw its entry (its own wait was over by then), not one window
+    after their own wait, and blame it, so the retry leaves it out."""
     board = Board()
     dead = IDS[0]
     _view(board, dead).store_raw(group_key(RUN, 1, 5, 0), dead.peer_id,
                                  _encode(_entry(dead), dead), ttl=30)
+    window = 2.0
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(_form, board, i, 0.0, window=0.5, timeout=5.0) for i in IDS[1:3]]
+        futs = [pool.submit(_form, board, i, 0.0, window=window, timeout=8.0)
+                for i in IDS[1:3]]
         for fut in futs:
             with pytest.raises(MatchmakingError, match="no roster from leader") as err:
                 fut.result(timeout=30)
             assert err.value.blame == dead.peer_id
-    assert time.monotonic() - t0 < 4.0  # window + window + slack, well inside the timeout
+    # window + 1 s slack + a poll; waiting a second window after our own (5 s) would fail.
+    assert time.monotonic() - t0 < 2 * window
 
 
 def test_the_retry_without_the_dead_leader_forms() -> None:
@@ -188,3 +192,88 @@ def _encode(entry: GroupEntry, identity: Identity) -> bytes:
     from dilonode.swarm.records import encode_record
 
     return encode_record(entry, Credentials(identity, RUN))
+
+
+class _Peers(View):
+    """A `View` that also lists peer records, as `SwarmDHT.fetch_peers` does."""
+
+    def __init__(self, board: Board, identity: Identity, alive: list[Identity]) -> None:
+        super().__init__(board, Credentials(identity, RUN))
+        self.alive = alive
+
+    def fetch_peers(self, timeout: float | None = None) -> list[PeerRecord]:
+        return [PeerRecord(peer_id=i.peer_id, run_id=RUN, data_addr="127.0.0.1:7000",
+                           bandwidth_mbps=10.0, step=0) for i in self.alive]
+
+
+@pytest.mark.parametrize("known_by", ["retry", "hang-up"])
+def test_a_dead_peer_is_not_waited_for_in_the_next_rounds(known_by: str) -> None:
+    """A SIGKILLed peer's record outlives it by up to a record ttl. Once a retry has left it
+    out, or it hung up on our data plane (`DataPlane.gone`), the next rounds (any fragment)
+    do not wait their whole window for it: they close as soon as the others are in. Without
+    that, every round in that time cost a window."""
+    from dilonode.config import NetworkConfig
+    from dilonode.swarm.membership import Membership
+
+    board, dead, live = Board(), IDS[0], IDS[1:4]
+    net = NetworkConfig(matchmaking_window=3.0, matchmaking_timeout=6.0, peer_ttl=30.0)
+    hung_up = {dead.peer_id: time.monotonic()} if known_by == "hang-up" else {}
+    members = [Membership(_Peers(board, i, [dead, *live]), RUN, net,  # type: ignore[arg-type]
+                          f"127.0.0.1:{7001 + k}", gone=hung_up.copy)
+               for k, i in enumerate(live)]
+
+    def form_all(fragment: int, attempt: int, exclude: set[str]) -> tuple[float, set[tuple]]:
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(len(members)) as pool:
+            futs = [pool.submit(m.form_blocking, fragment, 5, attempt, exclude)
+                    for m in members]
+            groups = {tuple(f.result(timeout=30).members) for f in futs}
+        return time.monotonic() - t0, groups
+
+    if known_by == "retry":  # attempt 1 of a round whose attempt 0 blamed the dead peer
+        _, groups = form_all(0, 1, {dead.peer_id})
+        assert groups == {tuple(i.peer_id for i in live)}
+    # The next round of another fragment, nothing excluded: closes at once.
+    took, groups = form_all(1, 0, set())
+    assert groups == {tuple(i.peer_id for i in live)}
+    assert took < net.matchmaking_window, took
+    # What a joiner's floor asks (`Membership.counts`): a round counts its members only.
+    m = members[0]
+    assert m.counts(1, 5, live[2].peer_id) and not m.counts(1, 5, dead.peer_id)
+    assert not m.counts(1, 6, live[2].peer_id) and not m.counts(2, 5, live[2].peer_id)
+
+
+def test_a_lone_peer_stops_waiting_for_an_expected_peer_found_dead() -> None:
+    """Alone past its window, a peer waits for the expected ones, asking again at every poll:
+    once the one it waits for is found dead (it hung up on the data plane), it closes alone
+    at once instead of waiting out the timeout."""
+    board, dead = Board(), IDS[5]
+    found_dead_at = time.monotonic() + 1.0
+
+    def expected() -> frozenset[str]:
+        return frozenset() if time.monotonic() > found_dead_at else frozenset({dead.peer_id})
+
+    t0 = time.monotonic()
+    group = form_group(_view(board, IDS[0]), RUN, 1, 5, 0, _entry(IDS[0]), 0.3, 8.0,
+                       poll_interval=0.02, expected=expected)
+    assert group.members == (IDS[0].peer_id,)
+    assert time.monotonic() - t0 < 3.0  # a static expected set waits the whole 8 s
+
+
+def test_a_follower_blames_a_leader_that_hung_up_at_once() -> None:
+    """The leader registered, then its process died (its data-plane connections closed):
+    its followers blame it as soon as they know, not a window after first reading it."""
+    board, dead = Board(), IDS[0]
+    _view(board, dead).store_raw(group_key(RUN, 1, 5, 0), dead.peer_id,
+                                 _encode(_entry(dead), dead), ttl=30)
+    hung_up_at = time.monotonic() + 0.5
+
+    def gone() -> frozenset[str]:
+        return frozenset({dead.peer_id}) if time.monotonic() > hung_up_at else frozenset()
+
+    t0 = time.monotonic()
+    with pytest.raises(MatchmakingError, match="it hung up") as err:
+        form_group(_view(board, IDS[1]), RUN, 1, 5, 0, _entry(IDS[1]), 0.3, 8.0,
+                   poll_interval=0.02, gone=gone)
+    assert err.value.blame == dead.peer_id
+    assert time.monotonic() - t0 < 1.2  # window + slack would be 1.3 s, the timeout 8 s

@@ -34,7 +34,10 @@ def test_owner_key_of_another_peer_is_refused() -> None:
     assert "owner key is " + OTHER.peer_id in _reason(forged)
 
 
-@pytest.mark.parametrize("subkey", [VICTIM.peer_id, "", "[owner:]", VICTIM.peer_id + "[owner"])
+# Ids name the case, not the random key in it, so every collector (e.g. xdist's) sees the
+# same tests.
+@pytest.mark.parametrize("subkey", [VICTIM.peer_id, "", "[owner:]", VICTIM.peer_id + "[owner"],
+                         ids=["bare-peer-id", "empty", "owner-only", "unterminated"])
 def test_unprotected_subkey_is_refused(subkey: str) -> None:
     assert "not owner-protected" in _reason(subkey)
 
