@@ -153,7 +153,11 @@ def run_node(args: argparse.Namespace) -> int:
     from dilonode.node import Node, summary_json
     from dilonode.statesync import RecoveryError
 
-    node = Node(cfg, worker_id=args.worker_id, resume=args.resume, secret=_swarm_secret(cfg))
+    try:
+        node = Node(cfg, worker_id=args.worker_id, resume=args.resume,
+                    secret=_swarm_secret(cfg))
+    except ValueError as exc:  # settings only a node refuses (a schedule it cannot snapshot)
+        raise UserError(str(exc)) from None
     out = Path(cfg.paths.out_dir)
     try:
         node.start()

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from dilonode.algo.schedule import SyncPlan
 from dilonode.auth import Credentials
 from dilonode.config import RunConfig
 from dilonode.statesync.service import (
@@ -33,7 +34,7 @@ from dilonode.statesync.service import (
     recover,
 )
 from dilonode.train.checkpoint import Checkpointer, load_latest
-from dilonode.train.state import config_digest
+from dilonode.train.state import config_digest, snapshot_error
 
 __all__ = ["StateKeeper", "checkpoint_dir"]
 
@@ -54,6 +55,11 @@ class StateKeeper:
     def __init__(self, cfg: RunConfig, resume: bool = False) -> None:
         self.cfg, self.resume = cfg, resume
         self.active = cfg.diloco.mode != "ddp"
+        if self.active:
+            a = cfg.diloco.effective()
+            if why := snapshot_error(SyncPlan(a.sync_every, a.num_fragments,
+                                              a.fragment_sync_delay)):
+                raise ValueError(why)  # found at start, not when the first checkpoint fails
         self.digest = config_digest(cfg)
         ck = cfg.checkpoint
         self.checkpointer = Checkpointer(checkpoint_dir(cfg), cfg.run_id, self.digest,

@@ -23,7 +23,8 @@ from dilonode.algo.outer import OuterState
 from dilonode.algo.schedule import SyncPlan
 from dilonode.config import RunConfig
 
-__all__ = ["WorkerState", "adoption_step", "config_digest", "settled_step", "tensor_names"]
+__all__ = ["WorkerState", "adoption_step", "config_digest", "settled_step", "snapshot_error",
+           "tensor_names"]
 
 
 def config_digest(cfg: RunConfig) -> str:
@@ -39,6 +40,19 @@ def settled_step(plan: SyncPlan, landed: list[int]) -> int:
     fragment p (0 when none)."""
     return max((plan.start_step(p, n - 1) + plan.delay for p, n in enumerate(landed) if n),
                default=0)
+
+
+def snapshot_error(plan: SyncPlan) -> str:
+    """'' when the schedule has steps with no round in flight (checkpoints and the states
+    joiners adopt are taken at those), else a one-line reason naming the fix."""
+    starts = sorted(plan.offset(p) for p in range(plan.num_fragments))
+    widest = max(b - a for a, b in zip(starts, [*starts[1:], starts[0] + plan.sync_every],
+                                       strict=True))
+    if plan.delay < widest:
+        return ""
+    return (f"diloco.fragment_sync_delay = {plan.delay}: a round is always in flight with "
+            f"sync_every = {plan.sync_every} and num_fragments = {plan.num_fragments}, so "
+            f"no checkpoint and no state for joiners can be taken; use fewer than {widest}")
 
 
 def adoption_step(plan: SyncPlan, landed: list[int]) -> int | None:

@@ -296,3 +296,30 @@ def test_assembler_carries_chunks_of_an_unfinished_fetch_to_a_newer_target():
     assert left == set(digests_of(new.tensors["outer.1.weights"], CB)) | \
         set(digests_of(new.tensors["outer.0.momentum"], CB)) | \
         set(digests_of(new.tensors["outer.1.momentum"], CB))
+
+
+@pytest.mark.parametrize("h,n", [(30, 3), (12, 4), (7, 3), (6, 1), (10, 10)])
+def test_snapshot_error_exactly_when_no_step_is_free_of_rounds(h, n):
+    """`snapshot_error` (checked when a node starts) flags the schedules where every step has
+    a round in flight, which `export_state` cannot snapshot: exactly those where no phase of
+    the steady state has an adoption step."""
+    from dilonode.train.state import snapshot_error
+
+    for tau in range(h):
+        plan = SyncPlan(h, n, tau)
+        has_free_step = any(adoption_step(plan, [2] * k + [1] * (n - k)) is not None
+                            for k in range(n))
+        assert (snapshot_error(plan) == "") == has_free_step, (h, n, tau)
+
+
+def test_a_node_refuses_a_schedule_it_could_never_snapshot():
+    from dilonode.config import load_config
+    from dilonode.statesync.keeper import StateKeeper
+
+    cfg = load_config(overrides={"diloco": {"sync_every": 30, "num_fragments": 3,
+                                            "fragment_sync_delay": 10}})
+    with pytest.raises(ValueError, match=r"fragment_sync_delay = 10: a round is always in "
+                                         r"flight.*use fewer than 10"):
+        StateKeeper(cfg)
+    StateKeeper(load_config(overrides={"diloco": {"sync_every": 30, "num_fragments": 3,
+                                                  "fragment_sync_delay": 9}}))
