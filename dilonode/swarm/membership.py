@@ -160,10 +160,11 @@ class Membership:
         return {p for p, t in self.gone().items() if now - t < ttl}
 
     def _suspects(self) -> set[str]:
+        """Peers not expected now: hung up, or left out by a retry, within one record ttl."""
         now, ttl = time.monotonic(), self.net.peer_ttl
         with self._lock:
-            return {p for p, t in [*self._suspect.items(), *self.gone().items()]
-                    if now - t < ttl}
+            left_out = {p for p, t in self._suspect.items() if now - t < ttl}
+        return left_out | self._hung_up()
 
     def _expected(self, exclude: set[str]) -> set[str]:
         now, ttl = time.monotonic(), self.net.peer_ttl
