@@ -98,6 +98,7 @@ def run(args: argparse.Namespace, rate: float) -> dict[str, Any]:
             "bytes_per_peer": sorted(rec["peers"].values()), "seconds": rec["seconds"],
             "fetch_s": rec["fetch_seconds"], "manifest_s": rec.get("manifest_seconds"),
             "publish_wait_s": rec.get("publish_wait_seconds"), "passes": rec.get("passes"),
+            "replayed": rec.get("replayed", 0),
             "ideal_s": ideal, "ratio": rec["seconds"] / ideal,
             "fetch_ratio": rec["fetch_seconds"] / ideal, "step": rec["step"],
             "spawn_to_recovered_s": spawn_to_recovered}
@@ -122,16 +123,17 @@ def main() -> None:
         rows.append(run(args, rate))
         print(json.dumps(rows[-1]), flush=True)
     print("| link | state | fetched | reused | from peers (MB each) | recovery (transfer) "
-          "| passes (manifests, publish wait) | ideal | recovery / ideal (transfer / ideal) "
-          "| spawn to recovered |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| passes (manifests, publish wait) | replayed | ideal "
+          "| recovery / ideal (transfer / ideal) | spawn to recovered |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         each = ", ".join(f"{b / 1e6:.1f}" for b in r["bytes_per_peer"])
         print(f"| {r['rate_mbit']:g} Mbit/s | {r['state_bytes'] / 1e6:.1f} MB "
               f"| {r['fetched_bytes'] / 1e6:.1f} MB | {r['reused_bytes'] / 1e6:.1f} MB "
               f"| {r['peers']} ({each}) | {r['seconds']:.2f} s ({r['fetch_s']:.2f} s) "
               f"| {r['passes']} ({r['manifest_s']:.2f} s, {r['publish_wait_s']:.2f} s) "
-              f"| {r['ideal_s']:.2f} s | {r['ratio']:.2f}x ({r['fetch_ratio']:.2f}x) "
+              f"| {r['replayed']} | {r['ideal_s']:.2f} s "
+              f"| {r['ratio']:.2f}x ({r['fetch_ratio']:.2f}x) "
               f"| {r['spawn_to_recovered_s']:.1f} s |")
     save_rows(args.json, args, rows)
 

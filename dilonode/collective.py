@@ -16,6 +16,7 @@ import torch
 
 from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import Codec
+from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, aggregate
 
 __all__ = ["Collective", "LocalGroup", "PendingReduce", "ReduceResult", "SyncKey"]
@@ -45,6 +46,8 @@ class ReduceResult:
     latency_s: float = 0.0  # begin to result, matchmaking and retries included (networked)
     # Members whose contribution an owner rejected in at least one chunk (robust checks).
     rejected: tuple[str, ...] = ()
+    # `mean` as the codec carried it, when the collective keeps it (joiners replay it).
+    encoded: EncodedResult | None = None
 
 
 class PendingReduce(Protocol):

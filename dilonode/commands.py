@@ -169,7 +169,8 @@ def run_node(args: argparse.Namespace) -> int:
                               "fetch_seconds": round(rec.fetch_seconds, 3),
                               "manifest_seconds": round(rec.manifest_seconds, 3),
                               "publish_wait_seconds": round(rec.publish_wait_seconds, 3),
-                              "passes": rec.passes, "peers": rec.sources}),
+                              "passes": rec.passes, "replayed": rec.replayed,
+                              "peers": rec.sources}),
                   flush=True)
         line = progress_line() if fmt == "text" else None
         try:

@@ -103,7 +103,8 @@ class Node:
         self.collective = NetworkCollective(self.dht.peer_id, self.cfg.run_id, self._form,
                                             policy, host=net.host, port=net.port,
                                             bans=self.bans, plane_options=plane_options,
-                                            reuse_results=True)  # the trainer lands first
+                                            reuse_results=True,  # the trainer lands first
+                                            keep_encoded=_serves_replays(self.cfg))
         address = self.collective.start()
         if self.tunnel is not None:
             self.collective.thread.run(self.tunnel.start(self.collective.plane), timeout=30.0)
@@ -262,3 +263,10 @@ class Node:
 
 def summary_json(summary: NodeSummary) -> str:
     return json.dumps({"event": "summary", **asdict(summary)})
+
+
+def _serves_replays(cfg: RunConfig) -> bool:
+    """Whether rounds keep their encoded result for joiners to replay (algo/replay.py).
+    Not for float32: the result is then as large as the fragment's weights, so keeping it
+    would add the model's size in memory to save a joiner at most half a fragment."""
+    return cfg.statesync.enabled and cfg.diloco.mode != "ddp" and cfg.codec.name != "float32"

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, BanTracker
 from dilonode.allreduce.round import (
     Action,
@@ -98,6 +99,7 @@ class RoundOutcome:
     skipped: bool = False
     rejected: tuple[str, ...] = ()  # peers an owner left out of some chunk (robust checks)
     convicted: tuple[str, ...] = ()  # peers a majority of owners left out: counts to bans
+    encoded: EncodedResult | None = None  # the result as carried (`keep_encoded` rounds)
 
     @property
     def excluded_peers(self) -> tuple[str, ...]:
@@ -112,19 +114,21 @@ async def run_round(plane: DataPlane, spec: GroupSpec, my_index: int, local: tor
                     clock: Callable[[], float] = time.monotonic, *,
                     offload: bool = True,
                     aggregator: AggregatorSpec | None = None,
-                    out: torch.Tensor | None = None) -> RoundOutcome:
+                    out: torch.Tensor | None = None,
+                    keep_encoded: bool = False) -> RoundOutcome:
     """Run this node's side of one round; `peers` maps member index -> "host:port".
 
     Returns as soon as the round is DONE or FAILED, by `clock() >= start + timeout` (plus
     one batch of round work) at the latest; frames still queued then are written by the
     plane in the background (`DataPlane.aclose` flushes them). `local` must not be
-    modified until this returns. `out` is handed to `AllReduceRound` (the result buffer).
+    modified until this returns. `out` and `keep_encoded` are handed to `AllReduceRound`
+    (the result buffer; keep the encoded result for `RoundOutcome.encoded`).
     """
     missing = [i for i in range(spec.size) if i != my_index and i not in peers]
     if missing:
         raise ValueError(f"run_round: no address for member(s) {missing}")
     rnd = AllReduceRound(spec, my_index, local, timeout=timeout, aggregator=aggregator,
-                         out=out)
+                         out=out, keep_encoded=keep_encoded)
     key = (spec.fragment, spec.round, spec.attempt)
     inbox = plane.register(key, spec.members)
     try:
@@ -217,7 +221,8 @@ class _RoundDriver:
             payload_bytes_received=rnd.payload_bytes_received,
             duration=self.clock() - t0, members=rnd.spec.members, attempt=rnd.spec.attempt,
             rejected=tuple(rnd.spec.members[i] for i in rnd.rejected),
-            convicted=tuple(rnd.spec.members[i] for i in rnd.convicted))
+            convicted=tuple(rnd.spec.members[i] for i in rnd.convicted),
+            encoded=rnd.encoded if done else None)
 
 
 # ---------------------------------------------------------------------- retry policy
@@ -290,8 +295,9 @@ class SwarmRounds:
     def __init__(self, plane: DataPlane, form_group: FormGroup,
                  policy: RoundPolicy | None = None, *,
                  clock: Callable[[], float] = time.monotonic, offload: bool = True,
-                 bans: BanTracker | None = None) -> None:
+                 bans: BanTracker | None = None, keep_encoded: bool = False) -> None:
         self.plane = plane
+        self.keep_encoded = keep_encoded  # see RoundOutcome.encoded
         self.form_group = form_group
         self.policy = policy or RoundPolicy()
         self.clock = clock
@@ -321,7 +327,8 @@ class SwarmRounds:
                 continue
             got = await run_round(self.plane, spec, my_index, local, peers,
                                   self.policy.timeout, self.clock, offload=self.offload,
-                                  aggregator=self.policy.aggregator, out=out)
+                                  aggregator=self.policy.aggregator, out=out,
+                                  keep_encoded=self.keep_encoded)
             attempts.append(got)
             if got.state is RoundState.DONE:
                 self._note_rejected(fragment, round_no, got.rejected, got.convicted)
@@ -476,7 +483,8 @@ class NetworkCollective:
     so a result is valid only until the next `begin` of the same fragment (the trainer
     lands each round before it starts that fragment's next one). A fresh 40 MB result per
     round costs ~10,000 page faults; reusing it cut a 10M-value round's CPU by ~10%
-    (docs/benchmarks.md).
+    (docs/benchmarks.md). `keep_encoded=True`: results also carry the encoded values
+    (`ReduceResult.encoded`), which the node serves to joiners.
     """
 
     def __init__(self, peer_id: str, run_id: str, form_group: FormGroup,
@@ -484,13 +492,14 @@ class NetworkCollective:
                  use_uvloop: bool = True, offload: bool = True,
                  clock: Callable[[], float] = time.monotonic,
                  plane_options: Mapping[str, Any] | None = None,
-                 bans: BanTracker | None = None, reuse_results: bool = False) -> None:
+                 bans: BanTracker | None = None, reuse_results: bool = False,
+                 keep_encoded: bool = False) -> None:
         self.plane = DataPlane(peer_id, run_id, host, port, **dict(plane_options or {}))
         self.reuse_results = reuse_results
         self._results: dict[int, torch.Tensor] = {}  # fragment -> its result buffer
         self._in_flight: dict[int, concurrent.futures.Future[ReduceResult]] = {}
         self.rounds = SwarmRounds(self.plane, form_group, policy, clock=clock, offload=offload,
-                                  bans=bans)
+                                  bans=bans, keep_encoded=keep_encoded)
         self.thread = LoopThread(f"dilonode-net-{peer_id}", use_uvloop=use_uvloop)
 
     @property
@@ -549,5 +558,5 @@ class NetworkCollective:
             dropped=tuple(f"{peer}: {reason}" for peer, reason in swarm.excluded.items()),
             skipped=out.skipped, members=tuple(out.members),
             attempts=len(swarm.attempts) + sum("no group" in e for e in swarm.errors),
-            rejected=out.rejected,
+            rejected=out.rejected, encoded=out.encoded,
             latency_s=self.rounds.clock() - t0)

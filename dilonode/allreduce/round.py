@@ -78,6 +78,7 @@ from dilonode.algo.codecs import (
     decode_shared,
     get_codec,
 )
+from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, aggregate, convicted
 from dilonode.wire.errors import LocalProtocolError, RemoteProtocolError, one_line
 from dilonode.wire.framing import (
@@ -350,7 +351,7 @@ class AllReduceRound:
 
     def __init__(self, spec: GroupSpec, my_index: int, local: torch.Tensor, *,
                  timeout: float = 30.0, aggregator: AggregatorSpec | None = None,
-                 out: torch.Tensor | None = None) -> None:
+                 out: torch.Tensor | None = None, keep_encoded: bool = False) -> None:
         if not 0 <= my_index < spec.size:
             raise ValueError(f"my_index={my_index}: not in 0..{spec.size - 1}")
         if local.dtype != torch.float32 or local.shape != (spec.numel,):
@@ -388,6 +389,8 @@ class AllReduceRound:
         self._parts_verified = 0
         # Per part, the `chunk_hash` of each decoded result chunk (ours too), for digests.
         self._chunk_hashes = [[b""] * spec.n_chunks(j) for j in range(n)]
+        # (owner, chunk) -> the encoded result chunk, when asked to keep them (`encoded`).
+        self._encoded: dict[tuple[int, int], bytes] | None = {} if keep_encoded else None
         self.bytes_sent = 0
         self.bytes_received = 0
         self.payload_bytes_sent = 0
@@ -418,6 +421,19 @@ class AllReduceRound:
         if self._digest is None:
             raise LocalProtocolError(f"digest: round is {self._state.value}, not done")
         return self._digest
+
+    @property
+    def encoded(self) -> EncodedResult | None:
+        """The result as the codec carried it (joiners replay it: algo/replay.py); only in
+        DONE, and None unless the round was made with `keep_encoded=True`."""
+        if self._state is not RoundState.DONE:
+            raise LocalProtocolError(f"encoded: round is {self._state.value}, not done")
+        if self._encoded is None:
+            return None
+        s = self.spec
+        pieces = tuple((s.chunk_span(j, k)[1], self._encoded[j, k])
+                       for j in range(s.size) for k in range(s.n_chunks(j)))
+        return EncodedResult(s.codec, s.block_size, pieces)
 
     @property
     def rejected(self) -> tuple[int, ...]:
@@ -680,6 +696,8 @@ class AllReduceRound:
         # Straight into the output: if anything is wrong the round fails and drops it.
         values = self._decode(msg, into=self._output()[start:start + msg.numel])
         self._chunk_hashes[sender][msg.chunk] = chunk_hash(values)
+        if self._encoded is not None:
+            self._encoded[sender, msg.chunk] = bytes(msg.payload)
         got.add(msg.chunk)
         if msg.digest is not None:
             self._announced[sender] = msg.digest
@@ -756,6 +774,8 @@ class AllReduceRound:
         if not in_place:
             self._codec.decode_into(payload, meta, values)
         self._chunk_hashes[owner][k] = chunk_hash(values)
+        if self._encoded is not None:
+            self._encoded[owner, k] = bytes(payload)
 
     def _result_msg(self, k: int, payload: bytes, digest: str | None,
                     rejected: tuple[int, ...] = ()) -> Result:

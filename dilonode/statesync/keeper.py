@@ -18,14 +18,17 @@ later joiners. Mode ddp has no outer state: the keeper only publishes there.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from dilonode.algo.replay import replay_round
 from dilonode.algo.schedule import SyncPlan
 from dilonode.auth import Credentials
 from dilonode.config import RunConfig
+from dilonode.statesync.plan import Replayer
 from dilonode.statesync.service import (
     Recovery,
     RecoveryError,
@@ -144,7 +147,7 @@ class StateKeeper:
         job = recover(peers, local, self.cfg.run_id, self.digest, sc,
                       min_rounds=sum(local.rounds) - int(same_rounds),
                       before_final=before_final, auth=auth, final_lead=final_lead,
-                      own_candidate=same_rounds)
+                      own_candidate=same_rounds, replayer=self._replayer())
         try:
             got = thread.run(asyncio.wait_for(job, sc.recover_timeout),
                              timeout=sc.recover_timeout + 10.0)
@@ -165,10 +168,18 @@ class StateKeeper:
         self.recovery = got
         log.info("state sync: recovered step %d (rounds %s) from %d peer(s): %d bytes "
                  "fetched (%.2f s transferring), %d reused, in %.2f s (%d passes, %.2f s "
-                 "waiting for manifests, %.2f s for the publish wait; agreed by %d)",
+                 "waiting for manifests, %.2f s for the publish wait; agreed by %d; "
+                 "%d fragment(s) replayed)",
                  got.state.step, list(got.state.rounds), len(got.sources), got.fetched_bytes,
                  got.fetch_seconds, got.reused_bytes, got.seconds, got.passes,
-                 got.manifest_seconds, got.publish_wait_seconds, len(got.agreed_by))
+                 got.manifest_seconds, got.publish_wait_seconds, len(got.agreed_by),
+                 got.replayed)
+
+    def _replayer(self) -> Replayer:
+        """This run's outer step, for replaying a round on a fragment (algo/replay.py)."""
+        a = self.cfg.diloco.effective()
+        return functools.partial(replay_round, lr=a.outer_lr, momentum_coef=a.outer_momentum,
+                                 nesterov=a.outer_nesterov)
 
     # -- training thread -----------------------------------------------------------------
     def resync_if_behind(self, worker: Any, thread: Any, dht: Any) -> None:

@@ -11,24 +11,34 @@ manifest to trust, scheduling chunk requests over several peers, and assembling 
   window per peer; a failed or dropped peer's chunks go back to the queue for the others.
 * `Assembler` holds the target tensors, fills them from chunks we already have (our own state,
   or an earlier pass) and from verified payloads, and yields the new `WorkerState`.
+* `ReplayJob` (`plan_replays`): a fragment of the target that a round changed after we
+  fetched (part of) its previous version; when cheaper, we fetch the rest of that version
+  and the round's encoded result instead, replay the outer step, and keep the outcome only
+  if it hashes to the target's digests.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import blake3
 import numpy as np
 import torch
 
-from dilonode.statesync.protocol import Manifest, TensorChunks
+from dilonode.algo.replay import EncodedResult
+from dilonode.statesync.protocol import Manifest, RoundReplay, TensorChunks, replay_name
 from dilonode.train.state import WorkerState, tensor_names
 from dilonode.wire.errors import RemoteProtocolError
 
-__all__ = ["Assembler", "FetchPlan", "Target", "choose_target", "chunk_bytes_of",
-           "chunk_digest", "digests_of", "fetch_order", "manifest_of"]
+__all__ = ["Assembler", "FetchPlan", "ReplayJob", "Replayer", "Target", "choose_target",
+           "chunk_bytes_of", "chunk_digest", "digests_of", "fetch_order", "fragment_names",
+           "manifest_of", "plan_replays"]
+
+# (weights, momentum, encoded result) -> the fragment's (weights, momentum) after the round
+Replayer = Callable[[torch.Tensor, torch.Tensor, EncodedResult],
+                    tuple[torch.Tensor, torch.Tensor]]
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -47,28 +57,39 @@ def chunk_digest(payload: bytes | memoryview) -> bytes:
     return blake3.blake3(payload).digest()
 
 
-def digests_of(t: torch.Tensor, chunk_bytes: int) -> list[bytes]:
-    """The digest of each chunk of `t` (float32, CPU, flat)."""
-    raw = _bytes_view(t)
+def _digests(raw: bytes | memoryview, chunk_bytes: int) -> list[bytes]:
     return [chunk_digest(raw[i:i + chunk_bytes]) for i in range(0, len(raw), chunk_bytes)]
 
 
+def digests_of(t: torch.Tensor, chunk_bytes: int) -> list[bytes]:
+    """The digest of each chunk of `t` (float32, CPU, flat)."""
+    return _digests(_bytes_view(t), chunk_bytes)
+
+
 def manifest_of(state: WorkerState, run_id: str, config_digest: str, chunk_bytes: int,
-                cache: dict[str, tuple[torch.Tensor, list[bytes]]] | None = None) -> Manifest:
-    """The manifest of `state`; `cache` (name -> (tensor, digests)) skips re-hashing tensors
-    that are the very same objects as last time (fragments with no round since)."""
+                cache: dict[str, tuple[object, list[bytes]]] | None = None) -> Manifest:
+    """The manifest of `state`; `cache` (name -> (tensor or replay, digests)) skips
+    re-hashing what is the very same object as last time (fragments with no round since)."""
+    def hashed(name: str, obj: object, raw: Callable[[], bytes | memoryview]) -> list[bytes]:
+        hit = cache.get(name) if cache is not None else None
+        digests = hit[1] if hit is not None and hit[0] is obj else _digests(raw(), chunk_bytes)
+        if cache is not None:
+            cache[name] = (obj, digests)
+        return digests
+
     entries = []
     for name in tensor_names(state.num_fragments):
         t = state.tensors[name]
-        hit = cache.get(name) if cache is not None else None
-        digests = hit[1] if hit is not None and hit[0] is t else digests_of(t, chunk_bytes)
-        if cache is not None:
-            cache[name] = (t, digests)
-        entries.append(TensorChunks(name=name, numel=t.numel(), chunks=digests))
+        entries.append(TensorChunks(name=name, numel=t.numel(),
+                                    chunks=hashed(name, t, lambda t=t: _bytes_view(t))))
+    replays = [RoundReplay(fragment=p, round=state.rounds[p] - 1, codec=enc.codec,
+                           block_size=enc.block_size, numels=enc.numels, nbytes=enc.nbytes,
+                           chunks=hashed(replay_name(p), enc, enc.blob))
+               for p, enc in sorted(state.replays.items()) if enc.nbytes]
     return Manifest(run_id=run_id, config_digest=config_digest, step=state.step,
                     current_step=state.step if state.taken_at is None else state.taken_at,
                     rounds=list(state.rounds), outer_steps=list(state.outer_steps),
-                    chunk_bytes=chunk_bytes, tensors=entries)
+                    chunk_bytes=chunk_bytes, tensors=entries, replays=replays)
 
 
 @dataclass(frozen=True)
@@ -207,8 +228,19 @@ class Assembler:
         """Digests not filled yet, in state order."""
         return [d for d in self._where if d not in self._filled]
 
+    def missing(self, names: Iterable[str]) -> list[bytes]:
+        """Digests of the tensors `names` not filled yet, in order, each once."""
+        chunks = {t.name: t.chunks for t in self.manifest.tensors}
+        return list(dict.fromkeys(d for n in names for d in chunks[n] if d not in self._filled))
+
+    def digests(self, name: str) -> list[bytes]:
+        return next(list(t.chunks) for t in self.manifest.tensors if t.name == name)
+
     def put(self, digest: bytes, payload: bytes | memoryview) -> None:
-        """Write a verified chunk into every position that holds this digest."""
+        """Write a verified chunk into every position that holds this digest (none: a
+        chunk of something else, ignored)."""
+        if digest not in self._where:
+            return
         src = np.frombuffer(payload, dtype=np.uint8)  # a view: one copy, into the tensor
         for name, i in self._where.get(digest, ()):
             dst = self.tensors[name].view(torch.uint8)[i * self.cb:(i + 1) * self.cb].numpy()
@@ -219,13 +251,15 @@ class Assembler:
         self._filled.add(digest)
 
     def reuse(self, state: WorkerState | None,
-              known: dict[str, list[bytes]] | None = None) -> int:
+              known: dict[str, list[bytes]] | None = None,
+              only: Iterable[str] | None = None) -> int:
         """Fill every chunk whose digest `state` already holds (`known`: its digests per
-        tensor when already computed); returns the bytes reused."""
+        tensor when already computed; `only`: look at these tensors of `state` alone);
+        returns the bytes reused."""
         if state is None:
             return 0
         reused = 0
-        for name in tensor_names(state.num_fragments):
+        for name in (tensor_names(state.num_fragments) if only is None else only):
             t = state.tensors.get(name)
             if t is None:
                 continue
@@ -257,3 +291,75 @@ class Assembler:
             raise RuntimeError(f"Assembler.state: {len(self.needed())} chunks missing")
         m = self.manifest
         return WorkerState(m.step, tuple(m.rounds), tuple(m.outer_steps), dict(self.tensors))
+
+
+def fragment_names(p: int) -> list[str]:
+    return [f"outer.{p}.weights", f"outer.{p}.momentum"]
+
+
+@dataclass
+class ReplayJob:
+    """Fragment `fragment` of a target state, to be computed from its version one round
+    older (filled, or being filled, in `old`) and that round's encoded result (`spec`)."""
+
+    fragment: int
+    spec: RoundReplay
+    old: Assembler
+    got: dict[bytes, bytes] = field(default_factory=dict)  # result chunks received
+
+    @property
+    def names(self) -> list[str]:
+        return fragment_names(self.fragment)
+
+    def wants(self) -> list[bytes]:
+        """Chunks still to fetch: the old version's missing ones, then the result's."""
+        return self.old.missing(self.names) + \
+            [d for d in dict.fromkeys(self.spec.chunks) if d not in self.got]
+
+    def put(self, digest: bytes, payload: bytes | memoryview) -> None:
+        """Take a verified chunk if this job wants it."""
+        if digest in self.spec.chunks:
+            self.got[digest] = bytes(payload)
+        elif digest in self.old.missing(self.names):
+            self.old.put(digest, payload)
+
+    def run(self, target: Assembler, replayer: Replayer) -> str:
+        """Replay the round and fill the fragment in `target` if the outcome hashes to the
+        target's digests; returns '' then, else why not (`target` left as it was)."""
+        if self.wants():
+            return f"{len(self.wants())} chunk(s) never arrived"
+        weights, momentum = self.names
+        try:
+            result = EncodedResult.from_blob(self.spec.codec, self.spec.block_size,
+                                             self.spec.numels,
+                                             b"".join(self.got[d] for d in self.spec.chunks))
+            outcome = replayer(self.old.tensors[weights], self.old.tensors[momentum], result)
+        except (ValueError, RuntimeError) as exc:  # codec errors, non-finite, sizes
+            return f"{type(exc).__name__}: {exc}"
+        for name, t in zip(self.names, outcome, strict=True):
+            if digests_of(t, target.cb) != target.digests(name):
+                return f"{name} comes out different from the peers' (digests differ)"
+        for name, t in zip(self.names, outcome, strict=True):
+            for i, d in enumerate(target.digests(name)):
+                target.put(d, chunk_bytes_of(t, i, target.cb))
+        return ""
+
+
+def plan_replays(target: Assembler, old: Assembler) -> list[ReplayJob]:
+    """Fragments of `target` that `old` holds (or is fetching) one round older and that
+    cost fewer bytes to replay (the rest of the old version plus the round's encoded
+    result) than to fetch again."""
+    t, o = target.manifest, old.manifest
+    if old.cb != target.cb or len(t.rounds) != len(o.rounds):
+        return []
+    jobs = []
+    for spec in t.replays:
+        p = spec.fragment
+        if (spec.round, t.outer_steps[p]) != (o.rounds[p], o.outer_steps[p] + 1):
+            continue  # not exactly the next round of what `old` holds
+        job = ReplayJob(p, spec, old)
+        names = job.names
+        replay_cost = len(old.missing(names)) * old.cb + spec.nbytes
+        if replay_cost < len(target.missing(names)) * target.cb:
+            jobs.append(job)
+    return jobs

@@ -8,12 +8,16 @@ and a msgpack map whose `type` names the message:
     manifest?  {version, run_id}                 -> manifest | error
     chunk?     {digest}                          -> chunk | error
     manifest   {version, run_id, config_digest, step, current_step, rounds, outer_steps,
-                chunk_bytes, tensors: [{name, numel, chunks: [BLAKE3-256 bytes, ...]}, ...]}
+                chunk_bytes, tensors: [{name, numel, chunks: [BLAKE3-256 bytes, ...]}, ...],
+                replays: [{fragment, round, codec, block_size, numels, nbytes, chunks}, ...]}
     chunk      {digest, payload}                 (blake3(payload) == digest)
     error      {reason}
 
 Chunks are asked for by content (their BLAKE3 hash), so a chunk survives a newer snapshot when its
-fragment has not changed, and a joiner never downloads bytes it already holds. No I/O here.
+fragment has not changed, and a joiner never downloads bytes it already holds. A manifest's
+`replays` name, per fragment, the encoded result of the round that fragment last landed
+(`algo/replay.py`), cut into chunks the same way: a joiner holding the fragment from before
+that round fetches those instead of the fragment. No I/O here.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from dilonode.train.state import tensor_names
 from dilonode.wire.errors import RemoteProtocolError, one_line
 
 __all__ = ["HEADER", "MAX_FRAME_BYTES", "Chunk", "ChunkRequest", "Error", "Manifest",
-           "ManifestRequest", "StateMessage", "TensorChunks", "chunk_count", "decode_body",
-           "encode_frame"]
+           "ManifestRequest", "RoundReplay", "StateMessage", "TensorChunks", "chunk_count",
+           "decode_body", "encode_frame", "replay_name"]
 
 HEADER = struct.Struct(">I")
 # The largest chunk (64 MiB, StateSyncConfig.chunk_bytes) plus room for its envelope; a
@@ -69,6 +73,25 @@ def chunk_count(numel: int, chunk_bytes: int) -> int:
     return -(-numel * 4 // chunk_bytes)
 
 
+def replay_name(fragment: int) -> str:
+    """How servers and the fetch plan name a replay's bytes among the state's tensors."""
+    return f"replay.{fragment}"
+
+
+class RoundReplay(_Model):
+    """The encoded result of round `round` of `fragment` (the one that took its counter to
+    `round + 1`): `numels[i]` values per codec piece, `nbytes` in all, then chunked."""
+
+    fragment: int = Field(ge=0, le=4095)
+    round: Count
+    codec: str = Field(min_length=1, max_length=16)
+    block_size: int = Field(ge=1, le=1 << 20)
+    numels: list[Annotated[int, Field(ge=1, le=2**40)]] = Field(min_length=1,
+                                                                 max_length=1 << 20)
+    nbytes: int = Field(ge=1, le=2**42)
+    chunks: list[Digest] = Field(min_length=1)
+
+
 class Manifest(_Model):
     """A server's snapshot: its step, per-fragment counters and the chunk digests."""
 
@@ -82,6 +105,7 @@ class Manifest(_Model):
     outer_steps: list[Count] = Field(min_length=1, max_length=4096)
     chunk_bytes: int = Field(ge=4096, le=64 << 20)
     tensors: list[TensorChunks] = Field(min_length=2, max_length=8192)
+    replays: list[RoundReplay] = Field(default_factory=list, max_length=4096)
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -95,7 +119,25 @@ class Manifest(_Model):
             if len(t.chunks) != chunk_count(t.numel, self.chunk_bytes):
                 raise ValueError(f"tensor {t.name}: {len(t.chunks)} chunks for {t.numel} "
                                  f"values at {self.chunk_bytes} bytes per chunk")
+        seen: set[int] = set()
+        for r in self.replays:
+            what = f"replay of fragment {r.fragment}"
+            if r.fragment >= len(self.rounds) or r.fragment in seen:
+                raise ValueError(f"{what}: not a fragment of this state, or listed twice")
+            seen.add(r.fragment)
+            if r.round + 1 != self.rounds[r.fragment]:
+                raise ValueError(f"{what}: round {r.round}, but the state has landed "
+                                 f"{self.rounds[r.fragment]} rounds")
+            if sum(r.numels) != self.tensors[2 * r.fragment].numel:
+                raise ValueError(f"{what}: {sum(r.numels)} values, the fragment has "
+                                 f"{self.tensors[2 * r.fragment].numel}")
+            if len(r.chunks) != -(-r.nbytes // self.chunk_bytes):
+                raise ValueError(f"{what}: {len(r.chunks)} chunks for {r.nbytes} bytes at "
+                                 f"{self.chunk_bytes} bytes per chunk")
         return self
+
+    def replay(self, fragment: int) -> RoundReplay | None:
+        return next((r for r in self.replays if r.fragment == fragment), None)
 
     def content_key(self) -> tuple[Any, ...]:
         """What two manifests must share to describe the same state (the step may differ)."""

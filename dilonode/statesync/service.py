@@ -34,8 +34,6 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
 from dilonode import PROTOCOL_VERSION
 from dilonode.allreduce.channel import HandshakeError
 from dilonode.auth import Credentials
@@ -44,12 +42,15 @@ from dilonode.statesync.link import Link
 from dilonode.statesync.plan import (
     Assembler,
     FetchPlan,
+    Replayer,
     Target,
     choose_target,
     chunk_bytes_of,
     digests_of,
     fetch_order,
+    fragment_names,
     manifest_of,
+    plan_replays,
 )
 from dilonode.statesync.protocol import (
     Chunk,
@@ -58,6 +59,7 @@ from dilonode.statesync.protocol import (
     Manifest,
     ManifestRequest,
     StateMessage,
+    replay_name,
 )
 from dilonode.train.state import WorkerState
 from dilonode.wire.errors import RemoteProtocolError, one_line
@@ -220,11 +222,10 @@ class StateServer:
         self.host = cfg.host or host
         self._server: asyncio.Server | None = None
         self._lock: asyncio.Lock | None = None
-        self._cache: dict[str, tuple[torch.Tensor, list[bytes]]] = {}
-        # Served snapshots, newest last: a transfer that started on the previous one can
-        # finish its unchanged chunks after another joiner asked for a newer one.
-        self._served: deque[tuple[WorkerState, Manifest, dict[bytes, tuple[str, int]]]] = \
-            deque(maxlen=2)
+        self._cache: dict[str, tuple[object, list[bytes]]] = {}
+        # The newest snapshot and the newest of the content before it (older rounds): a
+        # transfer that started on that one can finish it, and replay the round since.
+        self._served: deque[_Served] = deque(maxlen=2)
         self._conns: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
         self._asked_at = time.monotonic()
         self._janitor: asyncio.Task[None] | None = None
@@ -305,28 +306,58 @@ class StateServer:
                 state = await asyncio.to_thread(self.source.request, self.cfg.snapshot_wait)
             except (LookupError, TimeoutError) as exc:
                 return Error(reason=str(exc))
-            if not self._served or self._served[-1][0] is not state:
-                manifest = await asyncio.to_thread(manifest_of, state, self.run_id,
-                                                   self.digest, self.cfg.chunk_bytes,
-                                                   self._cache)
-                index = {d: (t.name, i) for t in manifest.tensors
-                         for i, d in enumerate(t.chunks)}
-                self._served.append((state, manifest, index))
+            if not self._served or self._served[-1].state is not state:
+                served = await asyncio.to_thread(_Served.of, state, self.run_id, self.digest,
+                                                 self.cfg.chunk_bytes, self._cache)
+                if self._served and self._served[-1].content == served.content:
+                    self._served.pop()  # same rounds, fresher step: keep the older content
+                self._served.append(served)
             self.manifests_served += 1
-            manifest = self._served[-1][1]
+            manifest = self._served[-1].manifest
             if asked is None:
                 return manifest
             return manifest.model_copy(update={"current_step": asked})
 
     def _chunk(self, digest: bytes) -> StateMessage:
-        for state, _, index in reversed(self._served):
-            where = index.get(digest)
-            if where is not None:
-                payload = bytes(chunk_bytes_of(state.tensors[where[0]], where[1],
-                                               self.cfg.chunk_bytes))
+        for served in reversed(self._served):
+            payload = served.chunk(digest, self.cfg.chunk_bytes)
+            if payload is not None:
                 self.bytes_served += len(payload)
                 return Chunk(digest=digest, payload=payload)
         return Error(reason=f"chunk {digest.hex()[:12]} is not in a current snapshot")
+
+
+@dataclass
+class _Served:
+    """A snapshot being served: its manifest, where each chunk is, and the replays' bytes."""
+
+    state: WorkerState
+    manifest: Manifest
+    index: dict[bytes, tuple[str, int]]  # digest -> (tensor or replay name, chunk index)
+    blobs: dict[str, bytes]  # replay name -> the encoded result
+
+    @classmethod
+    def of(cls, state: WorkerState, run_id: str, digest: str, chunk_bytes: int,
+           cache: dict[str, tuple[object, list[bytes]]]) -> _Served:
+        manifest = manifest_of(state, run_id, digest, chunk_bytes, cache)
+        index = {d: (t.name, i) for t in manifest.tensors for i, d in enumerate(t.chunks)}
+        for r in manifest.replays:
+            index.update({d: (replay_name(r.fragment), i) for i, d in enumerate(r.chunks)})
+        blobs = {replay_name(p): enc.blob() for p, enc in state.replays.items()}
+        return cls(state, manifest, index, blobs)
+
+    @property
+    def content(self) -> tuple[object, ...]:
+        return self.manifest.content_key()
+
+    def chunk(self, digest: bytes, chunk_bytes: int) -> bytes | None:
+        where = self.index.get(digest)
+        if where is None:
+            return None
+        name, i = where
+        if name in self.blobs:
+            return self.blobs[name][i * chunk_bytes:(i + 1) * chunk_bytes]
+        return bytes(chunk_bytes_of(self.state.tensors[name], i, chunk_bytes))
 
 
 def _why(exc: BaseException) -> str:
@@ -354,6 +385,7 @@ class Recovery:
     sources: dict[str, int] = field(default_factory=dict)  # peer -> payload bytes from it
     agreed_by: tuple[str, ...] = ()  # peers whose manifest was exactly the adopted state
     refused: int = 0  # peers dropped for failing authentication (impostor, tampered frame)
+    replayed: int = 0  # fragments brought one round forward by replaying it, not fetched
 
 
 class _Client:
@@ -366,6 +398,7 @@ class _Client:
         self.addrs = {p: peers[p] for p in sorted(chosen)}
         self.run_id, self.digest, self.cfg = run_id, digest, cfg
         self.auth, self.peer_id = auth, peer_id
+        self.replayer: Replayer | None = None  # replays a round on a fragment (plan.py)
         self.conns: dict[str, Link] = {}
         self.watch: dict[str, Link | None] = {}  # second connections for manifests mid-fetch
         self.partial: Assembler | None = None  # a fetch left for a newer state: its chunks
@@ -459,10 +492,16 @@ class _Client:
         return {p: m for p, m in zip(peers, got, strict=True) if m is not None}
 
     async def fetch(self, target: Target, manifests: dict[str, Manifest],
-                    held: WorkerState | None, known: dict[str, list[bytes]]
-                    ) -> WorkerState | None:
+                    held: WorkerState | None, known: dict[str, list[bytes]],
+                    held_manifest: Manifest | None = None) -> WorkerState | None:
         """The target state, or None when the peers moved on to a newer state mid-fetch
-        (then `newer` holds their manifests and `partial` what was fetched)."""
+        (then `newer` holds their manifests and `partial` what was fetched).
+
+        A fragment that a round changed since the version we hold (`held`, whose manifest
+        is `held_manifest`) or were fetching (`partial`) is replayed when that is cheaper:
+        the rest of its old version and the round's encoded result are fetched instead,
+        and the outer step is kept only if it hashes to the target's digests; otherwise
+        the fragment is fetched after all."""
         asm = Assembler(target.manifest)
         if held is not None and not known:  # hash our own state once, not on every pass
             known.update({name: digests_of(t, asm.cb) for name, t in held.tensors.items()})
@@ -471,15 +510,75 @@ class _Client:
             self.result.reused_bytes, self.fetched_once = reused, True
         if self.partial is not None:
             asm.carry(self.partial)
-        sources = {p: {d for t in m.tensors for d in t.chunks} for p, m in manifests.items()}
-        plan = FetchPlan(fetch_order(target.manifest, asm.needed()), sources)
+        old = self._old_version(target.manifest, held, held_manifest, known)
+        jobs = plan_replays(asm, old) if old is not None and self.replayer else []
+        self.partial = None
+        derived = {d for job in jobs for d in asm.missing(job.names)}
+        needed = [d for d in fetch_order(target.manifest, asm.needed()) if d not in derived]
+        needed += [d for job in jobs for d in job.wants()]
+        # Any peer may still hold the old version (servers keep the previous state).
+        older = {d for job in jobs for d in job.old.missing(job.names)}
+
+        def sink(digest: bytes, payload: bytes | memoryview) -> None:
+            for job in jobs:
+                job.put(digest, payload)
+            asm.put(digest, payload)
+
+        sources = {p: {d for t in m.tensors for d in t.chunks} |
+                   {d for r in m.replays for d in r.chunks} | older
+                   for p, m in manifests.items()}
+        if await self._transfer(target, manifests, FetchPlan(needed, sources), sink):
+            self.partial = asm
+            return None
+        for job in jobs:
+            why = job.run(asm, self.replayer) if self.replayer else "no replayer"
+            if why:
+                log.info("state sync: fetching fragment %d rather than replaying its round "
+                         "%d: %s", job.fragment, job.spec.round, why)
+            else:
+                self.result.replayed += 1
+                log.info("state sync: fragment %d: replayed round %d (%d bytes of result) "
+                         "instead of fetching it again", job.fragment, job.spec.round,
+                         job.spec.nbytes)
+        if asm.needed():  # what the plan could not fetch, or a replay that failed
+            sources = {p: {d for t in m.tensors for d in t.chunks}
+                       for p, m in manifests.items() if p in self.addrs}
+            plan = FetchPlan(fetch_order(target.manifest, asm.needed()), sources)
+            if await self._transfer(target, manifests, plan, asm.put):
+                self.partial = asm
+                return None
+            if not plan.complete:
+                raise RecoveryError(f"state sync: {plan.missing} chunks of the state at step "
+                                    f"{target.step} could not be fetched from any live peer")
+        return asm.state()
+
+    def _old_version(self, target: Manifest, held: WorkerState | None,
+                     held_manifest: Manifest | None, known: dict[str, list[bytes]]
+                     ) -> Assembler | None:
+        """What we hold of an older version of the target: the fetch a newer state
+        interrupted, else the state fetched last (only the fragments the target could
+        replay are copied)."""
+        if self.partial is not None:
+            return self.partial
+        if held is None or held_manifest is None or not target.replays:
+            return None
+        old = Assembler(held_manifest)
+        old.reuse(held, known, only=[n for r in target.replays
+                                     for n in fragment_names(r.fragment)])
+        return old
+
+    async def _transfer(self, target: Target, manifests: dict[str, Manifest],
+                        plan: FetchPlan,
+                        sink: Callable[[bytes, bytes | memoryview], None]) -> bool:
+        """Run `plan` over the peers, handing each verified chunk to `sink`; True when the
+        peers moved on to a newer state meanwhile (the fetch was cut short)."""
         changed, stop = asyncio.Event(), asyncio.Event()
         watches = [asyncio.create_task(self._watch_end(plan, target.manifest.chunk_bytes)),
                    asyncio.create_task(self._watch_newer(target, dict(manifests), stop,
                                                          changed))]
         try:
-            await asyncio.gather(*(self._pull(p, plan, asm, changed, stop)
-                                   for p in list(sources)))
+            await asyncio.gather(*(self._pull(p, plan, sink, changed, stop)
+                                   for p in list(plan.sources)))
         finally:
             for task in watches:
                 task.cancel()
@@ -488,14 +587,7 @@ class _Client:
         for peer, n in plan.fetched_from.items():
             self.result.sources[peer] = self.result.sources.get(peer, 0) + n
             self.result.fetched_bytes += n
-        self.partial = None
-        if not plan.complete and stop.is_set():
-            self.partial = asm
-            return None
-        if not plan.complete:
-            raise RecoveryError(f"state sync: {plan.missing} chunks of the state at step "
-                                f"{target.step} could not be fetched from any live peer")
-        return asm.state()
+        return not plan.complete and stop.is_set()
 
     async def _watch_end(self, plan: FetchPlan, chunk_bytes: int) -> None:
         """Call `near_end` once the chunks still missing should arrive within `lead` s at
@@ -509,7 +601,8 @@ class _Client:
                 hook, self.near_end = self.near_end, None
                 hook()
 
-    async def _pull(self, peer: str, plan: FetchPlan, asm: Assembler,
+    async def _pull(self, peer: str, plan: FetchPlan,
+                    sink: Callable[[bytes, bytes | memoryview], None],
                     changed: asyncio.Event, stop: asyncio.Event) -> None:
         """Fetch chunks from `peer` until none is left for it, or until `stop` (then the
         requests in flight are still answered and kept)."""
@@ -536,7 +629,7 @@ class _Client:
                     plan.failed(peer, d)
                 elif isinstance(msg, Chunk) and msg.digest == d:
                     plan.delivered(peer, d, msg.payload)
-                    asm.put(d, msg.payload)
+                    sink(d, msg.payload)
                 else:
                     raise RemoteProtocolError(f"state sync: answered {msg.type} for chunk?")
             except (OSError, TimeoutError, asyncio.IncompleteReadError,
@@ -564,7 +657,8 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                   config_digest: str, cfg: StateSyncConfig, min_rounds: int = -1,
                   before_final: Callable[[], Awaitable[None]] | None = None, *,
                   auth: Credentials | None = None, peer_id: str | None = None,
-                  final_lead: float = 0.0, own_candidate: bool = False) -> Recovery | None:
+                  final_lead: float = 0.0, own_candidate: bool = False,
+                  replayer: Replayer | None = None) -> Recovery | None:
     """Fetch the swarm's current outer state from `peers` (peer id -> state address).
 
     Each connection proves that the peer id it was looked up under answers, and proves us
@@ -590,10 +684,15 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     `own_candidate` (a re-sync after a lone round): `local` competes in the choice as our
     own peer's state, and if it wins nothing is fetched. Peers that diverged in the same
     round then all pick the same state, instead of each adopting another's.
+
+    `replayer` (the run's outer step: `algo.replay.replay_round`): a fragment that a round
+    changed after we fetched it is replayed from that round's result when that is cheaper
+    (`_Client.fetch`); None: it is fetched again.
     """
     t0 = time.perf_counter()
     me = _whoami(auth, peer_id)
     client = _Client(peers, run_id, config_digest, cfg, auth, me)
+    client.replayer = replayer
     own = ({me: await asyncio.to_thread(manifest_of, local, run_id, config_digest,
                                         cfg.chunk_bytes)}  # hashes the whole state
            if own_candidate and local is not None else {})
@@ -656,7 +755,8 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                 continue
             t_fetch = time.perf_counter()
             try:
-                got = await client.fetch(target, manifests, held, known)
+                got = await client.fetch(target, manifests, held, known,
+                                         held_target.manifest if held_target else None)
             except RecoveryError as exc:  # e.g. every peer holding a chunk moved on: re-read
                 failures += 1
                 if failures >= _MAX_FAILED_FETCHES or not client.addrs:

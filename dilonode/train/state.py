@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dilonode.algo.outer import OuterState
+from dilonode.algo.replay import EncodedResult
 from dilonode.algo.schedule import SyncPlan
 from dilonode.config import RunConfig
 
@@ -79,10 +80,14 @@ class WorkerState:
     outer_steps: tuple[int, ...]  # per fragment: outer steps applied (rounds minus refused)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> f32 CPU [numel_p]
     taken_at: int | None = None  # the exporting worker's own step (> `step` if in flight)
+    # fragment p -> the result of its last landed round (round rounds[p] - 1), for joiners
+    # holding the fragment one round old (algo/replay.py); not checkpointed.
+    replays: dict[int, EncodedResult] = field(default_factory=dict)
 
     @classmethod
     def capture(cls, step: int, rounds: list[int], outer: list[OuterState],
-                reuse: WorkerState | None = None, taken_at: int | None = None) -> WorkerState:
+                reuse: WorkerState | None = None, taken_at: int | None = None,
+                replays: dict[int, EncodedResult] | None = None) -> WorkerState:
         """A copy of `outer` (so training may go on while it is written or served).
 
         Fragments whose counters equal those in `reuse` (an earlier capture) have not changed
@@ -98,7 +103,7 @@ class WorkerState:
             tensors[f"outer.{p}.weights"] = st.weights.detach().to("cpu", copy=True)
             tensors[f"outer.{p}.momentum"] = st.momentum_buf.detach().to("cpu", copy=True)
         return cls(step, tuple(rounds), tuple(st.steps for st in outer), tensors,
-                   step if taken_at is None else taken_at)
+                   step if taken_at is None else taken_at, dict(replays or {}))
 
     @property
     def num_fragments(self) -> int:

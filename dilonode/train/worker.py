@@ -20,6 +20,7 @@ from torch import nn
 
 from dilonode.algo.fragments import Fragment, assign_fragments, flatten, unflatten_into
 from dilonode.algo.outer import NonFiniteError, OuterState, merge, pseudo_gradient
+from dilonode.algo.replay import EncodedResult
 from dilonode.algo.schedule import SyncLand, SyncPlan, SyncStart
 from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 from dilonode.config import InnerOptConfig, RunConfig
@@ -124,6 +125,9 @@ class Worker:
         self.plan: SyncPlan | None = None
         self.fragments: list[Fragment] = []
         self.outer: list[OuterState] = []
+        # fragment -> (round, its result as the codec carried it): the last round applied,
+        # when the collective keeps encoded results; served so joiners can replay it.
+        self.replays: dict[int, tuple[int, EncodedResult]] = {}
         if self.algo.mode != "ddp":
             self._init_outer(list(names))
 
@@ -255,12 +259,15 @@ class Worker:
         del self.pending[p]
         self.stats.record(p, result)
         params = self._frag_params(self.fragments[p])
+        self.replays.pop(p, None)
         try:
             new_global = self.outer[p].step(result.mean)
         except NonFiniteError as exc:
             self.stats.rejected += 1
             log.warning("fragment %d round %d: %s", p, r, exc)
             return
+        if result.encoded is not None and result.group_size > 1:
+            self.replays[p] = (r, result.encoded)
         merged = merge(flatten(params), new_global, self.algo.fragment_update_alpha)
         unflatten_into(merged, params)
 
@@ -282,7 +289,9 @@ class Worker:
         # After `drain` (end of training) rounds may have landed before their scheduled step;
         # a checkpoint named by our own step would then resume with them due again.
         taken_at = max(self.step, settled_step(self.plan, landed))
-        return WorkerState.capture(step, landed, self.outer, reuse, taken_at=taken_at)
+        replays = {p: enc for p, (r, enc) in self.replays.items() if r == landed[p] - 1}
+        return WorkerState.capture(step, landed, self.outer, reuse, taken_at=taken_at,
+                                   replays=replays)
 
     def floor_step(self, counts_joiner: Callable[[int, int], bool]) -> int:
         """For a joiner: the step its adopted state must reach. Every round started by now
@@ -310,6 +319,7 @@ class Worker:
             raise ValueError(f"state at step {state.step} has round counters "
                              f"{list(state.rounds)}, this config's schedule gives {expected}")
         state.apply_to(self.outer)
+        self.replays.clear()
         for frag, outer in zip(self.fragments, self.outer, strict=True):
             unflatten_into(outer.weights, self._frag_params(frag))
         self.opt = build_inner_optimizer(self.model, self.cfg.inner)

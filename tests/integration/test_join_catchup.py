@@ -4,6 +4,9 @@
 * A round lands on every server mid-fetch: the joiner switches to the new state before it
   fetches the changed fragment (fetched last, being the next to land), carries over the
   chunks it has, and ends bit for bit on the new state without fetching that fragment twice.
+* A round that lands late in the fetch, when most of the changed fragment has arrived, is
+  replayed from its encoded result instead (and a replay that does not hash to the new
+  state is not kept: the fragment is fetched).
 * With `final_lead`, `before_final` (publish and wait) starts while chunks are still coming,
   and the recovery needs no extra manifest pass for it.
 """
@@ -11,12 +14,15 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
 
+from dilonode.algo.codecs import get_codec
+from dilonode.algo.replay import EncodedResult, replay_round
 from dilonode.config import load_config
 from dilonode.statesync.service import Recovery, SnapshotSource, StateServer, recover
 from dilonode.train.state import WorkerState, config_digest
@@ -38,6 +44,32 @@ def _landed(state: WorkerState, p: int) -> WorkerState:
         tensors[name] = tensors[name] + torch.randn(tensors[name].shape, generator=g)
     rounds = tuple(r + (i == p) for i, r in enumerate(state.rounds))
     return WorkerState(state.step + 30, rounds, rounds, tensors)
+
+
+A = CFG.diloco.effective()
+REPLAYER = functools.partial(replay_round, lr=A.outer_lr, momentum_coef=A.outer_momentum,
+                             nesterov=A.outer_nesterov)
+
+
+def _replayed(state: WorkerState, p: int, served: int = 0) -> WorkerState:
+    """`state` after a real outer step on fragment `p` with an int4 result, which it serves
+    as the replay (`served` != 0: a different result is served than was applied)."""
+    codec = get_codec("int4", 64)
+
+    def encoded(seed: int) -> EncodedResult:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(state.tensors[f"outer.{p}.weights"].numel(), generator=g) * 0.01
+        return EncodedResult("int4", 64, tuple((len(x[a:a + 65536]),
+                                                codec.encode(x[a:a + 65536])[0])
+                                               for a in range(0, x.numel(), 65536)))
+
+    applied = encoded(5)
+    w, m = REPLAYER(state.tensors[f"outer.{p}.weights"], state.tensors[f"outer.{p}.momentum"],
+                    applied)
+    tensors = {**state.tensors, f"outer.{p}.weights": w, f"outer.{p}.momentum": m}
+    rounds = tuple(r + (i == p) for i, r in enumerate(state.rounds))
+    return WorkerState(state.step + 30, rounds, rounds, tensors,
+                       replays={p: encoded(served) if served else applied})
 
 
 class _Worker:
@@ -181,3 +213,46 @@ def test_manifest_current_step_is_the_servers_step_when_asked():
             await server.aclose()
 
     assert asyncio.run(main()) == 57
+
+
+def _land_late(new: WorkerState, replayer=REPLAYER) -> Recovery:
+    """Recover while `new` lands on every server once 85% of OLD has been served (the
+    changed fragment, fetched last, about half fetched by then)."""
+    async def job(peers, servers, workers) -> Recovery | None:
+        async def land_late() -> None:
+            while sum(s.bytes_served for s in servers) < OLD.nbytes * 0.85:
+                await asyncio.sleep(0.01)
+            for w in workers:
+                with w.lock:
+                    w.state = new
+
+        lander = asyncio.create_task(land_late())
+        rec = await recover(peers, None, CFG.run_id, DIGEST, CFG.statesync, peer_id="joiner",
+                            replayer=replayer)
+        assert lander.done()
+        return rec
+
+    rec, _ = _run(job)
+    assert rec is not None
+    _assert_same(rec.state, new, "recovered vs the state after the round")
+    return rec
+
+
+@pytest.mark.timeout(90)
+def test_a_round_landing_late_is_replayed_not_fetched_again():
+    new = _replayed(OLD, 2)
+    fragment_bytes = 2 * new.tensors["outer.2.weights"].numel() * 4
+    rec = _land_late(new)
+    assert rec.replayed == 1
+    # Fetching it again costs the ~half of fragment 2 already fetched; the replay its
+    # remaining old chunks plus the int4 result (an eighth of the weights).
+    assert rec.fetched_bytes < OLD.nbytes + fragment_bytes // 4, (rec.fetched_bytes,
+                                                                  OLD.nbytes)
+
+
+@pytest.mark.timeout(90)
+def test_a_replay_that_does_not_match_the_new_state_is_dropped_for_a_fetch(caplog):
+    caplog.set_level("INFO", logger="dilonode.statesync.service")
+    rec = _land_late(_replayed(OLD, 2, served=6))
+    assert rec.replayed == 0
+    assert "digests differ" in caplog.text
