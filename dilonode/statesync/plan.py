@@ -19,6 +19,7 @@ manifest to trust, scheduling chunk requests over several peers, and assembling 
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -318,10 +319,18 @@ class ReplayJob:
 
     def put(self, digest: bytes, payload: bytes | memoryview) -> None:
         """Take a verified chunk if this job wants it."""
-        if digest in self.spec.chunks:
+        if digest in self._result_chunks:
             self.got[digest] = bytes(payload)
-        elif digest in self.old.missing(self.names):
+        elif digest in self._old_chunks:
             self.old.put(digest, payload)
+
+    @functools.cached_property
+    def _result_chunks(self) -> frozenset[bytes]:
+        return frozenset(self.spec.chunks)
+
+    @functools.cached_property
+    def _old_chunks(self) -> frozenset[bytes]:
+        return frozenset(d for n in self.names for d in self.old.digests(n))
 
     def run(self, target: Assembler, replayer: Replayer) -> str:
         """Replay the round and fill the fragment in `target` if the outcome hashes to the
