@@ -530,8 +530,9 @@ class _Client:
         if await self._transfer(target, manifests, FetchPlan(needed, sources), sink):
             self.partial = asm
             return None
-        for job in jobs:
-            why = job.run(asm, self.replayer) if self.replayer else "no replayer"
+        for job in jobs:  # decoding, the outer step and hashing: off the network loop
+            why = await asyncio.to_thread(job.run, asm, self.replayer) if self.replayer \
+                else "no replayer"
             if why:
                 log.info("state sync: fetching fragment %d rather than replaying its round "
                          "%d: %s", job.fragment, job.spec.round, why)

@@ -244,12 +244,13 @@ def test_wrong_run_or_version_hello_is_rejected(caplog: pytest.LogCaptureFixture
 @pytest.mark.parametrize("reuse", [False, True])
 def test_network_collective_in_threads_returns_identical_means(reuse: bool) -> None:
     """With `reuse_results`, two rounds of one fragment write one buffer (as the daemon
-    runs it: each result is used before that fragment's next round starts)."""
+    runs it: each result is used before that fragment's next round starts), and results
+    carry the encoded values the daemon serves to joiners (`keep_encoded`)."""
     torch.set_num_threads(1)
     policy = RoundPolicy(codec="int4", block_size=64, chunk_numel=2048, timeout=20.0)
     addrs: dict[str, str] = {}
     nodes = [NetworkCollective(pid, RUN, _static_group(pid, addrs), policy,
-                               reuse_results=reuse) for pid in IDS]
+                               reuse_results=reuse, keep_encoded=reuse) for pid in IDS]
     results: dict[tuple[int, int], Any] = {}
     buffers: dict[tuple[int, int], int] = {}
     try:
@@ -281,6 +282,11 @@ def test_network_collective_in_threads_returns_identical_means(reuse: bool) -> N
             assert torch.equal(res.mean, expected)
             assert res.group_size == 3 and res.dropped == () and not res.skipped
             assert res.payload_bytes_sent > 0
+            if reuse:  # decoded again, the kept bytes are the result, the same on everyone
+                assert res.encoded is not None and torch.equal(res.encoded.decode(), expected)
+                assert res.encoded.blob() == results[(0, r)].encoded.blob()
+            else:
+                assert res.encoded is None
     assert all(node.plane.stats["connections_out"] == 2 for node in nodes)
     for i in range(3):
         assert (buffers[(i, 0)] == buffers[(i, 1)]) is reuse
