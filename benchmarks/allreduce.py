@@ -20,9 +20,10 @@ mapped in; exact, where CPU seconds on a loaded machine are not).
 difference; --profile (rank 0, needs --inline since cProfile sees only the main thread)
 writes one pstats file per codec and prints the top entries by CPU time. Our peers run on
 uvloop, as the daemon does (--loop asyncio for the standard loop); --reuse-output writes
-every round's result into one preallocated buffer (run_round(out=...)). The data plane
-tunes glibc malloc for the whole process (`tune_allocator`), gloo's rounds included, which
-run after ours in the same processes; --no-tune-malloc leaves it alone.
+every round's result into one preallocated buffer (run_round(out=...)); --keep-encoded
+also keeps the encoded result, as the daemon does for joiners (run_round(keep_encoded=True)).
+The data plane tunes glibc malloc for the whole process (`tune_allocator`), gloo's rounds
+included, which run after ours in the same processes; --no-tune-malloc leaves it alone.
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="round timeout, s")
     p.add_argument("--sockbuf", type=int, default=4 << 20, help="SO_SNDBUF/RCVBUF, 0=kernel")
     p.add_argument("--inline", action="store_true", help="round work on the event loop")
+    p.add_argument("--keep-encoded", action="store_true",
+                   help="keep each round's encoded result (the daemon does, for joiners)")
     p.add_argument("--reuse-output", action="store_true",
                    help="write every round's result into one preallocated buffer "
-                        "(run_round(out=...)); the daemon allocates a fresh one per round")
+                        "(run_round(out=...)), as the daemon does")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="event loop of our peers (the daemon uses uvloop when installed)")
     p.add_argument("--no-tune-malloc", action="store_true",
@@ -162,7 +165,7 @@ async def _our_round(plane: DataPlane, spec: GroupSpec, rank: int, x: torch.Tens
     if prof is not None:
         prof.enable()
     res = await run_round(plane, spec, rank, x, peers, args.timeout, offload=not args.inline,
-                          out=buf)
+                          out=buf, keep_encoded=args.keep_encoded)
     if prof is not None:
         prof.disable()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -346,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"numel": args.numel, "procs": args.procs, "rounds": args.rounds,
            "chunk": args.chunk, "inline": args.inline, "sockbuf": args.sockbuf,
            "loop": args.loop, "reuse_output": args.reuse_output,
+           "keep_encoded": args.keep_encoded,
            "tune_malloc": not args.no_tune_malloc,
            "cpus": os.cpu_count(), "loadavg_before": load_before,
            "loadavg_after": os.getloadavg(), "python": platform.python_version(),
