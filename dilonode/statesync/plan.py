@@ -30,12 +30,12 @@ import torch
 
 from dilonode.algo.replay import EncodedResult
 from dilonode.statesync.protocol import Manifest, RoundReplay, TensorChunks, replay_name
-from dilonode.train.state import WorkerState, tensor_names
+from dilonode.train.state import WorkerState, fragment_names, tensor_names
 from dilonode.wire.errors import RemoteProtocolError
 
 __all__ = ["Assembler", "FetchPlan", "ReplayJob", "Replayer", "Target", "choose_target",
-           "chunk_bytes_of", "chunk_digest", "digests_of", "fetch_order", "fragment_names",
-           "manifest_of", "plan_replays"]
+           "chunk_bytes_of", "chunk_digest", "digests_of", "fetch_order", "manifest_of",
+           "plan_replays"]
 
 # (weights, momentum, encoded result) -> the fragment's (weights, momentum) after the round
 Replayer = Callable[[torch.Tensor, torch.Tensor, EncodedResult],
@@ -240,10 +240,11 @@ class Assembler:
     def put(self, digest: bytes, payload: bytes | memoryview) -> None:
         """Write a verified chunk into every position that holds this digest (none: a
         chunk of something else, ignored)."""
-        if digest not in self._where:
+        where = self._where.get(digest)
+        if where is None:
             return
         src = np.frombuffer(payload, dtype=np.uint8)  # a view: one copy, into the tensor
-        for name, i in self._where.get(digest, ()):
+        for name, i in where:
             dst = self.tensors[name].view(torch.uint8)[i * self.cb:(i + 1) * self.cb].numpy()
             if dst.size != src.size:
                 raise RemoteProtocolError(f"state sync: chunk {digest.hex()[:12]} is "
@@ -294,10 +295,6 @@ class Assembler:
         return WorkerState(m.step, tuple(m.rounds), tuple(m.outer_steps), dict(self.tensors))
 
 
-def fragment_names(p: int) -> list[str]:
-    return [f"outer.{p}.weights", f"outer.{p}.momentum"]
-
-
 @dataclass
 class ReplayJob:
     """Fragment `fragment` of a target state, to be computed from its version one round
@@ -335,8 +332,8 @@ class ReplayJob:
     def run(self, target: Assembler, replayer: Replayer) -> str:
         """Replay the round and fill the fragment in `target` if the outcome hashes to the
         target's digests; returns '' then, else why not (`target` left as it was)."""
-        if self.wants():
-            return f"{len(self.wants())} chunk(s) never arrived"
+        if wanted := self.wants():
+            return f"{len(wanted)} chunk(s) never arrived"
         weights, momentum = self.names
         try:
             result = EncodedResult.from_blob(self.spec.codec, self.spec.block_size,

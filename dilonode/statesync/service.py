@@ -48,7 +48,6 @@ from dilonode.statesync.plan import (
     chunk_bytes_of,
     digests_of,
     fetch_order,
-    fragment_names,
     manifest_of,
     plan_replays,
 )
@@ -61,7 +60,7 @@ from dilonode.statesync.protocol import (
     StateMessage,
     replay_name,
 )
-from dilonode.train.state import WorkerState
+from dilonode.train.state import WorkerState, fragment_names
 from dilonode.wire.errors import RemoteProtocolError, one_line
 
 __all__ = ["Recovery", "RecoveryError", "SnapshotSource", "StateServer", "recover"]

@@ -24,8 +24,8 @@ from dilonode.algo.replay import EncodedResult
 from dilonode.algo.schedule import SyncPlan
 from dilonode.config import RunConfig
 
-__all__ = ["WorkerState", "adoption_step", "config_digest", "settled_step", "snapshot_error",
-           "tensor_names"]
+__all__ = ["WorkerState", "adoption_step", "config_digest", "fragment_names", "settled_step",
+           "snapshot_error", "tensor_names"]
 
 
 def config_digest(cfg: RunConfig) -> str:
@@ -65,9 +65,14 @@ def adoption_step(plan: SyncPlan, landed: list[int]) -> int | None:
     return hi if 0 <= lo <= hi else None
 
 
+def fragment_names(p: int) -> list[str]:
+    """The tensors of fragment `p` in a state: its outer weights and outer momentum."""
+    return [f"outer.{p}.weights", f"outer.{p}.momentum"]
+
+
 def tensor_names(num_fragments: int) -> list[str]:
     """Tensor names of a state with `num_fragments` fragments, in canonical order."""
-    return [f"outer.{p}.{kind}" for p in range(num_fragments) for kind in ("weights", "momentum")]
+    return [name for p in range(num_fragments) for name in fragment_names(p)]
 
 
 @dataclass

@@ -5,6 +5,7 @@ the outcome hashes to the target's digests."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -49,8 +50,10 @@ def test_a_rounds_encoded_result_decodes_to_its_result_on_every_member(codec):
         assert torch.equal(enc.decode(), rnd.result)
         blobs.add(enc.blob())
     assert len(blobs) == 1  # every member serves the same bytes
-    plain = AllReduceRound(spec, 0, torch.zeros(spec.numel), timeout=30.0)
-    assert plain._encoded is None  # kept only when asked (memory)
+    alone = dataclasses.replace(spec, members=("a",), weights=(1.0,))
+    plain = AllReduceRound(alone, 0, torch.zeros(spec.numel), timeout=30.0)
+    plain.start(0.0)
+    assert plain.encoded is None  # kept only when asked (memory)
 
 
 def test_replay_is_the_members_outer_step_and_leaves_its_inputs_alone():
