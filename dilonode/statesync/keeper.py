@@ -144,10 +144,16 @@ class StateKeeper:
             return
         sc = self.cfg.statesync
         local = worker.export_state()
+        # After a lone round, peers that formed its group without us may still be landing
+        # it: give them as long as a round may take, if they got as far as its start.
+        net = self.cfg.network
+        wait = net.matchmaking_timeout + net.allreduce_timeout if same_rounds else 0.0
+        started = local.step - self.cfg.diloco.effective().fragment_sync_delay - 1
         job = recover(peers, local, self.cfg.run_id, self.digest, sc,
                       min_rounds=sum(local.rounds) - int(same_rounds),
                       before_final=before_final, auth=auth, final_lead=final_lead,
-                      own_candidate=same_rounds, replayer=self._replayer())
+                      own_candidate=same_rounds, wait_behind=wait,
+                      wait_from_step=started, replayer=self._replayer())
         try:
             got = thread.run(asyncio.wait_for(job, sc.recover_timeout),
                              timeout=sc.recover_timeout + 10.0)

@@ -658,6 +658,7 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                   before_final: Callable[[], Awaitable[None]] | None = None, *,
                   auth: Credentials | None = None, peer_id: str | None = None,
                   final_lead: float = 0.0, own_candidate: bool = False,
+                  wait_behind: float = 0.0, wait_from_step: int = 0,
                   replayer: Replayer | None = None) -> Recovery | None:
     """Fetch the swarm's current outer state from `peers` (peer id -> state address).
 
@@ -683,7 +684,12 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
 
     `own_candidate` (a re-sync after a lone round): `local` competes in the choice as our
     own peer's state, and if it wins nothing is fetched. Peers that diverged in the same
-    round then all pick the same state, instead of each adopting another's.
+    round then all pick the same state, instead of each adopting another's. `wait_behind`:
+    for up to that many seconds, while the state the peers hold has no more than
+    `min_rounds` rounds but one of them has trained to `wait_from_step` (the start of the
+    round we went through alone), read their manifests again instead of returning None:
+    that peer is most likely still landing the same round. A peer that is merely slower
+    has not reached that step and is not waited for.
 
     `replayer` (the run's outer step: `algo.replay.replay_round`): a fragment that a round
     changed after we fetched it is replayed from that round's result when that is cheaper
@@ -733,6 +739,10 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
             target = choose_target({**manifests, **own} if held_target is None else manifests)
             if target is None or (held_target is None and
                                   sum(target.manifest.rounds) <= min_rounds):
+                if (target is not None and time.perf_counter() - t0 < wait_behind
+                        and any(m.current_step >= wait_from_step for m in manifests.values())):
+                    await asyncio.sleep(_RETRY_S)  # their round is still landing
+                    continue
                 break
             if me in target.supporters and held_target is None:
                 break  # our own state is the one the others pick too: keep it

@@ -6,6 +6,8 @@ state servers with credentials; seconds."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from typing import Any
 
 import pytest
 
@@ -47,3 +49,70 @@ def test_peers_diverged_in_the_same_round_resync_to_one_state() -> None:
     smallest = ids[0].peer_id
     for peer, end in ends.items():
         _assert_same(end, states[smallest], f"{peer} after the re-sync")
+
+
+def _lone_round_states() -> tuple[WorkerState, WorkerState, WorkerState]:
+    """What the peers hold while their round on fragment 0 is in flight, what they hold
+    once it landed, and what we hold after going through that round alone."""
+    before = _state(0, numel=20_000)  # step 42, rounds (7, 7, 6)
+    landed = dataclasses.replace(_state(5, numel=20_000), step=48, rounds=(8, 7, 6),
+                                 outer_steps=(8, 7, 6))
+    mine = dataclasses.replace(_state(9, numel=20_000), step=48, rounds=(8, 7, 6),
+                               outer_steps=(8, 7, 6))
+    return before, landed, mine
+
+
+async def _until(cond: Any, what: str, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def _resync_after_lone_round(peer_step: int, land: bool) -> tuple[Any, list[int]]:
+    ids = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id)
+    creds = {i.peer_id: Credentials(i, CFG.run_id, b"resync-choice-secret") for i in ids}
+    me, peers = ids[0].peer_id, [i.peer_id for i in ids[1:]]
+    before, landed, mine = _lone_round_states()
+    workers = {p: _FixedWorker(before) for p in peers}
+    for w in workers.values():
+        w.step = peer_step  # trained on while their round is in flight (or lagging)
+    servers = {p: StateServer(SnapshotSource(workers[p]), CFG.run_id, DIGEST, CFG.statesync,
+                              auth=creds[p]) for p in peers}
+    addrs = {p: await s.start() for p, s in servers.items()}
+    try:
+        task = asyncio.create_task(recover(
+            addrs, mine, CFG.run_id, DIGEST, CFG.statesync, min_rounds=sum(mine.rounds) - 1,
+            auth=creds[me], own_candidate=True, wait_behind=60.0,
+            wait_from_step=mine.step - 2))
+        if land:
+            await _until(lambda: task.done() or all(
+                s.manifests_served >= 2 for s in servers.values()), "two manifest passes")
+            assert not task.done(), "gave up before the peers landed their round"
+            for w in workers.values():
+                w.state, w.step = landed, landed.step
+        got = await asyncio.wait_for(task, 60)
+        return got, [s.manifests_served for s in servers.values()]
+    finally:
+        for s in servers.values():
+            await s.aclose()
+
+
+@pytest.mark.timeout(120)
+def test_after_a_lone_round_peers_still_landing_it_are_waited_for() -> None:
+    # The peers formed the round's group without us and are past its start (step 47 >=
+    # 46): once they land it, their agreed state replaces ours.
+    got, _ = asyncio.run(_resync_after_lone_round(peer_step=47, land=True))
+    assert got is not None
+    _assert_same(got.state, _lone_round_states()[1], "after the re-sync")
+
+
+@pytest.mark.timeout(120)
+def test_after_a_lone_round_slower_peers_are_not_waited_for() -> None:
+    # Peers that have not reached the round's start are slower, not landing it: one
+    # manifest pass, and we keep our state.
+    got, served = asyncio.run(_resync_after_lone_round(peer_step=44, land=False))
+    assert got is None
+    assert served == [1, 1]
