@@ -18,7 +18,10 @@ probe during our rounds, "faults" the minor page faults per member per round (fr
 mapped in; exact, where CPU seconds on a loaded machine are not).
 --inline runs round work on the event loop instead of a worker thread, to measure the
 difference; --profile (rank 0, needs --inline since cProfile sees only the main thread)
-writes one pstats file per codec and prints the top entries by CPU time. Our peers run on
+writes one pstats file per codec and prints the top entries by CPU time; --perf DIR samples
+rank 0 with Linux `perf` during each method's measured rounds (gloo's included) and prints
+the share of its CPU per category (GMAC, BLAKE3, kernel copies, ...: cpu_sampling.py), which
+unlike cProfile sees native code and every thread. Our peers run on
 uvloop, as the daemon does (--loop asyncio for the standard loop); --reuse-output writes
 every round's result into one preallocated buffer (run_round(out=...)); --keep-encoded
 also keeps the encoded result, as the daemon does for joiners (run_round(keep_encoded=True)).
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import datetime
 import json
@@ -46,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cpu_sampling import PerfSampler, format_shares  # noqa: E402  (benchmarks/ is on sys.path)
 
 from dilonode.algo.butterfly import wire_bytes_ideal
 from dilonode.algo.codecs import get_codec
@@ -82,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--hivemind", action="store_true", help="also DecentralizedAverager")
     p.add_argument("--profile", type=Path, help="dir for rank 0 pstats (use with --inline)")
+    p.add_argument("--perf", type=Path,
+                   help="dir for `perf record` samples of rank 0's measured rounds, per "
+                        "method; prints where its CPU goes (benchmarks/cpu_sampling.py)")
     p.add_argument("--json", type=Path, help="write the figures here")
     return p.parse_args(argv)
 
@@ -136,12 +144,16 @@ async def _ours(rank: int, world: int, x: torch.Tensor,
     for fragment, codec in enumerate(args.codecs.split(",")):
         # CPU time, not wall: on a shared box waiting for a core would swamp the profile.
         prof = cProfile.Profile(time.process_time) if args.profile and rank == 0 else None
+        # Round 0 warms up connections and allocations; it is neither counted nor sampled.
+        await _our_round(plane, _spec(args, world, codec, fragment, 0), rank, x, peers,
+                         args, probe, None, buf)
         rows = []
-        for r in range(args.rounds + 1):
-            row = await _our_round(plane, _spec(args, world, codec, fragment, r), rank, x,
-                                   peers, args, probe, prof if r else None, buf)
-            if r:  # round 0 warms up connections and allocations
-                rows.append(row)
+        with _sampler(args, rank, codec) as sampler:
+            for r in range(1, args.rounds + 1):
+                rows.append(await _our_round(plane, _spec(args, world, codec, fragment, r),
+                                             rank, x, peers, args, probe, prof, buf))
+        if sampler is not None:
+            rows[0]["perf"] = sampler.shares()
         digests: list[Any] = [None] * world
         await asyncio.get_running_loop().run_in_executor(
             None, dist.all_gather_object, digests, rows[-1].pop("digest"))
@@ -191,16 +203,26 @@ def _dump_profile(prof: cProfile.Profile, out_dir: Path, codec: str) -> None:
     pstats.Stats(str(path)).sort_stats("tottime").print_stats(14)
 
 
-def _gloo(x: torch.Tensor, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _sampler(args: argparse.Namespace, rank: int, method: str) -> Any:
+    """--perf: rank 0's measured rounds of `method`, sampled by `perf record`."""
+    if args.perf is None or rank != 0:
+        return contextlib.nullcontext()
+    return PerfSampler(args.perf / f"allreduce_{method}.perf")
+
+
+def _gloo(x: torch.Tensor, args: argparse.Namespace, rank: int) -> list[dict[str, Any]]:
     rows = []
-    for r in range(args.rounds + 1):
-        y = x.clone()
-        dist.barrier()
-        c0, t0 = time.process_time(), time.perf_counter()
-        dist.all_reduce(y)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        if r:
-            rows.append({"wall": wall, "cpu": cpu})
+    with _sampler(args, rank, "gloo") as sampler:
+        for r in range(args.rounds + 1):
+            y = x.clone()
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            dist.all_reduce(y)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if r:
+                rows.append({"wall": wall, "cpu": cpu})
+    if sampler is not None:  # gloo's warm-up round is sampled too: it is short
+        rows[0]["perf"] = sampler.shares()
     return rows
 
 
@@ -252,7 +274,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace,
     with asyncio.Runner(loop_factory=factory) as runner:
         out: dict[str, Any] = {"ours": runner.run(_ours(rank, world, x, args))}
     if not args.no_gloo:
-        out["gloo"] = _gloo(x, args)
+        out["gloo"] = _gloo(x, args, rank)
     if args.hivemind:
         out["hivemind"] = _hivemind(rank, world, x, args)
     results.put((rank, out))
@@ -312,6 +334,9 @@ def _summarize(method: str, codec: str, rows_per_rank: list[list[dict[str, Any]]
             for r in range(n_rounds))
     if "ok" in first:
         row["failed_steps"] = sum(not r["ok"] for rows in rows_per_rank for r in rows)
+    if "perf" in first:  # rank 0's shares, with its own CPU seconds per round
+        row["perf_shares"] = first["perf"]
+        row["perf_cpu_s"] = statistics.median(r["cpu"] for r in rows_per_rank[0])
     return row
 
 
@@ -358,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} rounds; {os.cpu_count()} CPUs, load avg before "
           f"{load_before[0]:.2f}, after {env['loadavg_after'][0]:.2f}")
     print(_table(rows))
+    for r in rows:
+        if "perf_shares" in r:
+            print(f"rank 0, {r['method']} {r['codec']}: where its {r['perf_cpu_s']:.3f} CPU s "
+                  f"per round go (perf samples)")
+            print(format_shares(r["perf_shares"], r["perf_cpu_s"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"env": env, "results": rows}, indent=1) + "\n")

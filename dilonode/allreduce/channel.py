@@ -236,6 +236,28 @@ class TaggedFrameReader:
                 if self._left == 0:
                     self._left, self._tag = None, bytearray()
 
+    def read_buffer(self) -> memoryview | None:
+        """Where the next received bytes may be written directly, uncopied: the rest of a
+        large frame body (`FrameDecoder.collect_buffer`); None when they must be `feed`."""
+        if self._tag is not None or not self._left:
+            return None
+        buf = self._decoder.collect_buffer()
+        if buf is not None and len(buf) != self._left:
+            raise AssertionError(f"collect buffer of {len(buf)} bytes, frame has {self._left}")
+        return buf
+
+    def filled(self, n: int) -> None:
+        """`n` bytes were written at the start of `read_buffer()`: authenticate and take
+        them. Their message, if they completed one, is released with its tag by `feed`."""
+        buf = self._decoder.collect_buffer()
+        assert buf is not None and self._left is not None
+        self._mac.update(buf[:n])
+        if (item := self._decoder.collected(n)) is not None:
+            self._held.append(item)
+        self._left -= n
+        if self._left == 0:
+            self._left, self._tag = None, bytearray()
+
     def _verified(self) -> list[tuple[Message, int]]:
         assert self._tag is not None
         if not hmac.compare_digest(self._mac.digest(), bytes(self._tag)):
@@ -350,6 +372,17 @@ class InboundChannel:
             if isinstance(msg, Hello | HelloAck | HelloAuth):
                 raise RemoteProtocolError(f"{msg.type} after the handshake")
             yield msg, size
+
+    def read_buffer(self) -> memoryview | None:
+        """See `TaggedFrameReader.read_buffer`; None during the handshake."""
+        if self._reader is None:
+            return None
+        return self._reader.read_buffer()
+
+    def filled(self, n: int) -> None:
+        """See `TaggedFrameReader.filled`."""
+        assert self._reader is not None
+        self._reader.filled(n)
 
     def _handshake(self, msg: Message) -> None:
         if self._hello is None:

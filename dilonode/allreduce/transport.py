@@ -30,7 +30,8 @@ Frames for a key nobody registered yet are kept for `pending_ttl` seconds, becau
 start a round a few ms apart; count and bytes are bounded, and whatever overflows or
 expires is dropped with a log line. Inboxes are bounded too: above `max_queued_bytes` of
 undelivered frames the plane stops reading from its sockets until the rounds catch up.
-Counters (bytes, frames, rejections, drops) are in `stats`.
+Counters (bytes, frames, rejections, drops) are in `stats`; `bytes_in_direct` counts the
+bytes the event loop read straight into the frame body their message keeps (`_Inbound`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ StreamOpener = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.Str
 EventKind = Literal["message", "error", "gone"]
 
 _READ_LIMIT = 1 << 20
+_SCRATCH_BYTES = 64 << 10  # one read outside a large frame body (headers, tags, small frames)
 _WRITE_HIGH_WATER = 1 << 20
 _RECENT_KEYS = 256  # finished keys remembered, so their late frames are dropped quietly
 
@@ -211,8 +213,13 @@ class _Pending:
     expiry: asyncio.TimerHandle | None = None
 
 
-class _Inbound(asyncio.Protocol):
-    """One accepted connection: the handshake first, then round messages from that peer."""
+class _Inbound(asyncio.BufferedProtocol):
+    """One accepted connection: the handshake first, then round messages from that peer.
+
+    The event loop reads the rest of a large frame body straight into the buffer its
+    message will keep (`InboundChannel.read_buffer`), everything else into a scratch buffer
+    that is fed on; a libp2p stream (`DataPlane.accept_stream`) calls `data_received`.
+    """
 
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
@@ -222,6 +229,8 @@ class _Inbound(asyncio.Protocol):
         self.channel = InboundChannel(plane.auth, plane.run_id, plane.peer_id,
                                       max_frame_bytes=plane.max_frame_bytes)
         self.proven = False  # the plane has been told this peer is connected
+        self._scratch: memoryview | None = None
+        self._direct = False  # the last get_buffer handed out a frame body, not scratch
 
     @property
     def peer_id(self) -> str | None:
@@ -245,7 +254,31 @@ class _Inbound(asyncio.Protocol):
             self.plane._reject(self, f"no complete handshake within "
                                f"{self.plane.connect_timeout:g}s", unauthorized=True)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        direct = None if self.closed else self.channel.read_buffer()
+        self._direct = direct is not None
+        if direct is not None:
+            return direct
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closed:
+            return
+        if not self._direct:
+            assert self._scratch is not None
+            # Fed and consumed before the next read reuses the scratch buffer.
+            self.data_received(self._scratch[:nbytes])
+            return
+        self.plane.stats["bytes_in"] += nbytes
+        self.plane.stats["bytes_in_direct"] += nbytes
+        try:
+            self.channel.filled(nbytes)
+        except RemoteProtocolError as exc:
+            self.plane._reject(self, exc.reason, unauthorized=isinstance(exc, HandshakeError))
+
+    def data_received(self, data: bytes | memoryview) -> None:
         if self.closed:
             return
         self.plane.stats["bytes_in"] += len(data)
@@ -500,9 +533,9 @@ class DataPlane:
         self.max_queued_bytes = max_queued_bytes
         self.socket_buffer_bytes = socket_buffer_bytes
         self.stats: dict[str, int] = dict.fromkeys(
-            ("bytes_in", "bytes_out", "frames_in", "frames_out", "connections_in",
-             "connections_out", "rejected_connections", "rejected_hellos", "dropped_frames",
-             "late_frames", "stray_frames", "send_failures", "unauthorized",
+            ("bytes_in", "bytes_in_direct", "bytes_out", "frames_in", "frames_out",
+             "connections_in", "connections_out", "rejected_connections", "rejected_hellos",
+             "dropped_frames", "late_frames", "stray_frames", "send_failures", "unauthorized",
              "fallback_connections", "fallback_accepts"), 0)
         self._server: asyncio.Server | None = None
         self._rounds: dict[RoundKey, Inbox] = {}

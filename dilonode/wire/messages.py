@@ -20,7 +20,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dilonode import PROTOCOL_VERSION
 from dilonode.wire.errors import RemoteProtocolError, one_line
@@ -58,6 +67,25 @@ U63 = Annotated[int, Field(ge=0, le=_U63)]
 # Round messages must carry these keys on the wire even though the models default them, so
 # a peer built before they existed is refused instead of silently joining attempt 0.
 _ROUND_KEYS_REQUIRED = ("attempt", "group")
+
+
+def _payload(value: object) -> bytes | memoryview:
+    # A received payload may be a read-only view of its frame (framing's zero-copy path);
+    # anything else that is not bytes is refused, as strict mode would.
+    if type(value) is bytes:
+        return value
+    if (isinstance(value, memoryview) and value.readonly and value.format == "B"
+            and value.ndim == 1 and value.c_contiguous):
+        return value
+    raise ValueError(f"must be bytes, got {type(value).__name__}")
+
+
+def _as_is(value: bytes | memoryview) -> bytes | memoryview:
+    return value
+
+
+# The encoded values a message carries: bytes, or a read-only 1-D memoryview of bytes.
+Payload = Annotated[bytes, PlainValidator(_payload), PlainSerializer(_as_is, return_type=Any)]
 
 
 class _Model(BaseModel):
@@ -135,7 +163,7 @@ class Contribution(_Chunk):
     """`sender`'s encoded values [offset, offset + numel) of the part owned by `owner`."""
 
     type: Literal["contribution"] = Field("contribution", exclude=True)
-    payload: bytes
+    payload: Payload
 
 
 class Result(_Chunk):
@@ -148,7 +176,7 @@ class Result(_Chunk):
     type: Literal["result"] = Field("result", exclude=True)
     contributors: tuple[Member, ...] = Field(min_length=1, max_length=MAX_MEMBERS)
     rejected: tuple[Member, ...] | None = Field(None, min_length=1, max_length=MAX_MEMBERS)
-    payload: bytes
+    payload: Payload
     digest: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
     @field_validator("contributors", "rejected", mode="before")
@@ -219,7 +247,7 @@ def message_to_json(msg: Message) -> dict[str, Any]:
     """`message_to_dict` in JSON terms (payload as hex, lists for tuples): golden vectors."""
     fields = message_to_dict(msg)
     for key, value in fields.items():
-        if isinstance(value, bytes):
+        if isinstance(value, bytes | memoryview):
             fields[key] = value.hex()
     for key in ("contributors", "rejected", "culprits"):
         if key in fields:

@@ -26,10 +26,11 @@ from dilonode.wire import (
     decode_message,
     encode_frame,
     encode_message,
+    framing,
     message_to_dict,
     message_to_json,
 )
-from dilonode.wire.messages import Hello, HelloAck, HelloAuth
+from dilonode.wire.messages import Hello, HelloAck, HelloAuth, message_from_dict
 
 VECTORS = Path(__file__).resolve().parents[2] / "protocol" / "vectors"
 
@@ -371,3 +372,82 @@ def test_golden_vectors_cover_every_message_type() -> None:
     kinds = {v["fields"]["type"] for v in _vectors()}
     assert kinds == {"contribution", "result", "abort", "hello", "hello_ack", "auth"}
     assert any("digest" in v["fields"] for v in _vectors())
+
+
+# ---------------------------------------------------------------------- zero-copy payloads
+
+_msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False)
+    | st.text(max_size=40) | st.binary(max_size=40)
+    | st.integers(0, 3).map(lambda k: bytes([k]) * (framing._SHARE_AT + k * 40_000)),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, memoryview):
+        return value.tobytes()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.text(max_size=12), _msgpack_values, max_size=8))
+def test_sharing_unpacker_agrees_with_msgpack(body: dict[str, Any]) -> None:
+    packed = msgpack.packb(body, use_bin_type=True)
+    shared = framing._unpack_sharing(memoryview(packed))
+    assert shared is not None
+    assert _plain(shared) == msgpack.unpackb(packed, raw=False)
+    for key, value in shared.items():  # only the large top-level bins are views
+        is_large_bin = isinstance(body[key], bytes) and len(body[key]) >= framing._SHARE_AT
+        assert isinstance(value, memoryview) == is_large_bin
+        if is_large_bin:
+            assert value.readonly
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64), st.integers(0, 200))
+def test_sharing_unpacker_refuses_what_msgpack_refuses(junk: bytes, cut: int) -> None:
+    # Truncated, extended or random bodies: either both decoders read the same map, or the
+    # sharing one gives up (None) and the copying one words the error.
+    big = msgpack.packb({"type": "x", "payload": bytes(framing._SHARE_AT), "n": [1, 2]},
+                        use_bin_type=True)
+    for body in (junk, big[:cut], big[:-cut or None], big + junk):
+        shared = framing._unpack_sharing(memoryview(body))
+        if shared is not None:
+            assert _plain(shared) == msgpack.unpackb(body, raw=False)
+
+
+def test_sharing_unpacker_gives_up_on_deep_nesting() -> None:
+    deep = b"\x81\xa1k" + b"\x91" * 5000 + b"\xc0"
+    assert framing._unpack_sharing(memoryview(deep)) is None
+    with pytest.raises(RemoteProtocolError, match="not valid msgpack"):
+        decode_message(deep, share=True)
+
+
+def test_large_payload_is_shared_with_the_frame_not_copied() -> None:
+    payload = bytes(range(256)) * 1024  # 256 KiB, collected piecewise
+    msg = _contribution(numel=len(payload) // 4, payload=payload)
+    frame = encode_frame(msg)
+    decoder = FrameDecoder()
+    out = decoder.feed(frame[:1000]) + decoder.feed(frame[1000:])
+    assert out == [msg]
+    got = out[0]
+    assert isinstance(got, Contribution) and isinstance(got.payload, memoryview)
+    assert got.payload.readonly and got.payload.obj is not None
+    assert encode_frame(got) == frame  # a shared payload encodes like bytes
+    assert message_to_json(got) == message_to_json(msg)
+    # The next large frame gets a buffer of its own: the first payload stays intact.
+    zeros = bytes(len(payload))
+    decoder.feed(encode_frame(_contribution(numel=len(zeros) // 4, payload=zeros)))
+    assert got.payload == payload
+
+
+def test_payload_must_be_bytes_or_a_read_only_byte_view() -> None:
+    fields = message_to_dict(_contribution())
+    for bad in (bytearray(16), memoryview(bytearray(16)), "text",
+                memoryview(b"ab" * 8).cast("H")):
+        with pytest.raises(RemoteProtocolError, match="field payload"):
+            message_from_dict({**fields, "payload": bad})
