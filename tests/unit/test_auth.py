@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import os
+import random
 import stat
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from dilonode.auth import (
     swarm_key,
 )
 from dilonode.swarm.records import GroupEntry, decode_record, encode_record
-from dilonode.wire import Abort, HelloAuth, encode_frame
+from dilonode.wire import Abort, Contribution, HelloAuth, encode_frame
 from dilonode.wire.errors import RemoteProtocolError
 from dilonode.wire.framing import HEADER_BYTES
 
@@ -259,6 +260,65 @@ def test_tampered_frames_are_refused(attack: str) -> None:
         for msg, _ in inn.feed(stream):
             got.append(msg)
     assert got == ([abort(0)] if attack == "replay" else [])  # only a genuine first frame
+
+
+def _read_like_the_event_loop(inn: InboundChannel, stream: bytes, seed: int,
+                              ) -> tuple[list[object], int]:
+    """Hand `stream` to `inn` as `_Inbound` does: reads of random sizes, each written into
+    the channel's `read_buffer()` when it offers one, else fed from a scratch buffer.
+    Returns the messages and how many bytes went in directly."""
+    rng = random.Random(seed)
+    got: list[object] = []
+    pos = direct = 0
+    while pos < len(stream):
+        size = rng.choice([1, 7, 100, 5000, 70_000, 1 << 20])
+        buf = inn.read_buffer()
+        if buf is not None:
+            n = min(size, len(buf), len(stream) - pos)
+            buf[:n] = stream[pos:pos + n]
+            inn.filled(n)
+            direct += n
+        else:
+            n = min(size, len(stream) - pos)
+            got += [m for m, _ in inn.feed(memoryview(stream)[pos:pos + n])]
+        pos += n
+    return got, direct
+
+
+def _contribution(chunk: int, payload: bytes) -> Contribution:
+    return Contribution(run_id=RUN, fragment=1, round=0, sender=1, owner=0, chunk=chunk,
+                        n_chunks=8, offset=0, numel=len(payload) // 4, codec="float32",
+                        block_size=1, payload=payload)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_frames_read_straight_into_their_bodies_are_authenticated(seed: int) -> None:
+    inn, sealer = connected()
+    msgs: list[Abort | Contribution] = [
+        _contribution(0, os.urandom(200_000)), abort(1), _contribution(1, os.urandom(65_536)),
+        _contribution(2, os.urandom(4_000)), _contribution(3, os.urandom(300_004))]
+    frames = [encode_frame(m) for m in msgs]
+    stream = b"".join(f + sealer.seal(f) for f in frames)
+    got, direct = _read_like_the_event_loop(inn, stream, seed)
+    assert got == msgs
+    assert isinstance(got[0], Contribution) and isinstance(got[0].payload, memoryview)
+    assert direct > 0
+
+
+
+def test_a_body_changed_on_the_direct_path_fails_its_tag() -> None:
+    inn, sealer = connected()
+    f = encode_frame(_contribution(0, bytes(200_000)))
+    tampered = bytearray(f + sealer.seal(f))
+    tampered[150_000] ^= 1
+    assert list(inn.feed(tampered[:1000])) == []  # the header and the start of the body
+    buf = inn.read_buffer()
+    assert buf is not None and len(buf) == len(f) - 1000
+    buf[:] = tampered[1000:len(f)]
+    inn.filled(len(buf))
+    assert inn.read_buffer() is None  # the tag comes by `feed`
+    with pytest.raises(RemoteProtocolError, match="MAC does not verify"):
+        list(inn.feed(tampered[len(f):]))
 
 
 def test_session_keys_differ_per_connection() -> None:
