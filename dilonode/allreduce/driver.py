@@ -121,7 +121,9 @@ async def run_round(plane: DataPlane, spec: GroupSpec, my_index: int, local: tor
     Returns as soon as the round is DONE or FAILED, by `clock() >= start + timeout` (plus
     one batch of round work) at the latest; frames still queued then are written by the
     plane in the background (`DataPlane.aclose` flushes them). `local` must not be
-    modified until this returns. `out` and `keep_encoded` are handed to `AllReduceRound`
+    modified in place, ever: float32 contributions are sent as views of it, and after a
+    failed round a frame may still be on its way out (`NetworkCollective` hands every
+    round a tensor of its own). `out` and `keep_encoded` are handed to `AllReduceRound`
     (the result buffer; keep the encoded result for `RoundOutcome.encoded`).
     """
     missing = [i for i in range(spec.size) if i != my_index and i not in peers]

@@ -341,8 +341,9 @@ Action = Send | Done | Failed
 class AllReduceRound:
     """One member's side of one all-reduce round (see the module docstring).
 
-    `local` (1-D float32, `spec.numel` values) is read lazily while the round runs, so the
-    caller must not modify it until the round is DONE or FAILED. `out`, if given, receives
+    `local` (1-D float32, `spec.numel` values) is read lazily while the round runs, and a
+    float32 round's contributions are views of it that stay queued until written, so the
+    caller must not modify it in place afterwards either. `out`, if given, receives
     the result (it is `result` once DONE; after FAILED it holds garbage): a caller that runs
     rounds of one size again and again saves the page faults of a fresh buffer per round
     (decoding into a fresh buffer took about twice the CPU of a reused one in an ad-hoc
@@ -577,13 +578,15 @@ class AllReduceRound:
                 actions += self._send([j], msg)
         return actions
 
-    def _encode_local(self, start: int, numel: int) -> bytes:
+    def _encode_local(self, start: int, numel: int) -> bytes | memoryview:
         """Our encoded values [start, start + numel) of `local`, as a contribution."""
         own = self._local[start:start + numel]
         if self._lossless:
-            # float32 bytes as they are: `local` was checked finite at construction, and
-            # encode would only check that again.
-            return np.ascontiguousarray(own.numpy(), dtype="<f4").tobytes()
+            # float32 bytes as they are, a read-only view of `local` (the caller leaves it
+            # alone: `run_round`): it was checked finite at construction, and encode would
+            # only check that again and copy it.
+            return memoryview(np.ascontiguousarray(own.numpy(), dtype="<f4")).cast(
+                "B").toreadonly()
         return self._codec.encode(own)[0]
 
     # ------------------------------------------------------------------ incoming messages
