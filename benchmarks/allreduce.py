@@ -15,7 +15,8 @@ not observable from Python; its ideal is shown. "cpu" is process CPU seconds per
 per round (for hivemind only the calling process: its averaging runs in helper processes,
 and its round time includes matchmaking), "lag" the worst event-loop delay seen by a 5 ms
 probe during our rounds, "faults" the minor page faults per member per round (fresh memory
-mapped in; exact, where CPU seconds on a loaded machine are not).
+mapped in; exact, where CPU seconds on a loaded machine are not), "direct" the share of
+received bytes the event loop read straight into their frame's body (`bytes_in_direct`).
 --inline runs round work on the event loop instead of a worker thread, to measure the
 difference; --profile (rank 0, needs --inline since cProfile sees only the main thread)
 writes one pstats file per codec and prints the top entries by CPU time; --perf DIR samples
@@ -174,6 +175,7 @@ async def _our_round(plane: DataPlane, spec: GroupSpec, rank: int, x: torch.Tens
     await asyncio.get_running_loop().run_in_executor(None, dist.barrier)
     probe.take()
     c0, t0, f0 = time.process_time(), time.perf_counter(), _minor_faults()
+    in0, direct0 = plane.stats["bytes_in"], plane.stats["bytes_in_direct"]
     if prof is not None:
         prof.enable()
     res = await run_round(plane, spec, rank, x, peers, args.timeout, offload=not args.inline,
@@ -185,7 +187,8 @@ async def _our_round(plane: DataPlane, spec: GroupSpec, rank: int, x: torch.Tens
     if res.state is not RoundState.DONE:
         raise RuntimeError(f"{spec.codec} round {spec.round}: {res.failure}")
     return {"wall": wall, "cpu": cpu, "faults": faults, "lag": probe.take(),
-            "wire": res.bytes_sent,
+            "wire": res.bytes_sent, "bytes_in": plane.stats["bytes_in"] - in0,
+            "bytes_in_direct": plane.stats["bytes_in_direct"] - direct0,
             "payload": res.payload_bytes_sent, "digest": res.digest}
 
 
@@ -329,6 +332,10 @@ def _summarize(method: str, codec: str, rows_per_rank: list[list[dict[str, Any]]
             rows[0]["payload"] for rows in rows_per_rank)
         row["wire_bytes_per_peer"] = statistics.mean(rows[0]["wire"] for rows in rows_per_rank)
         row["loop_lag_max_s"] = max(r["lag"] for rows in rows_per_rank for r in rows)
+        # Received bytes the event loop read straight into their frame's body (transport).
+        row["direct_read_share"] = (
+            sum(r["bytes_in_direct"] for rows in rows_per_rank for r in rows)
+            / max(1, sum(r["bytes_in"] for rows in rows_per_rank for r in rows)))
         row["page_faults_per_peer"] = statistics.median(
             statistics.mean(rows[r]["faults"] for rows in rows_per_rank)
             for r in range(n_rounds))
@@ -343,7 +350,7 @@ def _summarize(method: str, codec: str, rows_per_rank: list[list[dict[str, Any]]
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'method':<10} {'codec':<9} {'round s':>8} {'payload/peer':>13} "
             f"{'wire/peer':>11} {'ideal/peer':>11} {'wire/ideal':>10} {'cpu s/peer':>10} "
-            f"{'lag max':>8} {'faults':>7}")
+            f"{'lag max':>8} {'faults':>7} {'direct':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         mb = 1e6
@@ -354,9 +361,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
             if "wire_bytes_per_peer" in r and r["ideal_bytes_per_peer"] else "-"
         lag = f"{r['loop_lag_max_s'] * 1e3:.0f} ms" if "loop_lag_max_s" in r else "-"
         faults = f"{r['page_faults_per_peer']:.0f}" if "page_faults_per_peer" in r else "-"
+        direct = f"{r['direct_read_share']:.0%}" if "direct_read_share" in r else "-"
         lines.append(f"{r['method']:<10} {r['codec']:<9} {r['wall_median_s']:>8.3f} "
                      f"{pay:>13} {wire:>11} {r['ideal_bytes_per_peer'] / mb:>8.2f} MB "
-                     f"{ratio:>10} {r['cpu_per_peer_s']:>10.3f} {lag:>8} {faults:>7}")
+                     f"{ratio:>10} {r['cpu_per_peer_s']:>10.3f} {lag:>8} {faults:>7} "
+                     f"{direct:>7}")
     return "\n".join(lines)
 
 

@@ -276,7 +276,7 @@ class _Inbound(asyncio.BufferedProtocol):
         try:
             self.channel.filled(nbytes)
         except RemoteProtocolError as exc:
-            self.plane._reject(self, exc.reason, unauthorized=isinstance(exc, HandshakeError))
+            self._refuse(exc)
 
     def data_received(self, data: bytes | memoryview) -> None:
         if self.closed:
@@ -292,7 +292,10 @@ class _Inbound(asyncio.BufferedProtocol):
                 self.proven = True
                 self.plane.gone.pop(self.peer_id, None)
         except RemoteProtocolError as exc:
-            self.plane._reject(self, exc.reason, unauthorized=isinstance(exc, HandshakeError))
+            self._refuse(exc)
+
+    def _refuse(self, exc: RemoteProtocolError) -> None:
+        self.plane._reject(self, exc.reason, unauthorized=isinstance(exc, HandshakeError))
 
     def _handshake_progress(self) -> None:
         """Write what the handshake has to say (the HelloAck)."""

@@ -136,6 +136,10 @@ class Manifest(_Model):
                                  f"{self.chunk_bytes} bytes per chunk")
         return self
 
+    def tensor_digests(self) -> set[bytes]:
+        """Every chunk digest of the state's tensors (not of its replays)."""
+        return {d for t in self.tensors for d in t.chunks}
+
     def replay(self, fragment: int) -> RoundReplay | None:
         return next((r for r in self.replays if r.fragment == fragment), None)
 

@@ -523,8 +523,7 @@ class _Client:
                 job.put(digest, payload)
             asm.put(digest, payload)
 
-        sources = {p: {d for t in m.tensors for d in t.chunks} |
-                   {d for r in m.replays for d in r.chunks} | older
+        sources = {p: m.tensor_digests() | {d for r in m.replays for d in r.chunks} | older
                    for p, m in manifests.items()}
         if await self._transfer(target, manifests, FetchPlan(needed, sources), sink):
             self.partial = asm
@@ -541,8 +540,7 @@ class _Client:
                          "instead of fetching it again", job.fragment, job.spec.round,
                          job.spec.nbytes)
         if asm.needed():  # what the plan could not fetch, or a replay that failed
-            sources = {p: {d for t in m.tensors for d in t.chunks}
-                       for p, m in manifests.items() if p in self.addrs}
+            sources = {p: m.tensor_digests() for p, m in manifests.items() if p in self.addrs}
             plan = FetchPlan(fetch_order(target.manifest, asm.needed()), sources)
             if await self._transfer(target, manifests, plan, asm.put):
                 self.partial = asm

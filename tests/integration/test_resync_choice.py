@@ -16,6 +16,7 @@ from dilonode.statesync.service import SnapshotSource, StateServer, recover
 from dilonode.train.state import WorkerState
 from tests.integration.test_join import _assert_same, _FixedWorker, _state
 from tests.integration.test_state_sync_auth import CFG, DIGEST
+from tests.integration.test_tcp_allreduce import _until
 
 
 async def _resync_all(states: dict[str, WorkerState],
@@ -62,15 +63,6 @@ def _lone_round_states() -> tuple[WorkerState, WorkerState, WorkerState]:
     return before, landed, mine
 
 
-async def _until(cond: Any, what: str, timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def _resync_after_lone_round(peer_step: int, land: bool) -> tuple[Any, list[int]]:
     ids = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id)
     creds = {i.peer_id: Credentials(i, CFG.run_id, b"resync-choice-secret") for i in ids}
@@ -88,8 +80,8 @@ async def _resync_after_lone_round(peer_step: int, land: bool) -> tuple[Any, lis
             auth=creds[me], own_candidate=True, wait_behind=60.0,
             wait_from_step=mine.step - 2))
         if land:
-            await _until(lambda: task.done() or all(
-                s.manifests_served >= 2 for s in servers.values()), "two manifest passes")
+            await _until(lambda: task.done() or all(  # two manifest passes
+                s.manifests_served >= 2 for s in servers.values()), timeout=30.0)
             assert not task.done(), "gave up before the peers landed their round"
             for w in workers.values():
                 w.state, w.step = landed, landed.step
