@@ -109,6 +109,9 @@ class InnerOptConfig(_Frozen):
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up steps, then constant")
     grad_clip: float = Field(1.0, ge=0.0, description="global norm clip; 0 disables")
+    rewarm_steps: int = Field(
+        20, ge=0, description="after adopting a state with a fresh AdamW (joining, resuming), "
+        "warm the learning rate up again over this many steps; 0 disables")
 
 
 class DilocoConfig(_Frozen):
@@ -130,6 +133,18 @@ class DilocoConfig(_Frozen):
     outer_nesterov: bool = Field(True, description="Nesterov momentum for the outer step")
     outer_state_on_cpu: bool = Field(
         True, description="keep global weights and outer momentum (float32) in host memory")
+    pacing: Literal["time", "steps"] = Field(
+        "time", description="time: rounds open on a clock the swarm shares (one reference "
+        "step = step_seconds), so nodes of any speed meet in every round and contribute "
+        "the tokens they trained; steps: every node syncs after exactly H own steps "
+        "(equal speeds only)")
+    step_seconds: float | None = Field(
+        None, gt=0.0, description="pacing=time: seconds of one reference step when this node "
+        "starts the swarm's clock; unset: measured from this node's first steps. Nodes "
+        "joining later follow the clock already agreed")
+    final_sync: bool = Field(
+        True, description="at the end of the run, one more round of every fragment trained "
+        "since its last, so the outer weights hold all training and every node ends equal")
 
     @model_validator(mode="after")
     def _check(self) -> DilocoConfig:
@@ -178,6 +193,10 @@ class AggregatorConfig(_Frozen):
         1.0, gt=0.0, description="centered_clip: radius as a multiple of the median distance "
         "of the members' chunks from their coordinate-wise median")
     clip_iters: int = Field(3, ge=1, le=100, description="centered_clip: iterations")
+    max_weight_ratio: float = Field(
+        16.0, ge=0.0, description="reject a contribution claiming more than this many times "
+        "the (lower) median tokens of its round's members (rounds share a clock, so this is "
+        "a speed ratio: raise it for swarms whose GPUs differ more); 0: never")
     ban_after: int = Field(
         3, ge=0, description="ban a peer rejected in this many rounds within ban_window; 0: never")
     ban_window: float = Field(600.0, gt=0.0, description="seconds over which rejections count")
@@ -185,6 +204,9 @@ class AggregatorConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> AggregatorConfig:
+        if 0 < self.max_weight_ratio < 1:
+            raise ValueError(f"aggregator.max_weight_ratio = {self.max_weight_ratio}: must be "
+                             "0 (off) or >= 1 (an honest median member must pass)")
         if 0 < self.norm_bound < 1:
             raise ValueError(f"aggregator.norm_bound = {self.norm_bound}: must be 0 (off) or "
                              ">= 1 (the median contribution itself must pass)")
@@ -195,7 +217,8 @@ class AggregatorConfig(_Frozen):
         from dilonode.algo.robust import AggregatorSpec
 
         return AggregatorSpec(name=self.name, norm_bound=self.norm_bound, trim=self.trim,
-                              clip_tau=self.clip_tau, clip_iters=self.clip_iters)
+                              clip_tau=self.clip_tau, clip_iters=self.clip_iters,
+                              max_weight_ratio=self.max_weight_ratio)
 
 
 class NetworkConfig(_Frozen):
@@ -341,6 +364,23 @@ class SimConfig(_Frozen):
     """In-process simulation of M workers."""
 
     workers: int = Field(4, ge=1, le=256, description="M: virtual workers")
+    speeds: tuple[float, ...] | None = Field(
+        None, description="relative speed of each worker (1: one reference step per inner "
+        "step; 0.25: four times slower), run on a virtual clock; unset: all equal, in "
+        "lockstep")
+    latency: float = Field(
+        0.0, ge=0.0, description="virtual seconds (reference steps) from a round's last "
+        "contribution to its result reaching the members")
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        if self.speeds is not None:
+            if len(self.speeds) != self.workers:
+                raise ValueError(f"sim.speeds: {len(self.speeds)} given for sim.workers = "
+                                 f"{self.workers}")
+            if not all(0 < v <= 1000 and v == v for v in self.speeds):
+                raise ValueError(f"sim.speeds = {list(self.speeds)}: each must be in (0, 1000]")
+        return self
 
 
 class RunConfig(_Frozen):

@@ -1,6 +1,14 @@
-"""The simulator: M virtual workers in one process, in lockstep, through the same `Worker`
-and algorithm code the daemon runs, averaging over a `LocalGroup` that counts exactly the
-payload bytes each worker would send.
+"""The simulator: M virtual workers in one process, through the same `Worker` and algorithm
+code the daemon runs, averaging over a `LocalGroup` that counts exactly the payload bytes
+each worker would send.
+
+Equally fast workers run in lockstep. With `sim.speeds` (or a modelled `sim.latency`) they
+run on a virtual clock instead (`_VirtualRun`): each worker's inner step lasts `1 / speed`
+virtual seconds (one reference step for speed 1), events are processed in time order, a
+worker whose result is not there waits (that time counts as blocked on the network), and a
+round's result reaches its members `latency` after its last contribution. The daemon reads
+the wall clock where the simulator reads this one, so a study of 16 workers whose speeds
+span 10x runs in one process on the code the swarm runs.
 
 `simulate(cfg)` returns a `SimReport`; `write_report` saves it as JSON, CSV and a PNG plot.
 """
@@ -9,15 +17,17 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import heapq
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from dilonode.algo.codecs import get_codec
+from dilonode.algo.pacing import Pacer, StepPacer, SwarmClock, TimePacer
 from dilonode.collective import Collective, LocalGroup, PendingReduce, SyncKey
 from dilonode.config import RunConfig
 from dilonode.train.data import load_data
@@ -37,6 +47,7 @@ class EvalPoint:
     eval_loss: float  # outer weights on the held-out split
     bytes_sent_per_worker: float  # cumulative payload bytes, mean over workers
     wall_s: float
+    virtual_s: float = 0.0  # simulated time (reference steps): lockstep, the step
 
 
 @dataclass
@@ -58,6 +69,10 @@ class SimReport:
     workers_agree: bool
     wall_s: float
     history: list[EvalPoint] = field(default_factory=list)
+    # Per worker: steps, tokens, rounds it took part in, missed, waited-for share.
+    worker_stats: list[dict[str, float]] = field(default_factory=list)
+    pacing: str = "steps"
+    virtual_s: float = 0.0  # simulated duration (reference steps)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -72,42 +87,83 @@ class _Tampered:
     def __init__(self, inner: Collective, worker: int, tamper: Tamper) -> None:
         self.inner, self.worker, self.tamper = inner, worker, tamper
 
-    def begin(self, key: SyncKey, flat: torch.Tensor) -> PendingReduce:
-        return self.inner.begin(key, self.tamper(self.worker, key, flat))
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> PendingReduce:
+        return self.inner.begin(key, self.tamper(self.worker, key, flat), weight)
 
 
-def _build_workers(cfg: RunConfig, data, device, tamper: Tamper | None = None) -> list[Worker]:
+class _Clock:
+    """The virtual time a pacer reads: the lockstep step, or the current worker's time."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+def _pacer(cfg: RunConfig, now: Callable[[], float]) -> Pacer:
+    if cfg.diloco.pacing == "steps" or cfg.diloco.mode == "ddp":
+        return StepPacer()
+    return TimePacer(now, SwarmClock(t0=0.0, step_seconds=1.0))
+
+
+def _build_workers(cfg: RunConfig, data, device, tamper: Tamper | None = None,
+                   clocks: list[Callable[[], float]] | None = None,
+                   ) -> tuple[list[Worker], LocalGroup]:
     group = LocalGroup(cfg.sim.workers, get_codec(cfg.codec.name, cfg.codec.block_size),
                        aggregator=cfg.aggregator.spec(), chunk_numel=cfg.network.chunk_numel,
                        align=cfg.codec.block_size)
     views: list[Collective] = [group.view(i) for i in range(cfg.sim.workers)]
     if tamper is not None:
         views = [_Tampered(v, i, tamper) for i, v in enumerate(views)]
-    return [Worker(cfg, data, v, identity=i, device=device) for i, v in enumerate(views)]
+    workers = [Worker(cfg, data, v, identity=i, device=device,
+                      pacer=_pacer(cfg, clocks[i]) if clocks else None)
+               for i, v in enumerate(views)]
+    for w in workers:
+        w.end_step = cfg.total_steps
+    return workers, group
 
 
-def _point(workers: list[Worker], step: int, eval_loss: float, t0: float) -> EvalPoint:
+def _point(workers: list[Worker], step: int, eval_loss: float, t0: float,
+           virtual_s: float) -> EvalPoint:
     m = len(workers)
     return EvalPoint(step=step, tokens=sum(w.stats.tokens for w in workers),
                      train_loss=sum(w.stats.last_loss for w in workers) / m, eval_loss=eval_loss,
                      bytes_sent_per_worker=sum(w.stats.bytes_sent for w in workers) / m,
-                     wall_s=time.perf_counter() - t0)
+                     wall_s=time.perf_counter() - t0, virtual_s=virtual_s)
 
 
 def simulate(cfg: RunConfig, device: torch.device | None = None,
              on_step: Callable[[int, list[Worker]], None] | None = None,
              on_eval: Callable[[EvalPoint], None] | None = None,
-             tamper: Tamper | None = None) -> SimReport:
-    """Train `cfg.sim.workers` workers for `cfg.total_steps` inner steps each.
+             tamper: Tamper | None = None, virtual: bool | None = None) -> SimReport:
+    """Train `cfg.sim.workers` workers for `cfg.total_steps` (reference) steps.
 
     `tamper`, when given, rewrites every contribution before it is averaged (fault studies).
+    `virtual` runs on the virtual clock even with equal speeds (default: only with
+    `sim.speeds` or `sim.latency`); `on_step` is then called once, at the end.
     """
+    if virtual is None:
+        virtual = cfg.sim.speeds is not None or cfg.sim.latency > 0
+    if virtual and cfg.diloco.mode == "ddp":
+        raise ValueError("sim.speeds / sim.latency: mode=ddp runs in lockstep only")
     data = load_data(cfg.data)
-    workers = _build_workers(cfg, data, device, tamper)
     eval_batches = data.eval_batches(cfg.data.seq_len, cfg.data.batch_size, cfg.data.eval_batches)
-    history: list[EvalPoint] = []
     t0 = time.perf_counter()
+    if virtual:
+        run = _VirtualRun(cfg, data, device, tamper, eval_batches, on_eval)
+        workers, history = run.run()
+        if on_step:
+            on_step(cfg.total_steps, workers)
+        report = _report(cfg, workers, history, time.perf_counter() - t0)
+        report.worker_stats = run.worker_stats()
+        report.virtual_s = max(r.t for r in run.runs)
+        return report
+    clock = _Clock()
+    workers, _ = _build_workers(cfg, data, device, tamper, [clock.now] * cfg.sim.workers)
+    history: list[EvalPoint] = []
     for step in range(1, cfg.total_steps + 1):
+        clock.t = float(step)
         for w in workers:
             w.train_step()
         for w in workers:
@@ -115,15 +171,145 @@ def simulate(cfg: RunConfig, device: torch.device | None = None,
         for w in workers:
             w.land()
         if step == cfg.total_steps:
-            for w in workers:
-                w.drain()
+            _finish_lockstep(workers)
         if on_step:
             on_step(step, workers)
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
-            history.append(_point(workers, step, workers[0].evaluate(eval_batches), t0))
+            history.append(_point(workers, step, workers[0].evaluate(eval_batches), t0,
+                                  float(step)))
             if on_eval:
                 on_eval(history[-1])
-    return _report(cfg, workers, history, time.perf_counter() - t0)
+    report = _report(cfg, workers, history, time.perf_counter() - t0)
+    report.worker_stats = [_worker_stats(w, 0.0, float(cfg.total_steps)) for w in workers]
+    report.virtual_s = float(cfg.total_steps)
+    return report
+
+
+def _finish_lockstep(workers: list[Worker]) -> None:
+    """Land what is in flight, then the end-of-run rounds: all begin before anyone waits."""
+    for w in workers:
+        w.drain()
+    for w in workers:
+        w.start_final()
+    for w in workers:
+        w.drain()
+
+
+def _worker_stats(w: Worker, blocked_s: float, duration: float) -> dict[str, float]:
+    st = w.stats
+    return {"steps": st.steps, "tokens": st.tokens, "rounds": sum(st.rounds.values()),
+            "alone": st.alone, "missed": st.missed, "late": st.late,
+            "contributed_tokens": st.contributed_tokens,
+            "utilization": 1.0 - blocked_s / duration if duration > 0 else 0.0}
+
+
+@dataclass
+class _Timed:
+    """One worker on the virtual clock."""
+
+    worker: Worker
+    step_time: float  # virtual seconds per inner step
+    t: float = 0.0
+    blocked_s: float = 0.0
+    finished: bool = False
+
+
+# What a worker's driver hands the scheduler: None (continue at its time) or the results
+# it must wait for.
+_Wait = list[PendingReduce] | None
+
+
+class _VirtualRun:
+    """Workers of different speeds on one virtual clock (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, data, device, tamper: Tamper | None,
+                 eval_batches, on_eval: Callable[[EvalPoint], None] | None) -> None:
+        self.cfg = cfg
+        speeds = cfg.sim.speeds or (1.0,) * cfg.sim.workers
+        self.runs: list[_Timed] = []
+        clocks = [lambda i=i: self.runs[i].t for i in range(cfg.sim.workers)]
+        workers, self.group = _build_workers(cfg, data, device, tamper, clocks)
+        self.runs = [_Timed(w, 1.0 / v) for w, v in zip(workers, speeds, strict=True)]
+        self.current = self.runs[0]
+        self.group.now = lambda: self.current.t
+        self.group.latency = cfg.sim.latency
+        self.eval_batches, self.on_eval = eval_batches, on_eval
+        self.history: list[EvalPoint] = []
+        self.t0 = time.perf_counter()
+
+    def run(self) -> tuple[list[Worker], list[EvalPoint]]:
+        drivers = [self._drive(r) for r in self.runs]
+        ready = [(0.0, i) for i in range(len(self.runs))]
+        parked: dict[int, list[PendingReduce]] = {}
+        next_eval = float(self.cfg.eval_every)
+        while ready or parked:
+            if not ready:
+                raise RuntimeError(f"simulation deadlock: workers {sorted(parked)} wait for "
+                                   "rounds nobody else will contribute to")
+            t, i = heapq.heappop(ready)
+            while next_eval <= t and next_eval < self.cfg.total_steps:
+                self._evaluate(next_eval)
+                next_eval += self.cfg.eval_every
+            self.current = run = self.runs[i]
+            try:
+                wait = next(drivers[i])
+            except StopIteration:
+                run.finished = True
+            else:
+                if wait is None or all(h.done() for h in wait):
+                    heapq.heappush(ready, (run.t, i))
+                else:
+                    parked[i] = wait
+            for j in [j for j, hs in parked.items() if all(_arrival(h) is not None
+                                                            for h in hs)]:
+                hs = parked.pop(j)
+                arrive = max(_arrival(h) or 0.0 for h in hs)
+                self.runs[j].blocked_s += max(arrive - self.runs[j].t, 0.0)
+                self.runs[j].t = max(arrive, self.runs[j].t)
+                heapq.heappush(ready, (self.runs[j].t, j))
+        self._evaluate(max(r.t for r in self.runs), final=True)
+        return [r.worker for r in self.runs], self.history
+
+    def _drive(self, run: _Timed) -> Iterator[_Wait]:
+        """One worker's life: the daemon's training loop, with waits handed to the
+        scheduler instead of blocking (`Worker.blocking` says what would block)."""
+        w = run.worker
+        while True:
+            w.train_step()
+            run.t += run.step_time
+            yield None  # later workers' earlier events go first
+            due = w.due()
+            if wait := w.blocking(due):
+                yield wait
+            w.start_due(due)
+            if wait := w.blocking():
+                yield wait
+            w.land()
+            if w.at_end():
+                break
+        if wait := [h for _, h in w.pending.values() if not h.done()]:
+            yield wait
+        w.drain()
+        w.start_final()
+        if wait := [h for _, h in w.pending.values() if not h.done()]:
+            yield wait
+        w.drain()
+
+    def _evaluate(self, at: float, final: bool = False) -> None:
+        workers = [r.worker for r in self.runs]
+        step = self.cfg.total_steps if final else int(at)
+        self.history.append(_point(workers, step, workers[0].evaluate(self.eval_batches),
+                                   self.t0, at))
+        if self.on_eval:
+            self.on_eval(self.history[-1])
+
+    def worker_stats(self) -> list[dict[str, float]]:
+        return [_worker_stats(r.worker, r.blocked_s, r.t) for r in self.runs]
+
+
+def _arrival(handle: PendingReduce) -> float | None:
+    done_at = getattr(handle, "done_at", None)
+    return done_at() if done_at is not None else 0.0
 
 
 def _report(cfg: RunConfig, workers: list[Worker], history: list[EvalPoint],
@@ -136,6 +322,7 @@ def _report(cfg: RunConfig, workers: list[Worker], history: list[EvalPoint],
         sync_every=a.sync_every, num_fragments=a.num_fragments,
         fragment_sync_delay=a.fragment_sync_delay,
         fragment_update_alpha=a.fragment_update_alpha, final_eval_loss=last.eval_loss,
+        pacing=a.pacing,
         tokens=last.tokens, bytes_sent_per_worker=last.bytes_sent_per_worker,
         peak_sync_bytes=max(w.stats.peak_sync_bytes for w in workers),
         rounds_per_fragment=dict(sorted(workers[0].stats.rounds.items())),

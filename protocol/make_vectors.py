@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dilonode.algo.butterfly import reduce_weighted, weight_coefficients
 from dilonode.algo.codecs import get_codec
 from dilonode.allreduce.round import chunk_hash, group_digest, part_digest
 from dilonode.wire import Abort, Contribution, Message, Result, encode_frame, message_to_json
@@ -61,9 +62,9 @@ def build_vectors() -> list[dict[str, Any]]:
     """The vectors as {name, msg, [input, decoded]} dicts, in a fixed order."""
     return [
         _chunk_vector("contribution_int4", Contribution, _values(100, 19, 4.0), "int4", 64,
-                      sender=1, owner=0, chunk=1, n_chunks=3, offset=128),
+                      sender=1, owner=0, chunk=1, n_chunks=3, offset=128, weight=30720.0),
         _chunk_vector("contribution_int8_odd", Contribution, _values(37, 255, 64.0), "int8",
-                      16, sender=2, owner=1, chunk=0, n_chunks=1, offset=0),
+                      16, sender=2, owner=1, chunk=0, n_chunks=1, offset=0, weight=0.0),
         _chunk_vector("result_float32_last", Result, _values(10, 9, 8.0), "float32", 64,
                       sender=0, owner=0, chunk=0, n_chunks=1, offset=0,
                       contributors=(0, 1, 2), with_digest=True),
@@ -93,6 +94,21 @@ def build_vectors() -> list[dict[str, Any]]:
     ]
 
 
+def build_reductions() -> list[dict[str, Any]]:
+    """Owner reductions (protocol/README.md section 5, step 2): decoded inputs in member
+    order, their token weights, the float32 coefficients and the exact float32 mean."""
+    xs = [_values(8, 9, 8.0), _values(8, 13, 16.0) * 3, _values(8, 7, 4.0) / 5]
+    out = []
+    for name, weights in (("equal_weights", [7.0, 7.0, 7.0]),
+                          ("token_weighted", [30720.0, 10240.0, 3072.0]),
+                          ("one_zero_weight", [4096.0, 0.0, 4096.0 * 3])):
+        coef = weight_coefficients(weights)
+        out.append({"name": name, "weights": weights, "coefficients": coef,
+                    "inputs": [x.tolist() for x in xs],
+                    "mean": reduce_weighted(xs, weights).tolist()})
+    return out
+
+
 def _describe(vector: dict[str, Any]) -> dict[str, Any]:
     msg: Message = vector["msg"]
     entry = {"name": vector["name"], "file": f"{vector['name']}.bin",
@@ -106,7 +122,7 @@ def render() -> dict[str, bytes]:
     vectors = build_vectors()
     files = {f"{v['name']}.bin": encode_frame(v["msg"]) for v in vectors}
     doc = {"protocol_version": vectors[0]["msg"].version,
-           "vectors": [_describe(v) for v in vectors]}
+           "vectors": [_describe(v) for v in vectors], "reductions": build_reductions()}
     files["vectors.json"] = (_dumps(doc) + "\n").encode()
     return files
 

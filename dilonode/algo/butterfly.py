@@ -8,16 +8,19 @@ produce bit-identical averages: every member computes the same partition from th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from dilonode.algo.codecs import Codec
 
-__all__ = ["butterfly_average", "part_bounds", "reduce_mean", "wire_bytes_ideal"]
+__all__ = ["butterfly_average", "part_bounds", "reduce_mean", "reduce_weighted",
+           "weight_coefficients", "wire_bytes_ideal"]
 
 
 def part_bounds(numel: int, weights: Sequence[float], align: int = 1) -> list[tuple[int, int]]:
@@ -68,6 +71,49 @@ def reduce_mean(contributions: Sequence[torch.Tensor],
     return acc.div_(len(contributions))
 
 
+def weight_coefficients(weights: Sequence[float]) -> list[float] | None:
+    """Per-member coefficients of a token-weighted mean, or None for the plain mean.
+
+    None when every weight is equal (or all are 0): the mean is then `reduce_mean`, sum then
+    divide by N, exactly as for unweighted rounds. Otherwise `w_i / sum(w)`, summed in
+    member order in float64 and each rounded to float32 (protocol/README.md section 5), so
+    every implementation derives the same coefficients.
+    """
+    if not weights:
+        raise ValueError("weight_coefficients: no weights")
+    if any(not (w >= 0 and math.isfinite(w)) for w in weights):
+        raise ValueError(f"weight_coefficients: weights={list(weights)}: need finite >= 0")
+    total = 0.0
+    for w in weights:
+        total += float(w)
+    if total == 0 or all(w == weights[0] for w in weights):
+        return None
+    return [float(np.float32(float(w) / total)) for w in weights]
+
+
+def reduce_weighted(contributions: Sequence[torch.Tensor], weights: Sequence[float] | None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Token-weighted mean of equally shaped float32 tensors, in member order.
+
+    `weights` None or all equal: `reduce_mean`. Otherwise, with `c = weight_coefficients`:
+    `acc = x_0 * c_0`, then `acc += x_i * c_i` for i = 1..N-1, every product rounded to
+    float32 before the addition (no fused multiply-add), so the result does not depend on
+    the CPU or the kernel. `out` as in `reduce_mean`.
+    """
+    coef = None if weights is None else weight_coefficients(weights)
+    if coef is None:
+        return reduce_mean(contributions, out=out)
+    if len(coef) != len(contributions):
+        raise ValueError(f"reduce_weighted: {len(coef)} weights for "
+                         f"{len(contributions)} contributions")
+    first = contributions[0].to(torch.float32)
+    acc = torch.mul(first, coef[0]) if out is None else torch.mul(first, coef[0], out=out)
+    tmp = torch.empty_like(acc)
+    for c, k in zip(contributions[1:], coef[1:], strict=True):
+        acc.add_(torch.mul(c, k, out=tmp))
+    return acc
+
+
 def wire_bytes_ideal(payload_bytes: int, group_size: int) -> float:
     """Bytes one member sends in an ideal butterfly all-reduce: 2 (N-1)/N x payload."""
     if group_size <= 1:
@@ -75,22 +121,35 @@ def wire_bytes_ideal(payload_bytes: int, group_size: int) -> float:
     return 2.0 * (group_size - 1) / group_size * payload_bytes
 
 
+Reducer = Callable[[list[torch.Tensor], list[float]], torch.Tensor]
+
+
+def _default_reduce(chunks: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    return reduce_weighted(chunks, weights)
+
+
 def butterfly_average(contributions: Sequence[torch.Tensor], weights: Sequence[float],
                       codec: Codec, *,
-                      reduce: Callable[[list[torch.Tensor]], torch.Tensor] = reduce_mean,
+                      reduce: Reducer | None = None,
                       chunk_numel: int | None = None, align: int | None = None,
+                      token_weights: Sequence[float] | None = None,
                       ) -> tuple[torch.Tensor, list[int], list[int]]:
     """The whole butterfly all-reduce computed in one place (the simulator's data path).
 
     Same arithmetic as the networked round: every contribution to part j is quantized
     (the owner's too), the owner j combines the decoded chunks in member order with
-    `reduce` (one call per chunk of `chunk_numel` values, as the networked round reduces;
-    None: the whole part at once), quantizes the result and everyone, the owner included,
+    `reduce(chunks, token_weights)` (default `reduce_weighted`; one call per chunk of
+    `chunk_numel` values, as the networked round reduces; `chunk_numel` None: the whole
+    part at once), quantizes the result and everyone, the owner included,
     keeps decode(encode(result)). Parts are aligned to `align` (default: the codec's block;
     the daemon aligns to the configured block size even for float codecs). Returns the
     averaged flat tensor and, per member, the payload bytes it would send and receive.
+    `weights` size the parts (bandwidth); `token_weights` (default: all equal) weight the
+    mean, as each contribution's `weight` does on the wire.
     """
     n = len(contributions)
+    reduce = reduce or _default_reduce
+    tokens = list(token_weights) if token_weights is not None else [1.0] * n
     numel = contributions[0].numel()
     bounds = part_bounds(numel, weights, align=align or codec.block_size)
     out = torch.empty(numel, dtype=torch.float32)  # [numel]
@@ -107,7 +166,7 @@ def butterfly_average(contributions: Sequence[torch.Tensor], weights: Sequence[f
                 if i != owner:
                     sent[i] += len(data)
                     received[owner] += len(data)
-            data, meta = codec.encode(reduce(decoded))
+            data, meta = codec.encode(reduce(decoded, tokens))
             out[lo:hi] = codec.decode(data, meta)
             sent[owner] += len(data) * (n - 1)
             for i in range(n):

@@ -14,15 +14,29 @@ Checks (`check_contributions`): a chunk holding NaN/Inf is rejected; with `norm_
 a chunk whose L2 norm exceeds `norm_bound` times the median norm of the finite chunks is
 rejected (the lower median, so with two members the smaller one is the reference).
 
+Token weights. Every contribution carries the tokens its sender trained on since it last
+synced that fragment (rounds are paced by the swarm's clock, so a slow node contributes
+fewer tokens, not fewer rounds), and the aggregate is a token-weighted mean. A weight is a
+claim nobody can verify directly, so it is checked against the group (`check_claims`): a
+member claiming more than `max_weight_ratio` times the lower median of the group's
+positive claims is rejected, as a non-finite chunk is. Rounds are opened by a shared clock,
+so every member trained for the same wall time: a claim of 1,000x the median is a GPU
+1,000x faster than the group's median one, or a lie. With the default ratio of 16, a
+swarm whose speeds span up to 16x is never refused (with two members the slower one is the
+reference); members that are a majority of a group can still shift the median (as they
+can every robust statistic here).
+
 Aggregators (applied to the accepted chunks, in member order):
 
-* `mean`: `reduce_mean`, the protocol's float32 sum in member order divided by the count.
+* `mean`: `reduce_weighted`, the protocol's float32 token-weighted mean in member order
+  (`reduce_mean`, sum divided by the count, when all weights are equal).
 * `trimmed_mean`: per coordinate, drop the `trim` largest and `trim` smallest values and
-  average the rest; `trim` shrinks to `(n - 1) // 2` for small groups, so three members
-  give the coordinate-wise median and two the plain mean.
+  average the rest, weighted by their senders' tokens; `trim` shrinks to `(n - 1) // 2`
+  for small groups, so three members give the coordinate-wise median and two the mean.
 * `centered_clip` (Karimireddy, He, Jaggi, ICML 2021): start from the coordinate-wise
-  median `v` and repeat `clip_iters` times `v <- v + mean_i((x_i - v) * min(1, tau /
-  ||x_i - v||))`. One member moves `v` by at most `tau / n` per iteration. `tau` is
+  median `v` and repeat `clip_iters` times `v <- v + sum_i(c_i (x_i - v) * min(1, tau /
+  ||x_i - v||))`, `c_i` the token coefficients (1/n when equal). One member moves `v` by
+  at most `c_i tau` per iteration. `tau` is
   `clip_tau` times the median of `||x_i - v_0||`: chunks differ in size and pseudo-gradient
   scales drift over training, so a radius relative to the honest spread is one setting
   that fits every chunk of a run, where an absolute radius would not.
@@ -38,7 +52,7 @@ from typing import Literal
 
 import torch
 
-from dilonode.algo.butterfly import reduce_mean
+from dilonode.algo.butterfly import reduce_weighted, weight_coefficients
 
 __all__ = [
     "AGGREGATORS",
@@ -47,6 +61,7 @@ __all__ = [
     "BanTracker",
     "aggregate",
     "centered_clip",
+    "check_claims",
     "check_contributions",
     "convicted",
     "trimmed_mean",
@@ -68,6 +83,7 @@ class AggregatorSpec:
     trim: int = 1
     clip_tau: float = 1.0
     clip_iters: int = 3
+    max_weight_ratio: float = 16.0  # 0: token claims are not checked
 
     def __post_init__(self) -> None:
         problems = []
@@ -80,6 +96,9 @@ class AggregatorSpec:
             problems.append(f"trim={self.trim}: need >= 0")
         if not (math.isfinite(self.clip_tau) and self.clip_tau > 0):
             problems.append(f"clip_tau={self.clip_tau}: need > 0")
+        if not (math.isfinite(self.max_weight_ratio) and (self.max_weight_ratio == 0
+                                                           or self.max_weight_ratio >= 1)):
+            problems.append(f"max_weight_ratio={self.max_weight_ratio}: need 0 (off) or >= 1")
         if self.clip_iters < 1:
             problems.append(f"clip_iters={self.clip_iters}: need >= 1")
         if problems:
@@ -120,21 +139,41 @@ def check_contributions(chunks: Sequence[torch.Tensor], norm_bound: float = 0.0,
     return sorted(rejected)
 
 
-def trimmed_mean(chunks: Sequence[torch.Tensor], trim: int) -> torch.Tensor:
-    """Coordinate-wise mean after dropping the `trim` largest and smallest values."""
+def check_claims(weights: Sequence[float], max_ratio: float) -> list[int]:
+    """Indices of the members whose token claim exceeds `max_ratio` times the lower median
+    of the group's positive claims (none when `max_ratio` is 0 or nobody claimed anything);
+    see the module docstring."""
+    positive = [w for w in weights if w > 0]
+    if max_ratio <= 0 or not positive:
+        return []
+    limit = max_ratio * _lower_median(positive)
+    return [i for i, w in enumerate(weights) if w > limit]
+
+
+def trimmed_mean(chunks: Sequence[torch.Tensor], trim: int,
+                 weights: Sequence[float] | None = None) -> torch.Tensor:
+    """Coordinate-wise mean after dropping the `trim` largest and smallest values, each kept
+    value weighted by its sender's tokens (`weights`; None or equal: the plain mean)."""
     n = len(chunks)
     k = min(trim, (n - 1) // 2)
+    coef = None if weights is None else weight_coefficients(weights)
     if k == 0:
-        return reduce_mean(chunks)
+        return reduce_weighted(chunks, weights)
     stacked = torch.stack([c.to(torch.float32) for c in chunks])  # [n, numel]
-    ordered = torch.sort(stacked, dim=0).values
-    return ordered[k:n - k].mean(dim=0)
+    ordered, order = torch.sort(stacked, dim=0, stable=True)
+    if coef is None:
+        return ordered[k:n - k].mean(dim=0)
+    w = torch.tensor(coef, dtype=torch.float32)[order[k:n - k]]  # [n - 2k, numel]
+    return (ordered[k:n - k] * w).sum(dim=0) / w.sum(dim=0)
 
 
-def centered_clip(chunks: Sequence[torch.Tensor], clip_tau: float, iters: int) -> torch.Tensor:
-    """CenteredClip from the coordinate-wise median with a radius relative to the spread."""
+def centered_clip(chunks: Sequence[torch.Tensor], clip_tau: float, iters: int,
+                  weights: Sequence[float] | None = None) -> torch.Tensor:
+    """CenteredClip from the coordinate-wise median with a radius relative to the spread;
+    each member's clipped step weighted by its tokens (`weights`; None or equal: 1/n)."""
     stacked = torch.stack([c.to(torch.float32) for c in chunks])  # [n, numel]
     n = stacked.shape[0]
+    coef = None if weights is None else weight_coefficients(weights)
     ordered = torch.sort(stacked, dim=0).values
     v = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2  # [numel] coordinate-wise median
     tau = clip_tau * _lower_median([_norm(x - v) for x in stacked])
@@ -144,26 +183,37 @@ def centered_clip(chunks: Sequence[torch.Tensor], clip_tau: float, iters: int) -
         # A member at the centre (dist 0) contributes nothing to move it; tau 0 (all
         # members agree) leaves v where it is.
         scale = torch.where(dist > tau, tau / dist.clamp_min(1e-300), torch.ones_like(dist))
-        v = v + (diff * scale.to(torch.float32)[:, None]).mean(dim=0)
+        step = diff * scale.to(torch.float32)[:, None]  # [n, numel]
+        if coef is None:
+            v = v + step.mean(dim=0)
+        else:
+            v = v + (step * torch.tensor(coef, dtype=torch.float32)[:, None]).sum(dim=0)
     return v
 
 
 def aggregate(chunks: Sequence[torch.Tensor], spec: AggregatorSpec, *,
+              weights: Sequence[float] | None = None,
               assume_finite: bool = False) -> Aggregated:
-    """Check then combine the members' chunks (member order); ValueError if none is left."""
+    """Check then combine the members' chunks (member order), weighted by `weights` (each
+    member's tokens; None: equal); ValueError if none is left."""
     if not chunks:
         raise ValueError("aggregate: no contributions")
+    if weights is not None and len(weights) != len(chunks):
+        raise ValueError(f"aggregate: {len(weights)} weights for {len(chunks)} chunks")
     rejected = check_contributions(chunks, spec.norm_bound, assume_finite=assume_finite)
+    if weights is not None:
+        rejected = sorted(set(rejected) | set(check_claims(weights, spec.max_weight_ratio)))
     drop = set(rejected)
     kept = [c for i, c in enumerate(chunks) if i not in drop]
+    kept_w = None if weights is None else [w for i, w in enumerate(weights) if i not in drop]
     if not kept:
-        raise ValueError(f"aggregate: all {len(chunks)} contributions rejected (non-finite)")
+        raise ValueError(f"aggregate: all {len(chunks)} contributions rejected")
     if spec.name == "trimmed_mean":
-        value = trimmed_mean(kept, spec.trim)
+        value = trimmed_mean(kept, spec.trim, kept_w)
     elif spec.name == "centered_clip":
-        value = centered_clip(kept, spec.clip_tau, spec.clip_iters)
+        value = centered_clip(kept, spec.clip_tau, spec.clip_iters, kept_w)
     else:
-        value = reduce_mean(kept)
+        value = reduce_weighted(kept, kept_w)
     return Aggregated(value, tuple(rejected))
 
 

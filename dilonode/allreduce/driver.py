@@ -115,7 +115,7 @@ async def run_round(plane: DataPlane, spec: GroupSpec, my_index: int, local: tor
                     offload: bool = True,
                     aggregator: AggregatorSpec | None = None,
                     out: torch.Tensor | None = None,
-                    keep_encoded: bool = False) -> RoundOutcome:
+                    keep_encoded: bool = False, weight: float = 1.0) -> RoundOutcome:
     """Run this node's side of one round; `peers` maps member index -> "host:port".
 
     Returns as soon as the round is DONE or FAILED, by `clock() >= start + timeout` (plus
@@ -124,13 +124,14 @@ async def run_round(plane: DataPlane, spec: GroupSpec, my_index: int, local: tor
     modified in place, ever: float32 contributions are sent as views of it, and after a
     failed round a frame may still be on its way out (`NetworkCollective` hands every
     round a tensor of its own). `out` and `keep_encoded` are handed to `AllReduceRound`
-    (the result buffer; keep the encoded result for `RoundOutcome.encoded`).
+    (the result buffer; keep the encoded result for `RoundOutcome.encoded`), and so is
+    `weight` (the tokens `local` was trained on, which weight it in the mean).
     """
     missing = [i for i in range(spec.size) if i != my_index and i not in peers]
     if missing:
         raise ValueError(f"run_round: no address for member(s) {missing}")
     rnd = AllReduceRound(spec, my_index, local, timeout=timeout, aggregator=aggregator,
-                         out=out, keep_encoded=keep_encoded)
+                         out=out, keep_encoded=keep_encoded, weight=weight)
     key = (spec.fragment, spec.round, spec.attempt)
     inbox = plane.register(key, spec.members)
     try:
@@ -274,7 +275,7 @@ class RoundPolicy:
         return {"codec": self.codec, "block_size": self.block_size,
                 "chunk_numel": self.chunk_numel, "aggregator": agg.name,
                 "norm_bound": agg.norm_bound, "trim": agg.trim, "clip_tau": agg.clip_tau,
-                "clip_iters": agg.clip_iters}
+                "clip_iters": agg.clip_iters, "max_weight_ratio": agg.max_weight_ratio}
 
 
 @dataclass(frozen=True)
@@ -309,9 +310,10 @@ class SwarmRounds:
         self.bans = bans
 
     async def reduce(self, fragment: int, round_no: int, local: torch.Tensor,
-                     out: torch.Tensor | None = None) -> SwarmOutcome:
-        """Average `local` (1-D float32) with a group, retrying without the culprits.
-        `out` (optional) receives a completed round's result (every attempt writes there)."""
+                     out: torch.Tensor | None = None, weight: float = 1.0) -> SwarmOutcome:
+        """Average `local` (1-D float32, trained on `weight` tokens) with a group, retrying
+        without the culprits. `out` (optional) receives a completed round's result (every
+        attempt writes there)."""
         excluded: dict[str, str] = {}
         attempts: list[RoundOutcome] = []
         errors: list[str] = []
@@ -330,7 +332,7 @@ class SwarmRounds:
             got = await run_round(self.plane, spec, my_index, local, peers,
                                   self.policy.timeout, self.clock, offload=self.offload,
                                   aggregator=self.policy.aggregator, out=out,
-                                  keep_encoded=self.keep_encoded)
+                                  keep_encoded=self.keep_encoded, weight=weight)
             attempts.append(got)
             if got.state is RoundState.DONE:
                 self._note_rejected(fragment, round_no, got.rejected, got.convicted)
@@ -532,7 +534,7 @@ class NetworkCollective:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def begin(self, key: SyncKey, flat: torch.Tensor) -> _NetPending:
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> _NetPending:
         fragment = key.fragment if key.kind == "fragment" else GRAD_FRAGMENT
         t0 = self.rounds.clock()
         local = flat.detach().to("cpu", torch.float32).flatten().clone()
@@ -544,13 +546,14 @@ class NetworkCollective:
                 out = None
             elif out is None or out.numel() != local.numel():
                 out = self._results[fragment] = torch.empty_like(local)
-        fut = self.thread.submit(self._reduce(fragment, key.round, local, t0, out))
+        fut = self.thread.submit(self._reduce(fragment, key.round, local, t0, out, weight))
         self._in_flight[fragment] = fut
         return _NetPending(fut)
 
     async def _reduce(self, fragment: int, round_no: int, local: torch.Tensor,
-                      t0: float, out_buf: torch.Tensor | None = None) -> ReduceResult:
-        swarm = await self.rounds.reduce(fragment, round_no, local, out_buf)
+                      t0: float, out_buf: torch.Tensor | None = None,
+                      weight: float = 1.0) -> ReduceResult:
+        swarm = await self.rounds.reduce(fragment, round_no, local, out_buf, weight)
         out = swarm.outcome
         assert out.result is not None
         return ReduceResult(
@@ -560,5 +563,5 @@ class NetworkCollective:
             dropped=tuple(f"{peer}: {reason}" for peer, reason in swarm.excluded.items()),
             skipped=out.skipped, members=tuple(out.members),
             attempts=len(swarm.attempts) + sum("no group" in e for e in swarm.errors),
-            rejected=out.rejected, encoded=out.encoded,
+            rejected=out.rejected, encoded=out.encoded, digest=out.digest or "",
             latency_s=self.rounds.clock() - t0)

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 from dilonode import PROTOCOL_VERSION
-from dilonode.algo.butterfly import part_bounds, reduce_mean
+from dilonode.algo.butterfly import part_bounds, reduce_weighted
 from dilonode.algo.codecs import (
     Codec,
     CodecError,
@@ -79,7 +79,7 @@ from dilonode.algo.codecs import (
     get_codec,
 )
 from dilonode.algo.replay import EncodedResult
-from dilonode.algo.robust import AggregatorSpec, aggregate, convicted
+from dilonode.algo.robust import AggregatorSpec, aggregate, check_claims, convicted
 from dilonode.wire.errors import LocalProtocolError, RemoteProtocolError, one_line
 from dilonode.wire.framing import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -90,6 +90,7 @@ from dilonode.wire.framing import (
 from dilonode.wire.messages import (
     ABORT_REASON_MAX,
     MAX_MEMBERS,
+    MAX_WEIGHT,
     Abort,
     Contribution,
     Message,
@@ -352,7 +353,8 @@ class AllReduceRound:
 
     def __init__(self, spec: GroupSpec, my_index: int, local: torch.Tensor, *,
                  timeout: float = 30.0, aggregator: AggregatorSpec | None = None,
-                 out: torch.Tensor | None = None, keep_encoded: bool = False) -> None:
+                 out: torch.Tensor | None = None, keep_encoded: bool = False,
+                 weight: float = 1.0) -> None:
         if not 0 <= my_index < spec.size:
             raise ValueError(f"my_index={my_index}: not in 0..{spec.size - 1}")
         if local.dtype != torch.float32 or local.shape != (spec.numel,):
@@ -362,12 +364,17 @@ class AllReduceRound:
             raise ValueError("local: holds NaN/Inf; refusing to contribute it")
         if not timeout > 0:
             raise ValueError(f"timeout={timeout}: must be > 0")
+        if not (0.0 <= weight <= MAX_WEIGHT):
+            raise ValueError(f"weight={weight}: need 0 <= weight <= {MAX_WEIGHT:g} (tokens)")
         _check_out(out, local, spec.numel)
         self._out_buffer = out
         self.spec = spec
         self.my_index = my_index
         self.timeout = timeout
         self.aggregator = aggregator or AggregatorSpec()
+        self.weight = float(weight)
+        # Each member's token weight, as its first contribution to us carried it (ours too).
+        self._weights: dict[int, float] = {my_index: self.weight}
         self._local = local.detach().cpu().contiguous()
         self._codec = spec.codec_obj
         # decode(encode(x)) == x for finite x: the one codec whose round trip can be skipped.
@@ -574,7 +581,7 @@ class AllReduceRound:
                 msg = Contribution(**self._envelope(), owner=j, chunk=k,
                                    n_chunks=spec.n_chunks(j), offset=offset, numel=numel,
                                    codec=spec.codec, block_size=spec.block_size,
-                                   payload=payload)
+                                   weight=self.weight, payload=payload)
                 actions += self._send([j], msg)
         return actions
 
@@ -675,6 +682,10 @@ class AllReduceRound:
         waiting = self._pending.setdefault(msg.chunk, {})
         if self._chunk_done[msg.chunk] or sender in waiting:
             raise RemoteProtocolError(f"duplicate contribution chunk {msg.chunk}")
+        claimed = self._weights.setdefault(sender, msg.weight)
+        if claimed != msg.weight:
+            raise RemoteProtocolError(f"contribution chunk {msg.chunk} claims weight "
+                                      f"{msg.weight:g}, earlier chunks {claimed:g}")
         waiting[sender] = self._decode(msg)
         if len(waiting) < self.spec.size - 1:
             return []
@@ -729,14 +740,17 @@ class AllReduceRound:
         contribs = self._pending.pop(k)
         contribs[me] = self._own_contribution(start, numel)
         ordered = [contribs[i] for i in range(spec.size)]
+        weights = [self._weights[i] for i in range(spec.size)]
         target = self._output()[start:start + numel]
-        if self.aggregator == AggregatorSpec():
-            # The plain mean, straight into the output slice (no temporary), where the
-            # encoded-and-decoded mean goes anyway.
-            value, rejected = reduce_mean(ordered, out=target), ()
+        plain = self.aggregator.name == "mean" and not self.aggregator.norm_bound
+        if plain and not check_claims(weights, self.aggregator.max_weight_ratio):
+            # The plain (token-weighted) mean, straight into the output slice (no
+            # temporary), where the encoded-and-decoded mean goes anyway.
+            value, rejected = reduce_weighted(ordered, weights, out=target), ()
         else:
             # Every decoded chunk was checked finite on arrival (ours at construction).
-            combined = aggregate(ordered, self.aggregator, assume_finite=True)
+            combined = aggregate(ordered, self.aggregator, weights=weights,
+                                 assume_finite=True)
             value, rejected = combined.value, combined.rejected
         self._rejected_by.setdefault(me, set()).update(rejected)
         try:

@@ -216,5 +216,6 @@ class ObservedCollective:
     def __init__(self, inner: Collective, status: NodeStatus, step: Callable[[], int]) -> None:
         self.inner, self.status, self.step = inner, status, step
 
-    def begin(self, key: SyncKey, flat: torch.Tensor) -> PendingReduce:
-        return _ObservedPending(self.inner.begin(key, flat), key, self.status, self.step)
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> PendingReduce:
+        return _ObservedPending(self.inner.begin(key, flat, weight), key, self.status,
+                                self.step)

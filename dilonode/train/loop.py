@@ -47,13 +47,16 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
                eval_batches: list[tuple[torch.Tensor, torch.Tensor]], stop: threading.Event,
                on_step: Callable[[Worker, LoopReport], None] | None = None,
                leave_timeout: float | None = None) -> LoopReport:
-    """Run until `total_steps` (None: until `stop`), then land syncs still in flight (when
-    stopped early, for at most `leave_timeout` s)."""
+    """Run until the run's end (`total_steps`: own steps when paced by steps, reference
+    steps of the swarm clock when paced by time; None: until `stop`), then land syncs still
+    in flight (when stopped early, for at most `leave_timeout` s) and, at a regular end,
+    run the end-of-run rounds (`Worker.final_sync`)."""
     rep = LoopReport()
     t_start = time.perf_counter()
     worker.should_stop = stop.is_set
+    worker.end_step = total_steps
     wait0 = worker.stats.sync_wait_s
-    while not stop.is_set() and (total_steps is None or worker.step < total_steps):
+    while not stop.is_set() and not worker.at_end():
         t0 = time.perf_counter()
         worker.train_step()
         t1 = time.perf_counter()
@@ -75,10 +78,19 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
     rep.stopped_early = stop.is_set()
     rep.steps, rep.tokens = worker.step, worker.stats.tokens
     t0 = time.perf_counter()
-    worker.drain(leave_timeout if rep.stopped_early else None)
+    try:
+        worker.drain(leave_timeout if rep.stopped_early else None)
+        if not rep.stopped_early and total_steps is not None:
+            worker.final_sync()
+    except Interrupted:
+        rep.stopped_early = True
+        worker.drain(leave_timeout)
     rep.sync_s += time.perf_counter() - t0
     rep.sync_wait_s = worker.stats.sync_wait_s - wait0
-    if not rep.eval_history or rep.eval_history[-1][0] != worker.step:
-        rep.eval_history.append((worker.step, worker.evaluate(eval_batches)))
+    # Always evaluated again: the drained and end-of-run rounds moved the outer weights.
+    if rep.eval_history and rep.eval_history[-1][0] == worker.step:
+        rep.eval_history.pop()
+    rep.eval_history.append((worker.step, worker.evaluate(eval_batches)))
     rep.wall_s = time.perf_counter() - t_start
     return rep
+

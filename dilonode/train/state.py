@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +31,10 @@ __all__ = ["WorkerState", "adoption_step", "config_digest", "fragment_names", "s
 
 def config_digest(cfg: RunConfig) -> str:
     """sha256 hex of the settings the outer state depends on (not paths, steps or network)."""
+    # step_seconds only proposes a clock; the swarm agrees on one whatever nodes propose.
     parts = {"model": cfg.model.model_dump(mode="json"),
-             "diloco": cfg.diloco.effective().model_dump(mode="json"),
+             "diloco": cfg.diloco.effective().model_dump(mode="json",
+                                                         exclude={"step_seconds"}),
              "codec": cfg.codec.model_dump(mode="json"), "seed": cfg.seed}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -88,11 +91,14 @@ class WorkerState:
     # fragment p -> the result of its last landed round (round rounds[p] - 1), for joiners
     # holding the fragment one round old (algo/replay.py); not checkpointed.
     replays: dict[int, EncodedResult] = field(default_factory=dict)
+    # Per fragment, the hash chain of the rounds applied (algo/chain.py); () if unknown.
+    chains: tuple[str, ...] = ()
 
     @classmethod
     def capture(cls, step: int, rounds: list[int], outer: list[OuterState],
                 reuse: WorkerState | None = None, taken_at: int | None = None,
-                replays: dict[int, EncodedResult] | None = None) -> WorkerState:
+                replays: dict[int, EncodedResult] | None = None,
+                chains: list[str] | None = None) -> WorkerState:
         """A copy of `outer` (so training may go on while it is written or served).
 
         Fragments whose counters equal those in `reuse` (an earlier capture) have not changed
@@ -108,7 +114,8 @@ class WorkerState:
             tensors[f"outer.{p}.weights"] = st.weights.detach().to("cpu", copy=True)
             tensors[f"outer.{p}.momentum"] = st.momentum_buf.detach().to("cpu", copy=True)
         return cls(step, tuple(rounds), tuple(st.steps for st in outer), tensors,
-                   step if taken_at is None else taken_at, dict(replays or {}))
+                   step if taken_at is None else taken_at, dict(replays or {}),
+                   tuple(chains or ()))
 
     @property
     def num_fragments(self) -> int:
@@ -121,7 +128,7 @@ class WorkerState:
     def meta(self) -> dict[str, object]:
         """The scalar part, JSON-ready."""
         return {"step": self.step, "rounds": list(self.rounds),
-                "outer_steps": list(self.outer_steps)}
+                "outer_steps": list(self.outer_steps), "chains": list(self.chains)}
 
     @classmethod
     def from_meta(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> WorkerState:
@@ -137,7 +144,14 @@ class WorkerState:
         if len(rounds) != len(outer_steps) or not rounds:
             raise ValueError(f"state meta: {len(rounds)} round counters but "
                              f"{len(outer_steps)} outer step counters")
-        state = cls(step, tuple(rounds), tuple(outer_steps), dict(tensors))
+        chains = meta.get("chains", [])
+        if not isinstance(chains, list | tuple) or not all(
+                isinstance(c, str) and re.fullmatch(r"[0-9a-f]{32}", c) for c in chains) \
+                or len(chains) not in (0, len(rounds)):
+            raise ValueError(f"state meta: chains = {str(chains)[:200]} is not one 32-hex "
+                             "chain per fragment")
+        state = cls(step, tuple(rounds), tuple(outer_steps), dict(tensors),
+                    chains=tuple(chains))
         expected = set(tensor_names(len(rounds)))
         if set(tensors) != expected:
             raise ValueError(f"state tensors: got {sorted(tensors)}, expected {sorted(expected)}")

@@ -1,16 +1,20 @@
 """One training worker: model, inner AdamW, data stream and the per-fragment outer state,
 driven step by step against a `Collective`.
 
-The simulator runs M of these in lockstep over a `LocalGroup`; the daemon runs one over the
-network. Each step has three phases so both drivers can interleave workers:
-`train_step()` (forward/backward and, outside DDP, the inner update), `launch()` (start the
-syncs the schedule asks for), `land()` (apply the results that are due). No networking here.
+The simulator runs M of these over a `LocalGroup`; the daemon runs one over the network.
+Each step has three phases so both drivers can interleave workers: `train_step()`
+(forward/backward and, outside DDP, the inner update), `launch()` (start the rounds its
+pacer says are due, landing first a round of the same fragment still in flight), `land()`
+(apply the results that are due). When rounds start and land is decided by the worker's
+pacer (`algo/pacing.py`): its own steps, or the swarm's clock, so that workers of different
+speeds meet in every round and each contributes the tokens it trained. No networking here.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,16 +22,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dilonode.algo.chain import chain_next, chain_start
 from dilonode.algo.fragments import Fragment, assign_fragments, flatten, unflatten_into
 from dilonode.algo.outer import NonFiniteError, OuterState, merge, pseudo_gradient
+from dilonode.algo.pacing import Pacer, StepPacer, TimePacer, due_starts, final_rounds
 from dilonode.algo.replay import EncodedResult
-from dilonode.algo.schedule import SyncLand, SyncPlan, SyncStart
+from dilonode.algo.schedule import SyncPlan, SyncStart
 from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TokenData
 from dilonode.train.device import autocast, pick_device
 from dilonode.train.model import build_model, lm_loss
-from dilonode.train.state import WorkerState, adoption_step, settled_step
+from dilonode.train.state import WorkerState, adoption_step, config_digest, settled_step
 
 __all__ = ["Interrupted", "Worker", "WorkerStats", "build_inner_optimizer", "inner_lr"]
 
@@ -59,6 +65,9 @@ class WorkerStats:
     dropped: list[str] = field(default_factory=list)  # recent "peer: reason" exclusions
     sync_wait_s: float = 0.0  # time the training thread spent blocked on a sync result
     abandoned: int = 0  # rounds left unfinished when stopping (drain timeout)
+    missed: int = 0  # rounds this worker's pacer jumped over (paused, or slower than H)
+    late: int = 0  # rounds whose result was not there when the fragment's next was due
+    contributed_tokens: int = 0  # tokens in the contributions this worker sent
     # fragment (-1: DDP gradients) -> (rounds, total s, max s) from begin to result
     latency: dict[int, tuple[int, float, float]] = field(default_factory=dict)
 
@@ -89,18 +98,34 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerOptConfig) -> torch.optim.
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
-def inner_lr(cfg: InnerOptConfig, step: int) -> float:
-    """Learning rate for 1-based `step`: linear warm-up, then constant."""
+def inner_lr(cfg: InnerOptConfig, step: int, since_adoption: int | None = None) -> float:
+    """Learning rate for 1-based `step`: linear warm-up, then constant. `since_adoption`:
+    own steps since this worker adopted a state with a fresh AdamW (joined, resumed), which
+    warms up again over `cfg.rewarm_steps`: zero moments make the first updates about
+    lr * sign(gradient) on every weight at once, which spiked the loss above an untrained
+    model's before."""
+    lr = cfg.lr
     if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    return cfg.lr
+        lr = cfg.lr * step / cfg.warmup_steps
+    if since_adoption is not None and cfg.rewarm_steps and since_adoption <= cfg.rewarm_steps:
+        lr = min(lr, cfg.lr * since_adoption / cfg.rewarm_steps)
+    return lr
+
+
+def _values_digest(mean: torch.Tensor) -> str:
+    """A digest of a result tensor, for collectives that carry none (tests, fakes)."""
+    import hashlib
+
+    return hashlib.sha256(mean.detach().to("cpu", torch.float32).contiguous().numpy()
+                          .tobytes()).hexdigest()
 
 
 class Worker:
     """A worker's model and optimizers; see the module docstring for the step phases."""
 
     def __init__(self, cfg: RunConfig, data: TokenData, collective: Collective,
-                 identity: int | str, device: torch.device | None = None) -> None:
+                 identity: int | str, device: torch.device | None = None,
+                 pacer: Pacer | None = None) -> None:
         self.cfg = cfg
         self.algo = cfg.diloco.effective()
         self.identity = identity
@@ -122,6 +147,13 @@ class Worker:
         # Polled while blocked on a sync result; True makes `land` raise `Interrupted`.
         self.should_stop: Callable[[], bool] | None = None
         self.pending: dict[int, tuple[int, PendingReduce]] = {}
+        self._launched_at: dict[int, int] = {}  # fragment -> own step its round started at
+        # Drivers pass the pacer the run uses (the daemon: the swarm clock when
+        # diloco.pacing = "time"); built alone, a worker follows its own steps.
+        self.pacer: Pacer = pacer or StepPacer()
+        self.ref_now, self.lead = 0.0, 0.0  # the pacer's last reading (reference steps)
+        self.end_step: int | None = None  # the run ends at this reference step (set by drivers)
+        self._rewarm_from: int | None = None  # own step of the last adoption with fresh AdamW
         self.plan: SyncPlan | None = None
         self.fragments: list[Fragment] = []
         self.outer: list[OuterState] = []
@@ -138,6 +170,11 @@ class Worker:
         outer_device = "cpu" if a.outer_state_on_cpu else self.device
         self.outer = [OuterState(flatten(self._frag_params(f)), a.outer_lr, a.outer_momentum,
                                  a.outer_nesterov, outer_device) for f in self.fragments]
+        p_count = len(self.fragments)
+        self.next_round = [0] * p_count  # per fragment: the next round to start
+        self.tokens_since = [0] * p_count  # per fragment: tokens trained since its last start
+        digest = config_digest(self.cfg)
+        self.chains = [chain_start(digest, p) for p in range(p_count)]
 
     def _frag_params(self, frag: Fragment) -> list[nn.Parameter]:
         return [self.params[i] for i in frag.param_indices]
@@ -153,6 +190,8 @@ class Worker:
         self.step += 1
         self.stats.steps = self.step
         self.stats.tokens += x.numel()
+        if self.plan is not None:
+            self.tokens_since = [t + x.numel() for t in self.tokens_since]
         self.stats.last_loss = float(loss.detach())
         if self.algo.mode == "ddp":
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -163,42 +202,118 @@ class Worker:
         return self.stats.last_loss
 
     def _inner_update(self) -> None:
+        since = None if self._rewarm_from is None else self.step - self._rewarm_from
         for group in self.opt.param_groups:
-            group["lr"] = inner_lr(self.cfg.inner, self.step)
+            group["lr"] = inner_lr(self.cfg.inner, self.step, since)
         if self.cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.inner.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
     # -- phase 2 -------------------------------------------------------------------------
+    @property
+    def swarm_step(self) -> int:
+        """Where this worker stands on the schedule, in reference steps: its own step when
+        paced by steps, the swarm clock's reading at its last step boundary otherwise."""
+        if isinstance(self.pacer, StepPacer):
+            return self.step
+        return max(math.floor(self.ref_now), 0) if math.isfinite(self.ref_now) else 0
+
+    def at_end(self) -> bool:
+        """Whether the run's end (`end_step`, reference steps) is reached at this boundary."""
+        if self.end_step is None:
+            return False
+        if isinstance(self.pacer, StepPacer) or self.plan is None:
+            return self.step >= self.end_step
+        return self.ref_now + self.lead >= self.end_step
+
     def launch(self) -> None:
-        """Start every sync the schedule places at the current step."""
+        """Start every round the pacer says is due at this step boundary. A round of the
+        same fragment still in flight lands first (blocking: its result is truly late)."""
+        self.start_due(self.due())
+
+    def due(self) -> list[SyncStart]:
+        """Read the pacer at this step boundary: the rounds due to start now."""
         if self.plan is None:
-            return
-        for act in self.plan.actions(self.step):
-            if isinstance(act, SyncStart):
-                self._start(act.fragment, act.round)
+            return []
+        self.ref_now, self.lead = self.pacer.at_step(self.step)
+        ref, lead = self.ref_now, self.lead
+        if self.end_step is not None and ref + lead >= self.end_step:
+            ref, lead = float(self.end_step), 0.0  # nothing past the end starts
+        return due_starts(self.plan, self.next_round, ref, lead)
+
+    def start_due(self, due: list[SyncStart]) -> None:
+        """Start `due` (from `due()`), landing first any round of those fragments still
+        in flight (the only place a clock-paced worker waits for a result)."""
+        for act in due:
+            if act.fragment in self.pending:
+                self.stats.late += 1
+                self._land_fragment(act.fragment)
+            self._start(act.fragment, act.round)
+
+    def blocking(self, due: list[SyncStart] | None = None) -> list[PendingReduce]:
+        """The results `start_due(due)` (or, with `due` None, `land()`) would wait for: what
+        a driver that advances virtual time (the simulator) must let finish first."""
+        if due is not None:
+            fragments = [a.fragment for a in due if a.fragment in self.pending]
+        else:
+            fragments = [p for p in self.pending if self._lands_now(p, block=True)]
+        return [self.pending[p][1] for p in fragments if not self.pending[p][1].done()]
 
     def _start(self, p: int, r: int) -> None:
         if p in self.pending:
             raise RuntimeError(f"fragment {p} round {r} started while round "
                                f"{self.pending[p][0]} is still in flight")
+        if r > self.next_round[p]:
+            self.stats.missed += r - self.next_round[p]
+            log.warning("fragment %d: rounds %d..%d missed (this node was paused or is slower "
+                        "than one round period); contributing to round %d", p,
+                        self.next_round[p], r - 1, r)
         local = flatten(self._frag_params(self.fragments[p]))  # [numel_p]
         delta = pseudo_gradient(self.outer[p].weights, local)
-        self.pending[p] = (r, self.collective.begin(SyncKey("fragment", p, r), delta))
+        tokens, self.tokens_since[p] = self.tokens_since[p], 0
+        self.stats.contributed_tokens += tokens
+        self.next_round[p] = r + 1
+        self._launched_at[p] = self.step
+        self.pending[p] = (r, self.collective.begin(SyncKey("fragment", p, r), delta,
+                                                    float(tokens)))
 
     # -- phase 3 -------------------------------------------------------------------------
     def land(self) -> None:
-        """Apply results due now: DDP gradients, or fragment outer steps and merges."""
+        """Apply results due now: DDP gradients, or fragment outer steps and merges. A round
+        is due tau own steps after it started (tau = 0: at once, waiting for it); paced by
+        the clock, a round past tau lands once its result is there, never waited for."""
         if self._grad_pending is not None:
             self._land_grads(self._wait(self._grad_pending))
             self._grad_pending = None
             return
-        if self.plan is None:
+        for p in sorted(self.pending):
+            if self._lands_now(p):
+                self._land_fragment(p)
+
+    def _lands_now(self, p: int, block: bool = False) -> bool:
+        """Whether pending fragment p lands at this boundary (`block`: waiting for it)."""
+        tau = self.algo.fragment_sync_delay
+        if self.step - self._launched_at[p] < tau:
+            return False
+        if tau and self.pacer.timed:  # paced by the clock: landed when there, never awaited
+            return not block and self.pending[p][1].done()
+        return True
+
+    def final_sync(self) -> None:
+        """The end of the run (after `drain`): one more round of every fragment trained
+        since its last round (`pacing.final_rounds`), landed at once, so the outer weights
+        hold everything every worker trained and all members end on the same state."""
+        self.start_final()
+        for p in sorted(self.pending):
+            self._land_fragment(p)
+
+    def start_final(self) -> None:
+        """Start the end-of-run rounds of `final_sync` (a virtual-time driver lands them)."""
+        if self.plan is None or self.end_step is None or not self.algo.final_sync:
             return
-        for act in self.plan.actions(self.step):
-            if isinstance(act, SyncLand):
-                self._land_fragment(act.fragment)
+        for act in final_rounds(self.plan, self.next_round, self.end_step):
+            self._start(act.fragment, act.round)
 
     def drain(self, timeout: float | None = None) -> None:
         """Land every sync still in flight (end of training). With `timeout` (a node that
@@ -212,6 +327,8 @@ class Worker:
                     handle.wait(max(deadline - time.monotonic(), 0.0))
                 except TimeoutError:
                     del self.pending[p]
+                    self._launched_at.pop(p, None)
+                    self.next_round[p] = r  # not landed: the state must not claim it
                     self.stats.abandoned += 1
                     log.warning("fragment %d round %d abandoned: not done %.1f s after the "
                                 "stop", p, r, timeout)
@@ -257,15 +374,19 @@ class Worker:
         r, handle = self.pending[p]
         result = self._wait(handle)  # p stays pending while we wait: export_state sees it
         del self.pending[p]
+        self._launched_at.pop(p, None)
         self.stats.record(p, result)
         params = self._frag_params(self.fragments[p])
         self.replays.pop(p, None)
+        digest = result.digest or _values_digest(result.mean)
         try:
             new_global = self.outer[p].step(result.mean)
         except NonFiniteError as exc:
             self.stats.rejected += 1
+            self.chains[p] = chain_next(self.chains[p], r, digest, applied=False)
             log.warning("fragment %d round %d: %s", p, r, exc)
             return
+        self.chains[p] = chain_next(self.chains[p], r, digest, applied=True)
         if result.encoded is not None and result.group_size > 1:
             self.replays[p] = (r, result.encoded)
         merged = merge(flatten(params), new_global, self.algo.fragment_update_alpha)
@@ -280,25 +401,29 @@ class Worker:
         if self.plan is None:
             raise RuntimeError("export_state: mode=ddp has no outer state to export")
         # Outer state moves only when a round lands: it is the state after `landed` rounds.
-        landed = [self.plan.rounds_started(p, self.step) - (p in self.pending)
-                  for p in range(len(self.outer))]
+        landed = [self.next_round[p] - (p in self.pending) for p in range(len(self.outer))]
         step = adoption_step(self.plan, landed)
         if step is None:
             raise RuntimeError(f"export_state: no step of this schedule has landed exactly "
                                f"{landed} rounds with none in flight (tau >= H/P?)")
         # After `drain` (end of training) rounds may have landed before their scheduled step;
         # a checkpoint named by our own step would then resume with them due again.
-        taken_at = max(self.step, settled_step(self.plan, landed))
+        taken_at = max(self.swarm_step, settled_step(self.plan, landed))
         replays = {p: enc for p, (r, enc) in self.replays.items() if r == landed[p] - 1}
+        chains = [self._landed_chain(p) for p in range(len(self.outer))]
         return WorkerState.capture(step, landed, self.outer, reuse, taken_at=taken_at,
-                                   replays=replays)
+                                   replays=replays, chains=chains)
+
+    def _landed_chain(self, p: int) -> str:
+        # Chains move only when a round lands, so a pending round is not in it yet.
+        return self.chains[p]
 
     def floor_step(self, counts_joiner: Callable[[int, int], bool]) -> int:
         """For a joiner: the step its adopted state must reach. Every round started by now
         must be in it, except rounds still in flight that count it (`counts_joiner(fragment,
         round)`: they expected it in matchmaking or grouped it), which it takes part in.
         Read from another thread: a plain snapshot of `step` and `pending`."""
-        step, pending = self.step, dict(self.pending)
+        step, pending = self.swarm_step, dict(self.pending)
         if self.plan is None:
             return step
         started = [self.plan.rounds_started(p, step) for p in range(len(self.outer))]
@@ -310,8 +435,11 @@ class Worker:
         return step if floor is None else floor
 
     def import_state(self, state: WorkerState) -> None:
-        """Adopt `state` (joining or resuming): outer state, step, and local weights set to
-        the outer weights; inner AdamW starts fresh (docs/architecture.md says why)."""
+        """Adopt `state` (joining, resuming, re-syncing): outer state, round counters and
+        chains, and local weights set to the outer weights. A worker that has trained keeps
+        its inner AdamW moments (its gradient statistics still fit weights this close); a
+        fresh one starts them at zero and re-warms its learning rate
+        (docs/architecture.md says why)."""
         if self.plan is None or self.pending:
             raise RuntimeError("import_state: only with no sync in flight, outside mode=ddp")
         expected = [self.plan.rounds_started(p, state.step) for p in range(len(self.outer))]
@@ -322,8 +450,17 @@ class Worker:
         self.replays.clear()
         for frag, outer in zip(self.fragments, self.outer, strict=True):
             unflatten_into(outer.weights, self._frag_params(frag))
-        self.opt = build_inner_optimizer(self.model, self.cfg.inner)
-        self.step = self.stats.steps = state.step
+        self.next_round = list(state.rounds)
+        self.tokens_since = [0] * len(self.outer)
+        if state.chains:
+            self.chains = list(state.chains)
+        fresh = not self.opt.state  # no moments yet: nothing to keep, re-warm instead
+        if isinstance(self.pacer, StepPacer):
+            self.step = self.stats.steps = state.step  # the schedule counts own steps
+        if fresh:
+            self._rewarm_from = self.step
+        if isinstance(self.pacer, TimePacer):
+            self.pacer.restart()  # the fetch was no step: keep it out of the step time
 
     # -- evaluation ----------------------------------------------------------------------
     def outer_model(self) -> nn.Module:

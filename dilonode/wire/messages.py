@@ -37,6 +37,7 @@ from dilonode.wire.errors import RemoteProtocolError, one_line
 __all__ = [
     "ABORT_REASON_MAX",
     "MAX_MEMBERS",
+    "MAX_WEIGHT",
     "MESSAGE_TYPES",
     "Abort",
     "Contribution",
@@ -53,6 +54,7 @@ __all__ = [
 ]
 
 MAX_MEMBERS = 4096
+MAX_WEIGHT = 1e15  # tokens in one contribution; far above any real round
 ABORT_REASON_MAX = 256
 HANDSHAKE_KEY_MAX = 1024
 HANDSHAKE_NONCE_MAX = 64
@@ -160,9 +162,12 @@ class _Chunk(_Base):
 
 
 class Contribution(_Chunk):
-    """`sender`'s encoded values [offset, offset + numel) of the part owned by `owner`."""
+    """`sender`'s encoded values [offset, offset + numel) of the part owned by `owner`;
+    `weight` is the tokens the sender trained on since it last synced this fragment (the
+    owner's mean is weighted by it; the same in every chunk of one round)."""
 
     type: Literal["contribution"] = Field("contribution", exclude=True)
+    weight: float = Field(ge=0.0, le=MAX_WEIGHT, allow_inf_nan=False)
     payload: Payload
 
 

@@ -140,7 +140,7 @@ async def _forge_as_a(victim: Member, *, with_a_key: bool) -> bytes:
                           b"dilonode/v3/handshake/connector\0", transcript)
         poison = Contribution(run_id=RUN, fragment=0, round=1, sender=0, owner=1, chunk=0,
                               n_chunks=1, offset=0, numel=4, codec="float32", block_size=64,
-                              payload=b"\x00\x00\x80\x7f" * 4)
+                              weight=1.0, payload=b"\x00\x00\x80\x7f" * 4)
         writer.write(encode_frame(HelloAuth(run_id=RUN, signature=sig, mac=mac))
                      + encode_frame(poison))
         return await _read_all(reader)  # b"": the victim hung up
@@ -172,7 +172,8 @@ async def _scenario() -> dict[str, Any]:
         # W skips matchmaking and pushes a poisoned frame straight at A's data plane.
         poison = encode_frame(Contribution(
             run_id=RUN, fragment=0, round=1, sender=0, owner=0, chunk=0, n_chunks=1, offset=0,
-            numel=4, codec="float32", block_size=64, payload=b"\x00\x00\x80\x7f" * 4))
+            numel=4, codec="float32", block_size=64, weight=1.0,
+            payload=b"\x00\x00\x80\x7f" * 4))
         with pytest.raises(PeerUnreachable, match="handshake refused"):
             await asyncio.wait_for(w.plane.send(A.peer_id, a.plane.address, poison), 10.0)
         xs = {m.creds.peer_id: _inputs(i, 1.0 if i < 2 else 1e6) for i, m in enumerate(members)}

@@ -288,7 +288,7 @@ def _read_like_the_event_loop(inn: InboundChannel, stream: bytes, seed: int,
 def _contribution(chunk: int, payload: bytes) -> Contribution:
     return Contribution(run_id=RUN, fragment=1, round=0, sender=1, owner=0, chunk=chunk,
                         n_chunks=8, offset=0, numel=len(payload) // 4, codec="float32",
-                        block_size=1, payload=payload)
+                        block_size=1, weight=1.0, payload=payload)
 
 
 @pytest.mark.parametrize("seed", range(6))

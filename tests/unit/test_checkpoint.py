@@ -50,7 +50,7 @@ def test_roundtrip_and_metadata(tmp_path):
     path = save_checkpoint(tmp_path, _state(30), RUN, DIGEST, keep=3)
     meta = json.loads(path.read_text())
     assert meta["run_id"] == RUN and meta["config_digest"] == DIGEST
-    assert meta["state"] == {"step": 30, "rounds": [3, 3], "outer_steps": [3, 3]}
+    assert meta["state"] == {"step": 30, "rounds": [3, 3], "outer_steps": [3, 3], "chains": []}
     loaded, where = load_latest(tmp_path, RUN, DIGEST)
     assert where == path and _same(loaded, _state(30))
 

@@ -236,10 +236,10 @@ class _Recorder:
         self.got: dict[SyncKey, ReduceResult] = {}
         self.devices: set[str] = set()
 
-    def begin(self, key: SyncKey, flat: torch.Tensor) -> PendingReduce:
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> PendingReduce:
         self.devices.add(flat.device.type)
         self.sent[key] = flat.detach().to("cpu", copy=True)
-        return _RecordingPending(self, key, self.inner.begin(key, flat))
+        return _RecordingPending(self, key, self.inner.begin(key, flat, weight))
 
 
 class _RecordingPending:

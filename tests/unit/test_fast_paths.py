@@ -80,7 +80,7 @@ def _contribution(numel: int, seed: int) -> Contribution:
     payload = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).numpy()
     return Contribution(run_id="r", fragment=0, round=1, sender=1, owner=0, chunk=0,
                         n_chunks=1, offset=0, numel=numel, codec="float32", block_size=64,
-                        payload=payload.tobytes())
+                        weight=1.0, payload=payload.tobytes())
 
 
 @pytest.mark.parametrize("piece", [1000, 65_537, 300_000])

@@ -495,7 +495,7 @@ def test_api_misuse_is_a_local_error() -> None:
     r = AllReduceRound(spec, 0, xs[0])
     msg = Contribution(run_id="run-a", fragment=1, round=9, sender=1, owner=0, chunk=0,
                        n_chunks=1, offset=0, numel=1, codec="float32", block_size=64,
-                       payload=bytes(4))
+                       weight=1.0, payload=bytes(4))
     with pytest.raises(LocalProtocolError):
         r.receive(1, msg, 0.0)  # before start
     r.start(0.0)

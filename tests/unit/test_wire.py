@@ -63,7 +63,8 @@ def _chunk_fields(draw: st.DrawFn) -> dict[str, Any]:
 
 @st.composite
 def contributions(draw: st.DrawFn) -> Contribution:
-    return Contribution(**draw(st.fixed_dictionaries(_envelope)), **draw(_chunk_fields()))
+    return Contribution(**draw(st.fixed_dictionaries(_envelope)), **draw(_chunk_fields()),
+                        weight=draw(st.floats(0.0, 1e15)))
 
 
 @st.composite
@@ -110,7 +111,7 @@ def _contribution(**update: Any) -> Contribution:
     fields: dict[str, Any] = {
         "run_id": "run", "fragment": 1, "round": 4, "sender": 2, "owner": 0, "chunk": 0,
         "n_chunks": 1, "offset": 0, "numel": 4, "codec": "float32", "block_size": 64,
-        "payload": bytes(16)}
+        "weight": 1.0, "payload": bytes(16)}
     fields.update(update)
     return Contribution(**fields)
 
@@ -451,3 +452,15 @@ def test_payload_must_be_bytes_or_a_read_only_byte_view() -> None:
                 memoryview(b"ab" * 8).cast("H")):
         with pytest.raises(RemoteProtocolError, match="field payload"):
             message_from_dict({**fields, "payload": bad})
+
+
+def test_golden_reductions() -> None:
+    """Another implementation's owner must derive these coefficients and means bit for bit."""
+    from dilonode.algo.butterfly import reduce_weighted, weight_coefficients
+
+    doc = json.loads((VECTORS / "vectors.json").read_text())
+    assert {r["name"] for r in doc["reductions"]} >= {"equal_weights", "token_weighted"}
+    for red in doc["reductions"]:
+        xs = [torch.tensor(x, dtype=torch.float32) for x in red["inputs"]]
+        assert weight_coefficients(red["weights"]) == red["coefficients"]
+        assert reduce_weighted(xs, red["weights"]).tolist() == red["mean"]

@@ -1,0 +1,144 @@
+"""When a worker starts and lands its fragment rounds: paced by its own steps, or by the
+swarm's clock so that workers of different speeds meet in every round.
+
+The sync plan (`schedule.SyncPlan`) places round r of fragment p at *reference step*
+`start_step(p, r)`. A pacer maps a worker's progress to reference steps:
+
+* `StepPacer`: the reference step is the worker's own step (every worker runs exactly H
+  inner steps per round). Right when all workers are equally fast; a slower one falls
+  behind and misses its groups.
+* `TimePacer`: the reference step is read off a `SwarmClock` that every node shares (a
+  start time and the seconds one reference step lasts, agreed through the DHT by the
+  daemon, virtual in the simulator). Rounds open at the same wall time on every node; a
+  fast node has done more inner steps by then than a slow one, and each contributes the
+  pseudo-gradient of whatever it trained, weighted by its tokens. A worker acts at its
+  step boundaries only, so it starts a round at the boundary nearest to the round's
+  opening (`lead` = half its own step, in reference steps): at most half a step early or
+  late, which the matchmaking window absorbs.
+
+Landing. With `StepPacer` a round lands exactly tau own steps after it started, blocking if
+the result is late (today's Streaming DiLoCo). With `TimePacer` it lands at the first step
+boundary at least tau own steps after its start at which the result is there; the worker
+blocks only when the fragment's next round is due and the result still is not (`due_starts`
+then lists that fragment): the result is truly late.
+
+Everything here is pure: the clock is passed in, nothing reads the time itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dilonode.algo.schedule import SyncPlan, SyncStart
+
+__all__ = ["Pacer", "StepPacer", "SwarmClock", "TimePacer", "due_starts", "final_rounds"]
+
+
+@dataclass(frozen=True)
+class SwarmClock:
+    """Wall time -> reference steps: step `(t - t0) / step_seconds`."""
+
+    t0: float
+    step_seconds: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.t0) and math.isfinite(self.step_seconds)
+                and self.step_seconds > 0):
+            raise ValueError(f"SwarmClock: t0={self.t0}, step_seconds={self.step_seconds}: "
+                             "need finite values and step_seconds > 0")
+
+    def ref_step(self, t: float) -> float:
+        return (t - self.t0) / self.step_seconds
+
+    def time_of(self, ref_step: float) -> float:
+        return self.t0 + ref_step * self.step_seconds
+
+
+class Pacer(Protocol):
+    """Where a worker stands on the swarm's schedule; asked once per own step."""
+
+    timed: bool  # lands when results arrive (True) or at exactly tau own steps (False)
+
+    def at_step(self, own_step: int) -> tuple[float, float]:
+        """(reference step now, lead): rounds starting at or before their sum are due."""
+        ...
+
+
+class StepPacer:
+    """The reference step is the worker's own step; no lead."""
+
+    timed = False
+
+    def at_step(self, own_step: int) -> tuple[float, float]:
+        return float(own_step), 0.0
+
+
+class TimePacer:
+    """The reference step is the swarm clock's reading at this step boundary.
+
+    `now()` is the clock the swarm agreed to read (the daemon: `time.time`; the simulator:
+    its virtual clock). `clock` may be None until the swarm has agreed on one (the node
+    then starts no round). The lead is half the worker's own step time, an exponential
+    average of the intervals between calls (sync overhead included, which is what decides
+    when its next boundary comes).
+    """
+
+    timed = True
+
+    def __init__(self, now: Callable[[], float], clock: SwarmClock | None = None,
+                 smoothing: float = 0.2) -> None:
+        self.now = now
+        self.clock = clock
+        self.smoothing = smoothing
+        self.step_s: float | None = None  # own step time estimate
+        self._last: float | None = None
+
+    def at_step(self, own_step: int) -> tuple[float, float]:
+        t = self.now()
+        if self._last is not None and t > self._last:
+            dt = t - self._last
+            self.step_s = dt if self.step_s is None else (
+                (1 - self.smoothing) * self.step_s + self.smoothing * dt)
+        self._last = t
+        if self.clock is None:
+            return -math.inf, 0.0
+        lead = 0.5 * (self.step_s or 0.0) / self.clock.step_seconds
+        return self.clock.ref_step(t), lead
+
+    def restart(self) -> None:
+        """Forget the last boundary (after a pause that was not a step: a re-sync)."""
+        self._last = None
+
+
+def due_starts(plan: SyncPlan, next_round: Sequence[int], ref_now: float,
+               lead: float = 0.0) -> list[SyncStart]:
+    """The rounds to start at this boundary: for each fragment p, the newest round
+    r >= next_round[p] whose start step is <= ref_now + lead (rounds between next_round[p]
+    and r were missed: the worker was paused or slower than a whole period)."""
+    out = []
+    horizon = ref_now + lead
+    for p in range(plan.num_fragments):
+        if not math.isfinite(horizon) or plan.start_step(p, next_round[p]) > horizon:
+            continue
+        # rounds_started counts starts at steps <= floor(horizon); start steps are integers.
+        newest = plan.rounds_started(p, math.floor(horizon)) - 1
+        out.append(SyncStart(p, max(newest, next_round[p])))
+    return out
+
+
+def final_rounds(plan: SyncPlan, next_round: Sequence[int], end_step: int) -> list[SyncStart]:
+    """The end-of-run sync: every fragment whose last round started before `end_step`
+    (so it has trained since) gets one more round, numbered as its next one; fragments
+    whose round started exactly at `end_step` are already fresh. Every worker derives the
+    same list from the plan and the end step (`next_round` only skips rounds a worker has
+    already started)."""
+    out = []
+    for p in range(plan.num_fragments):
+        started = plan.rounds_started(p, end_step)
+        if started and plan.start_step(p, started - 1) == end_step:
+            continue
+        out.append(SyncStart(p, max(started, next_round[p])))
+    return out

@@ -1,0 +1,123 @@
+"""Pacing: the pure rules for when rounds start and land, and the simulator's virtual clock
+(workers of different speeds) against its lockstep run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dilonode.algo.pacing import StepPacer, SwarmClock, TimePacer, due_starts, final_rounds
+from dilonode.algo.schedule import SyncPlan, SyncStart
+from dilonode.config import load_config
+from dilonode.sim import simulate
+
+
+def test_due_starts_matches_the_step_schedule_exactly():
+    """Paced by steps (ref = own step, no lead) it is the plan's start list, step by step."""
+    for h, p, tau in [(7, 3, 1), (12, 4, 3), (30, 3, 1), (5, 1, 0)]:
+        plan = SyncPlan(h, p, tau)
+        nxt = [0] * p
+        for step in range(1, 6 * h + 1):
+            got = due_starts(plan, nxt, float(step))
+            want = [a for a in plan.actions(step) if isinstance(a, SyncStart)]
+            assert got == want, (h, p, step)
+            for a in got:
+                nxt[a.fragment] = a.round + 1
+
+
+def test_due_starts_with_a_lead_starts_at_the_nearest_boundary():
+    plan = SyncPlan(30, 3, 1)  # fragment 0 opens at 10, 40, 70...
+    assert due_starts(plan, [0, 0, 0], 9.4, 0.5) == []
+    assert due_starts(plan, [0, 0, 0], 9.6, 0.5) == [SyncStart(0, 0)]  # half a step early
+    assert due_starts(plan, [1, 0, 0], 12.0, 2.0) == []  # round 0 already started
+
+
+def test_a_worker_slower_than_a_period_skips_to_the_newest_round():
+    plan = SyncPlan(10, 2, 1)  # fragment 0 opens at 5, 15, 25, 35
+    assert due_starts(plan, [0, 0], 36.0) == [SyncStart(0, 3), SyncStart(1, 2)]
+    assert due_starts(plan, [0, 0], -math.inf, 1.0) == []  # no clock yet: nothing starts
+
+
+def test_final_rounds_cover_every_fragment_trained_since_its_last_round():
+    plan = SyncPlan(6, 3, 1)  # offsets 2, 4, 6: starts 2, 8 | 4, 10 | 6, 12
+    assert final_rounds(plan, [2, 2, 2], 12) == [SyncStart(0, 2), SyncStart(1, 2)]
+    assert final_rounds(plan, [2, 2, 2], 11) == [SyncStart(0, 2), SyncStart(1, 2),
+                                                 SyncStart(2, 2)]
+    diloco = SyncPlan(4, 1, 0)
+    assert final_rounds(diloco, [3], 12) == []  # the last regular round ended the run
+    assert final_rounds(diloco, [3], 13) == [SyncStart(0, 3)]
+
+
+def test_time_pacer_reads_the_clock_and_measures_its_own_step():
+    now = [100.0]
+    pacer = TimePacer(lambda: now[0], SwarmClock(t0=90.0, step_seconds=0.5))
+    assert pacer.at_step(1) == (20.0, 0.0)  # no step time known yet: no lead
+    now[0] = 101.0
+    ref, lead = pacer.at_step(2)
+    assert ref == 22.0 and lead == pytest.approx(1.0)  # half of a 1 s step = 1 ref step
+    assert TimePacer(lambda: 5.0).at_step(1) == (-math.inf, 0.0)  # clock not agreed yet
+    assert StepPacer().at_step(7) == (7.0, 0.0)
+    with pytest.raises(ValueError, match="step_seconds"):
+        SwarmClock(0.0, 0.0)
+
+
+BASE = {"seed": 1, "eval_every": 20, "device": "cpu", "total_steps": 40,
+        "model": {"preset": "nano"}, "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
+        "inner": {"lr": 3e-3}, "codec": {"name": "int4"},
+        "diloco": {"mode": "streaming", "sync_every": 10, "num_fragments": 2,
+                   "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}}
+
+
+def _cfg(**over):
+    merged = {**BASE, **over}
+    for key in ("diloco", "sim"):
+        if key in over and key in BASE:
+            merged[key] = {**BASE[key], **over[key]}
+    return load_config(overrides=merged)
+
+
+def _outer(report_holder):
+    return report_holder["w"][0].outer_flat()
+
+
+@pytest.mark.parametrize("pacing", ["time", "steps"])
+def test_virtual_clock_with_equal_speeds_is_the_lockstep_run_bit_for_bit(pacing):
+    cfg = _cfg(sim={"workers": 3}, diloco={"pacing": pacing})
+    got = {}
+    lock = simulate(cfg, on_step=lambda s, ws: got.update(w=ws) if s == 40 else None)
+    lock_outer = _outer(got)
+    virt = simulate(cfg, virtual=True, on_step=lambda s, ws: got.update(w=ws))
+    assert torch.equal(lock_outer, _outer(got))
+    assert lock.outer_digest == virt.outer_digest and virt.workers_agree
+    assert lock.rounds_per_fragment == virt.rounds_per_fragment == {0: 5, 1: 4}
+    assert all(s["utilization"] == 1.0 for s in virt.worker_stats)
+
+
+def test_mixed_speeds_every_worker_contributes_to_every_round_and_all_agree():
+    cfg = _cfg(sim={"workers": 4, "speeds": [1.0, 1.0, 0.5, 0.25], "latency": 0.5})
+    got = {}
+    report = simulate(cfg, on_step=lambda s, ws: got.update(w=ws))
+    workers = got["w"]
+    assert report.workers_agree
+    rounds = [w.stats.rounds for w in workers]
+    assert all(r == rounds[0] for r in rounds) and rounds[0] == {0: 5, 1: 4}
+    assert all(w.stats.alone == 0 and w.stats.missed == 0 for w in workers)
+    steps = [w.step for w in workers]
+    assert steps[0] == steps[1] > steps[2] > steps[3] >= steps[0] // 4 - 1
+    # Fast workers never waited for a result in the run (tau = 1 step, latency half a
+    # step); only the end-of-run round waits for the slowest worker's last boundary.
+    assert all(w.stats.late == 0 for w in workers)
+    assert report.worker_stats[0]["utilization"] > 0.95
+    assert report.virtual_s == pytest.approx(40.0, abs=4.0)
+
+
+def test_step_locked_pacing_makes_fast_workers_wait_for_the_slowest():
+    cfg = _cfg(sim={"workers": 2, "speeds": [1.0, 0.25]}, diloco={"pacing": "steps"})
+    report = simulate(cfg)
+    assert report.workers_agree
+    fast, slow = report.worker_stats
+    assert fast["steps"] == slow["steps"] == 40
+    assert fast["utilization"] < 0.4  # it waited for a worker 4x slower every round
+    assert report.virtual_s == pytest.approx(160.0, abs=8.0)
