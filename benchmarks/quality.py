@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from dilonode.commands import human_bytes
 from dilonode.config import load_config
+from dilonode.fmt import human_bytes
 from dilonode.sim import SimReport, plot_histories, simulate
 
 

@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from dilonode import commands  # deferred: pulls in torch
+    from dilonode import commands  # deferred: each command imports what it needs
+    from dilonode.cliargs import UserError
 
     handler = {"simulate": commands.simulate, "prepare-data": commands.prepare_data,
                "run": commands.run_node, "bootstrap": commands.bootstrap,
@@ -97,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dilonode: interrupted", file=sys.stderr)
         return 130
-    except commands.UserError as exc:
+    except UserError as exc:
         print(f"dilonode: {exc}", file=sys.stderr)
         return 2
 

@@ -1,4 +1,10 @@
-"""Command implementations behind `dilonode.cli`: build config, run, print results."""
+"""The commands behind `dilonode.cli`, one function each: build what the command needs, run
+it, print its result, and turn what the user can fix into a `UserError`.
+
+Arguments become a config in `cliargs`; text layout is `fmt`'s, and what `run` prints while
+training is `progress`'s. Heavy modules (torch, hivemind) are imported inside the command
+that needs them.
+"""
 
 from __future__ import annotations
 
@@ -10,54 +16,19 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from dilonode.config import RunConfig
+from dilonode.cliargs import UserError, run_config_from_args, swarm_secret
+from dilonode.fmt import human_bytes, key_values
+from dilonode.progress import (
+    progress_event,
+    progress_text,
+    recovered_event,
+    started_event,
+    summary_text,
+)
 
-__all__ = ["UserError", "bootstrap", "identity", "prepare_data", "run_config_from_args",
-           "run_node", "simulate", "status", "swarm"]
-
-
-class UserError(Exception):
-    """A problem the user can fix; printed as one line, exit status 2."""
-
-
-def run_config_from_args(args: argparse.Namespace) -> RunConfig:
-    """Config file + --set overrides + the common shortcut flags, validated once."""
-    # Imported here: the config pulls in torch (via algo), and `dilonode status` needs neither.
-    from dilonode.config import ConfigError, load_config, parse_overrides
-
-    try:
-        overrides: dict[str, Any] = parse_overrides(args.overrides)
-        shortcuts = {("total_steps",): getattr(args, "steps", None),
-                     ("diloco", "mode"): getattr(args, "mode", None),
-                     ("codec", "name"): getattr(args, "codec", None),
-                     ("paths", "out_dir"): getattr(args, "out", None),
-                     ("sim", "workers"): getattr(args, "workers", None),
-                     ("network", "initial_peers"): getattr(args, "initial_peers", None)}
-        for keys, value in shortcuts.items():
-            if value is not None:
-                node = overrides
-                for k in keys[:-1]:
-                    node = node.setdefault(k, {})
-                node[keys[-1]] = value
-        return load_config(args.config, overrides)
-    except ConfigError as exc:
-        raise UserError(str(exc)) from None
-
-
-def _table(rows: list[tuple[str, str]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"
+__all__ = ["bootstrap", "identity", "prepare_data", "run_node", "simulate", "status", "swarm"]
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -90,7 +61,7 @@ def simulate(args: argparse.Namespace) -> int:
         bar.close()
     paths = write_report(report, Path(cfg.paths.out_dir))
     print("\nresult")
-    print(_table([
+    print(key_values([
         ("final eval loss (outer)", f"{report.final_eval_loss:.4f}"),
         ("tokens (all workers)", f"{report.tokens:,}"),
         ("bytes sent per worker", human_bytes(report.bytes_sent_per_worker)),
@@ -100,7 +71,7 @@ def simulate(args: argparse.Namespace) -> int:
         ("wall time", f"{report.wall_s:.1f} s"),
         ("report", str(paths["json"])),
         ("plot", str(paths["png"])),
-    ]))
+    ], indent="  "))
     return 0
 
 
@@ -113,7 +84,7 @@ def prepare_data(args: argparse.Namespace) -> int:
                            progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None
-    print(_table([(k, str(v)) for k, v in meta.items()]))
+    print(key_values([(k, str(v)) for k, v in meta.items()], indent="  "))
     return 0
 
 
@@ -132,18 +103,6 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def _swarm_secret(cfg: RunConfig) -> bytes:
-    """The run's swarm secret (auth.secret_file / auth.secret_env); b"" for none."""
-    import os
-
-    from dilonode.auth import load_secret
-
-    try:
-        return load_secret(cfg.auth.secret_file, cfg.auth.secret_env, os.environ)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-
-
 def run_node(args: argparse.Namespace) -> int:
     cfg = run_config_from_args(args)
     from dilonode.logs import progress_line, setup_logging
@@ -155,7 +114,7 @@ def run_node(args: argparse.Namespace) -> int:
 
     try:
         node = Node(cfg, worker_id=args.worker_id, resume=args.resume,
-                    secret=_swarm_secret(cfg))
+                    secret=swarm_secret(cfg))
     except ValueError as exc:  # settings only a node refuses (a schedule it cannot snapshot)
         raise UserError(str(exc)) from None
     out = Path(cfg.paths.out_dir)
@@ -163,15 +122,7 @@ def run_node(args: argparse.Namespace) -> int:
         node.start()
         _announce(node, out, fmt)
         if fmt == "json" and (rec := node.keeper.recovery) is not None:
-            print(json.dumps({"event": "recovered", "step": rec.state.step,
-                              "bytes": rec.fetched_bytes, "reused_bytes": rec.reused_bytes,
-                              "seconds": round(rec.seconds, 3),
-                              "fetch_seconds": round(rec.fetch_seconds, 3),
-                              "manifest_seconds": round(rec.manifest_seconds, 3),
-                              "publish_wait_seconds": round(rec.publish_wait_seconds, 3),
-                              "passes": rec.passes, "replayed": rec.replayed,
-                              "peers": rec.sources}),
-                  flush=True)
+            print(recovered_event(rec), flush=True)
         line = progress_line() if fmt == "text" else None
         try:
             summary = node.run(stop, None if args.forever else -1,
@@ -185,9 +136,7 @@ def run_node(args: argparse.Namespace) -> int:
         if fmt == "json":
             print(summary_json(summary), flush=True)
         else:
-            print(_table([(k, f"{v:.4g}" if isinstance(v, float) else str(v))
-                          for k, v in json.loads(summary_json(summary)).items()
-                          if k != "event"]), flush=True)
+            print(summary_text(json.loads(summary_json(summary))), flush=True)
     except (ValueError, TimeoutError, RecoveryError) as exc:
         raise UserError(str(exc)) from None
     finally:
@@ -202,9 +151,7 @@ def _announce(node: Any, out: Path, fmt: str) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "status.url").write_text(node.status_url + "\n")
     if fmt == "json":
-        print(json.dumps({"event": "started", "peer_id": node.peer_id,
-                          "data_addr": node.collective.address,
-                          "status_url": node.status_url or None}), flush=True)
+        print(started_event(node), flush=True)
     else:
         logging.getLogger("dilonode").info("dashboard: %s", node.status_url or "disabled")
 
@@ -217,22 +164,11 @@ def _progress_printer(node: Any, every: int, fmt: str,
     def on_step(worker: Any, rep: Any) -> None:
         if line is None and worker.step % every:
             return
-        s = node.status.snapshot()
+        snap = node.status.snapshot()
         if fmt == "json":
-            print(json.dumps({"event": "progress", "step": worker.step, "tokens": rep.tokens,
-                              "loss": round(worker.stats.last_loss, 4),
-                              "eval_loss": round(rep.eval_history[-1][1], 4)
-                              if rep.eval_history else None,
-                              "bytes_sent": worker.stats.bytes_sent,
-                              "rounds": {str(p): n for p, n in worker.stats.rounds.items()},
-                              "tokens_per_s": s["tokens_per_s"],
-                              "utilization": round(rep.compute_utilization, 4)}), flush=True)
+            print(progress_event(worker, rep, snap), flush=True)
             return
-        total = f"/{s['total_steps']}" if s["total_steps"] else ""
-        text = (f"step {worker.step}{total} | loss {worker.stats.last_loss:.3f} | eval "
-                f"{'-' if s['eval_loss'] is None else format(s['eval_loss'], '.3f')} | "
-                f"{s['tokens_per_s'] or 0:,.0f} tok/s | sent {human_bytes(s['bytes_sent'])} | "
-                f"peers {s['peers_seen']} | compute {100 * s['compute_utilization']:.0f}%")
+        text = progress_text(worker, snap)
         if line is not None:
             line.update(text)
         else:

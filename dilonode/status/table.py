@@ -1,6 +1,6 @@
 """The terminal side of the status endpoint: fetch `/status` and print it as tables.
 
-Used by `dilonode status [URL]`; standard library only (plus our formatting helpers), so the
+Used by `dilonode status [URL]`; standard library only (plus `dilonode.fmt`), so the
 command starts instantly and works against any node or bootstrap peer it can reach.
 """
 
@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from dilonode.commands import human_bytes
+from dilonode.fmt import grid, human_bytes, key_values
 
 __all__ = ["fetch_status", "format_node", "format_status", "format_swarm"]
 
@@ -40,16 +40,6 @@ def _num(x: Any, fmt: str = "{:.4f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def _grid(head: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(head)]
-    line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()
-    out = [line, "-" * len(line)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-            for r in rows]
-    return "\n".join(out)
-
-
 def _result(last: dict[str, Any]) -> str:
     # A group of one that is not "skipped" formed with nobody else: nothing was averaged.
     return "skipped" if last["skipped"] else "alone" if last["group_size"] <= 1 else "averaged"
@@ -72,15 +62,14 @@ def format_node(s: dict[str, Any]) -> str:
         ("peers seen", str(s["peers_seen"])),
         ("rounds", f"skipped {s['skipped_rounds']}  retried {s['retried_rounds']}"),
     ]
-    width = max(len(k) for k, _ in pairs)
-    text = "\n".join(f"{k.ljust(width)}  {v}" for k, v in pairs)
+    text = key_values(pairs)
     rows = [[x["fragment"], str(x["rounds"]), str(x["last"]["round"]),
              str(x["last"]["at_step"]), str(x["last"]["group_size"]),
              str(x["last"]["attempts"]), _result(x["last"]),
              "; ".join(x["last"]["dropped"]) or "-"] for x in s["syncs"]]
     head = ["fragment", "rounds", "last round", "at step", "group", "attempts", "result",
             "dropped"]
-    return text + "\n\n" + (_grid(head, rows) if rows else "no sync has landed yet")
+    return text + "\n\n" + (grid(head, rows) if rows else "no sync has landed yet")
 
 
 def format_swarm(s: dict[str, Any]) -> str:
@@ -97,7 +86,7 @@ def format_swarm(s: dict[str, Any]) -> str:
              str(n.get("url") or "-")] for n in s["nodes"]]
     head = ["node", "worker", "state", "step", "train loss", "eval loss", "tokens/s", "sent",
             "dashboard"]
-    return title + "\n\n" + (_grid(head, rows) if rows else "no node has published a record")
+    return title + "\n\n" + (grid(head, rows) if rows else "no node has published a record")
 
 
 def format_status(s: dict[str, Any]) -> str:

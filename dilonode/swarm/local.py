@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from dilonode.config import RunConfig
+from dilonode.fmt import human_bytes
 
 __all__ = ["LocalSwarm", "Placement", "run_local_swarm"]
 
@@ -168,8 +169,6 @@ class LocalSwarm:
 
 
 def _table(summaries: dict[str, dict]) -> str:
-    from dilonode.commands import human_bytes
-
     head = (f"{'node':<8} {'steps':>6} {'tokens':>10} {'eval loss':>9} {'sent':>10} "
             f"{'rounds/fragment':<24} {'retried':>7} {'skipped':>7} {'util':>6}")
     rows = [head, "-" * len(head)]

@@ -6,6 +6,8 @@ here before it ships.
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,65 @@ def test_the_checker_sees_violations(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import asyncio\nfrom dilonode.sim import simulate\n")
     assert imports_of(bad) == {"asyncio", "dilonode.sim"}
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every dilonode module -> the dilonode modules it imports, at the top or inside a
+    function (a deferred import still closes a circle), parent packages included."""
+    mods = {".".join(p.relative_to(PKG.parent).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for t in targets:
+                parts = t.split(".")
+                deps.update(p for i in range(1, len(parts) + 1)
+                            if (p := ".".join(parts[:i])) in mods and p != name)
+        graph[name] = deps
+    return graph
+
+
+def reaches(graph: dict[str, set[str]], src: str, dst: str) -> bool:
+    seen, todo = {src}, [src]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt == dst:
+                return True
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return False
+
+
+def test_commands_status_table_and_local_swarm_import_no_circle():
+    graph = module_graph()
+    trio = ["dilonode.commands", "dilonode.status.table", "dilonode.swarm.local"]
+    for a in trio:
+        for b in trio:
+            if a != b and reaches(graph, a, b):
+                assert not reaches(graph, b, a), f"{a} and {b} import each other"
+    # The shared formatting helpers sit below everything: stdlib only.
+    assert not graph["dilonode.fmt"]
+    assert imports_of(PKG / "fmt.py") <= {"__future__", "collections.abc"}
+
+
+def test_the_circle_check_sees_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert reaches(graph, "a", "c") and reaches(graph, "c", "a")
+    assert not reaches(graph, "a", "d")
+
+
+def test_status_tables_import_no_command_code():
+    code = ("import sys\nimport dilonode.status.table\n"
+            "assert 'dilonode.commands' not in sys.modules, 'dilonode.commands imported'\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from dilonode.cli import build_parser
-from dilonode.commands import run_config_from_args
+from dilonode.cliargs import run_config_from_args
 from dilonode.config import load_config
 
 ROOT = Path(__file__).parents[2]
