@@ -53,6 +53,10 @@ class ReduceResult:
     # A digest of `mean` that every member computes alike (the round digest over the
     # network, a hash of the values in process): what the fragment's chain records.
     digest: str = ""
+    # Matchmaking left us out: our outer state differs from the one these peers hold.
+    diverged: tuple[str, ...] = ()
+    # Matchmaking left these peers out: their outer state differs from ours, which stands.
+    outvoted: tuple[str, ...] = ()
 
 
 class PendingReduce(Protocol):

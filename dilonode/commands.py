@@ -103,6 +103,9 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+EXIT_DISAGREE = 3  # the run ended, but this node's outer weights differ from its peers'
+
+
 def run_node(args: argparse.Namespace) -> int:
     cfg = run_config_from_args(args)
     from dilonode.logs import progress_line, setup_logging
@@ -133,6 +136,9 @@ def run_node(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(summary_json(summary) + "\n")
         node.save_outer(out / "outer.pt")
+        if node.worker.trace is not None:
+            (out / "trace.jsonl").write_text("".join(json.dumps(e) + "\n"
+                                                     for e in node.worker.trace))
         if fmt == "json":
             print(summary_json(summary), flush=True)
         else:
@@ -141,6 +147,10 @@ def run_node(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     finally:
         node.close()
+    if summary.agreement.get("agrees") is False:
+        # Never report success for a run that ended as two models.
+        print(f"dilonode run: {summary.agreement['line']}", file=sys.stderr, flush=True)
+        return EXIT_DISAGREE
     return 0
 
 

@@ -358,6 +358,8 @@ class PathsConfig(_Frozen):
 
     out_dir: Path = Field(Path("runs/default"), description="logs, JSON/CSV metrics, plots")
     checkpoint_dir: Path | None = Field(None, description="checkpoints (default out_dir/ckpt)")
+    trace: bool = Field(False, description="write every round started and landed (own step, "
+                        "fragment, round, tokens, group size) to out_dir/trace.jsonl")
 
 
 class SimConfig(_Frozen):
@@ -389,7 +391,10 @@ class RunConfig(_Frozen):
     run_id: str = Field("dilonode-default", min_length=1, max_length=128,
                         pattern=r"^[A-Za-z0-9._-]+$", description="swarm run identifier")
     seed: int = Field(0, description="seed for model init (identical on every worker)")
-    total_steps: int = Field(300, ge=1, description="inner steps per worker")
+    total_steps: int = Field(300, ge=1, description="length of the run in reference steps: "
+                             "inner steps per worker with diloco.pacing = steps; with "
+                             "pacing = time, steps of the swarm clock (about one step of "
+                             "the node that started it), so faster nodes train more")
     eval_every: int = Field(50, ge=1, description="inner steps between evaluations")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="cuda with bf16 autocast when available, else cpu")

@@ -60,6 +60,16 @@ class NodeSummary:
     # Robust aggregation: rounds in which a majority of owners rejected a peer, and bans.
     peer_convictions: int = 0
     peer_bans: int = 0
+    # Pacing: rounds this node took part in with others, missed (its pacer jumped over),
+    # waited for (result late when the fragment's next round was due), left out of for a
+    # diverged state; tokens it contributed.
+    rounds_with_peers: int = 0
+    missed_rounds: int = 0
+    late_rounds: int = 0
+    diverged_rounds: int = 0
+    # The end-of-run check (swarm/agreement.py): {"agrees": bool | None, ...}; {} if the
+    # node stopped before the end.
+    agreement: dict[str, Any] = field(default_factory=dict)
 
 
 class Node:
@@ -80,6 +90,8 @@ class Node:
         self.status = NodeStatus(cfg.run_id, cfg.total_steps, history=cfg.status.history,
                                  peers=self._peers_seen, trust=self._trust_counters)
         self.status_server: Any = None
+        self.clock: Any = None  # ClockKeeper: the swarm clock (pacing = "time")
+        self.verdict: Any = None  # the end-of-run agreement Verdict
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -116,15 +128,48 @@ class Node:
         self._build_worker()
         plane = self.collective.plane
         self.membership = Membership(self.dht, self.cfg.run_id, net, address, self._status,
-                                     settings=policy.settings(), gone=plane.gone.copy)
+                                     settings=policy.settings(), gone=plane.gone.copy,
+                                     local_state=self._local_state)
         self.keeper.source.counts = self.membership.counts
         self.membership.state_addr = self.keeper.start_server(self.collective.thread,
                                                               self.dht.credentials)
+        self._start_clock()
         self.keeper.prepare(self.worker, self.collective.thread, self.dht,
                             publish=self.membership.start)
         self.membership.wait_for_peers(net.min_peers, net.start_timeout)
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())
+
+    def _local_state(self, fragment: int) -> tuple[str, int]:
+        """(chain of the fragment's outer state, tokens trained) for matchmaking; the chain
+        cannot move while the round being formed is in flight."""
+        w = self.worker
+        if w is None or w.plan is None:
+            return "", 0
+        return w.chains[fragment], w.stats.tokens
+
+    def _start_clock(self) -> None:
+        """pacing = "time": agree on the swarm clock through the DHT (swarm/clock.py)."""
+        from dilonode.algo.pacing import TimePacer
+
+        if not isinstance(self.worker.pacer, TimePacer):
+            return
+        from dilonode.swarm.clock import ClockKeeper
+
+        w, fixed = self.worker, self.cfg.diloco.step_seconds
+
+        def propose() -> float | None:
+            # Measured over a few steps (the first ones include warm-up), unless configured.
+            return fixed or (w.pacer.step_s if w.step >= 5 else None)
+
+        self.clock = ClockKeeper(self.dht, self.cfg.run_id, w.pacer, propose,
+                                 frozen=lambda: any(w.next_round) or bool(w.pending),
+                                 ttl=max(4 * self.cfg.network.peer_ttl, 60.0))
+        try:
+            self.clock.tick()  # a clock that already stands is followed from the first step
+        except (TimeoutError, RuntimeError) as exc:
+            log.warning("swarm clock: first read failed (%s); reading again shortly", exc)
+        self.clock.start()
 
     async def _form(self, fragment: int, round_no: int, attempt: int,
                     exclude: set[str]) -> FormedGroup:
@@ -175,6 +220,9 @@ class Node:
 
     def _build_worker(self) -> None:
         # Built after the DHT has forked, so its process does not carry a copy of the model.
+        import time
+
+        from dilonode.algo.pacing import StepPacer, TimePacer
         from dilonode.train.data import load_data
         from dilonode.train.worker import Worker
 
@@ -182,11 +230,17 @@ class Node:
         assert self.collective is not None
         collective = ObservedCollective(self.collective, self.status,
                                         lambda: self.worker.step if self.worker else 0)
+        timed = self.cfg.diloco.pacing == "time" and self.cfg.diloco.mode != "ddp"
         self.worker = Worker(self.cfg, self.data, collective,
-                             identity=self.worker_id or self.peer_id)
+                             identity=self.worker_id or self.peer_id,
+                             pacer=TimePacer(time.time) if timed else StepPacer())
+        if self.cfg.paths.trace:
+            self.worker.trace = []
 
     def close(self) -> None:
         """Withdraw the peer record, stop the data plane and the DHT (idempotent)."""
+        if self.clock is not None:
+            self.clock.close()
         if self.collective is not None:
             self.keeper.close(self.collective.thread)
         if self.membership is not None:
@@ -232,9 +286,60 @@ class Node:
                              leave_timeout=self.cfg.network.leave_timeout)
         finally:
             self.keeper.training(False)
+        if steps is not None and not rep.stopped_early and self.worker.plan is not None:
+            self.verdict = self._agree()
+            if self.verdict.adopted:  # the weights changed: evaluate what we hold now
+                rep.eval_history[-1] = (self.worker.step, self.worker.evaluate(batches))
         self.keeper.finish(self.worker, abandoned=self.worker.stats.abandoned)
         self.status.set_state("stopped" if rep.stopped_early else "finished")
         return self._summary(rep)
+
+    def _final_record(self) -> Any:
+        from dilonode.swarm.records import FinalRecord
+
+        w = self.worker
+        flat = w.outer_flat().contiguous().numpy().tobytes()
+        return FinalRecord(peer_id=self.peer_id, run_id=self.cfg.run_id,
+                           digest=hashlib.sha256(flat).hexdigest(),
+                           rounds=list(w.next_round), chains=list(w.chains),
+                           tokens=w.stats.tokens, end_step=w.end_step or 0)
+
+    def _agree(self) -> Any:
+        """The end-of-run check (swarm/agreement.py): publish our final weights' digest,
+        compare with the peers of our last rounds; if ours are not the ones that stand,
+        adopt those through state sync and compare again. Logs one line."""
+        from dilonode.swarm.agreement import FinalBoard, standing_digest
+
+        assert self.dht is not None and self.collective is not None
+        net = self.cfg.network
+        board = FinalBoard(self.dht, self.cfg.run_id)
+        expected = {m for ms in self.worker.stats.members.values() for m in ms} - {self.peer_id}
+        wait = net.matchmaking_timeout + net.allreduce_timeout
+        mine = self._final_record()
+        try:
+            board.publish(mine)
+            got = board.collect(mine, expected, wait)
+            if got.agrees is False:
+                records = {p: r for p, r in board.read().items()
+                           if r.end_step == mine.end_step} | {self.peer_id: mine}
+                stands = standing_digest(records)
+                if stands != mine.digest:
+                    holders = tuple(p for p, r in records.items() if r.digest == stands)
+                    adopted = self.keeper.adopt(self.worker, self.collective.thread, self.dht,
+                                                prefer=holders)
+                    mine = self._final_record()
+                    board.publish(mine)
+                    got = board.collect(mine, expected, wait, settle=True)
+                    got.adopted = adopted
+                else:  # ours stands: give the others time to adopt it
+                    got = board.collect(mine, expected, wait, settle=True)
+        except (TimeoutError, RuntimeError) as exc:
+            from dilonode.swarm.agreement import Verdict
+
+            log.error("end-of-run agreement check failed: %s", exc)
+            got = Verdict(mine.digest, missing=sorted(expected))
+        (log.error if got.agrees is False else log.info)("end of run: %s", got.line())
+        return got
 
     def _summary(self, rep: Any) -> NodeSummary:
         st = self.worker.stats
@@ -252,7 +357,10 @@ class Node:
             round_latency_s={p: {"n": n, "mean": total / n, "max": worst}
                              for p, (n, total, worst) in sorted(st.latency.items())},
             peer_convictions=self.bans.rejections_total if self.bans else 0,
-            peer_bans=self.bans.bans_total if self.bans else 0)
+            peer_bans=self.bans.bans_total if self.bans else 0,
+            rounds_with_peers=st.grouped, missed_rounds=st.missed,
+            late_rounds=st.late, diverged_rounds=st.diverged,
+            agreement=self.verdict.as_dict() if self.verdict is not None else {})
 
     def save_outer(self, path: Path) -> None:
         """Write the outer weights (state dict) for comparisons and evaluation."""

@@ -34,7 +34,9 @@ def recovered_event(rec: Any) -> str:
 
 def progress_event(worker: Any, rep: Any, snap: dict[str, Any]) -> str:
     """One `progress` event: the worker's counters, its report and the status snapshot."""
-    return json.dumps({"event": "progress", "step": worker.step, "tokens": rep.tokens,
+    return json.dumps({"event": "progress", "step": worker.step,
+                       "progress": getattr(worker, "swarm_step", worker.step),
+                       "tokens": rep.tokens,
                        "loss": round(worker.stats.last_loss, 4),
                        "eval_loss": round(rep.eval_history[-1][1], 4)
                        if rep.eval_history else None,
@@ -48,7 +50,10 @@ def progress_text(worker: Any, snap: dict[str, Any]) -> str:
     """The live line: step, losses, throughput, bytes sent, peers, compute share."""
     total = f"/{snap['total_steps']}" if snap["total_steps"] else ""
     eval_loss = "-" if snap["eval_loss"] is None else format(snap["eval_loss"], ".3f")
-    return (f"step {worker.step}{total} | loss {worker.stats.last_loss:.3f} | eval "
+    swarm = getattr(worker, "swarm_step", worker.step)
+    where = (f"step {worker.step}{total}" if swarm == worker.step
+             else f"swarm step {swarm}{total} (own {worker.step})")
+    return (f"{where} | loss {worker.stats.last_loss:.3f} | eval "
             f"{eval_loss} | {snap['tokens_per_s'] or 0:,.0f} tok/s | sent "
             f"{human_bytes(snap['bytes_sent'])} | peers {snap['peers_seen']} | compute "
             f"{100 * snap['compute_utilization']:.0f}%")

@@ -33,7 +33,7 @@ from dilonode.config import RunConfig
 from dilonode.train.data import load_data
 from dilonode.train.worker import Worker
 
-__all__ = ["EvalPoint", "SimReport", "Tamper", "simulate", "write_report"]
+__all__ = ["EvalPoint", "SimReport", "Tamper", "replay_traces", "simulate", "write_report"]
 
 # (worker index, what is being averaged, the worker's flat tensor) -> what it contributes.
 Tamper = Callable[[int, SyncKey, torch.Tensor], torch.Tensor]
@@ -199,7 +199,6 @@ def _worker_stats(w: Worker, blocked_s: float, duration: float) -> dict[str, flo
     st = w.stats
     return {"steps": st.steps, "tokens": st.tokens, "rounds": sum(st.rounds.values()),
             "alone": st.alone, "missed": st.missed, "late": st.late,
-            "contributed_tokens": st.contributed_tokens,
             "utilization": 1.0 - blocked_s / duration if duration > 0 else 0.0}
 
 
@@ -305,6 +304,65 @@ class _VirtualRun:
 
     def worker_stats(self) -> list[dict[str, float]]:
         return [_worker_stats(r.worker, r.blocked_s, r.t) for r in self.runs]
+
+
+def replay_traces(cfgs: list[RunConfig], traces: list[list[dict]], steps: list[int],
+                  device: torch.device | None = None) -> list[Worker]:
+    """Re-run a networked run's schedule in process: worker i (config `cfgs[i]`, identity i)
+    trains `steps[i]` inner steps and starts and lands rounds exactly where node i's
+    recorded `trace` (`Worker.trace`) says, averaging over a `LocalGroup` of all workers.
+    Every recorded round must have had every worker in its group (the caller checks).
+    Returns the workers: their outer weights are what the nodes should hold."""
+    data = [load_data(c.data) for c in cfgs]
+    group = LocalGroup(len(cfgs), get_codec(cfgs[0].codec.name, cfgs[0].codec.block_size),
+                       aggregator=cfgs[0].aggregator.spec(),
+                       chunk_numel=cfgs[0].network.chunk_numel, align=cfgs[0].codec.block_size)
+    workers = [Worker(c, d, group.view(i), identity=i, device=device)
+               for i, (c, d) in enumerate(zip(cfgs, data, strict=True))]
+    drivers = [_replay(w, t, n) for w, t, n in zip(workers, traces, steps, strict=True)]
+    parked: dict[int, PendingReduce] = {}
+    live = set(range(len(workers)))
+    while live:
+        progressed = False
+        for i in sorted(live):
+            if i in parked and not parked[i].done():
+                continue
+            parked.pop(i, None)
+            try:
+                wait = next(drivers[i])
+            except StopIteration:
+                live.discard(i)
+            else:
+                if wait is not None:
+                    parked[i] = wait
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"replay deadlock: workers {sorted(parked)} wait for rounds "
+                               "the others never start (a trace with a smaller group?)")
+    return workers
+
+
+def _replay(w: Worker, trace: list[dict], steps: int) -> Iterator[PendingReduce | None]:
+    events = iter(trace)
+    nxt = next(events, None)
+    while True:
+        while nxt is not None and nxt["step"] == w.step:
+            p, r = int(nxt["fragment"]), int(nxt["round"])
+            if nxt["event"] == "start":
+                w.start_round(p, r)
+                yield None  # let the others contribute before anyone waits
+            else:
+                handle = w.pending[p][1]
+                if not handle.done():
+                    yield handle
+                w.land_round(p)
+            nxt = next(events, None)
+        if w.step >= steps:
+            break
+        w.train_step()
+        yield None
+    if nxt is not None:
+        raise ValueError(f"trace event {nxt} after the last step {steps}")
 
 
 def _arrival(handle: PendingReduce) -> float | None:

@@ -28,6 +28,7 @@ Everything here is pure: the clock is passed in, nothing reads the time itself.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -81,27 +82,32 @@ class TimePacer:
 
     `now()` is the clock the swarm agreed to read (the daemon: `time.time`; the simulator:
     its virtual clock). `clock` may be None until the swarm has agreed on one (the node
-    then starts no round). The lead is half the worker's own step time, an exponential
-    average of the intervals between calls (sync overhead included, which is what decides
-    when its next boundary comes).
+    then starts no round). The lead is half the worker's own step time: the median of the
+    last `window` intervals between calls (sync overhead included, which is what decides
+    when its next boundary comes; the median ignores a slow first step or a pause).
     """
 
     timed = True
 
     def __init__(self, now: Callable[[], float], clock: SwarmClock | None = None,
-                 smoothing: float = 0.2) -> None:
+                 window: int = 9) -> None:
         self.now = now
         self.clock = clock
-        self.smoothing = smoothing
-        self.step_s: float | None = None  # own step time estimate
+        self._intervals: deque[float] = deque(maxlen=window)
         self._last: float | None = None
+
+    @property
+    def step_s(self) -> float | None:
+        """This worker's own step time (median of recent intervals), None before two steps."""
+        if not self._intervals:
+            return None
+        ordered = sorted(self._intervals)
+        return ordered[len(ordered) // 2]
 
     def at_step(self, own_step: int) -> tuple[float, float]:
         t = self.now()
         if self._last is not None and t > self._last:
-            dt = t - self._last
-            self.step_s = dt if self.step_s is None else (
-                (1 - self.smoothing) * self.step_s + self.smoothing * dt)
+            self._intervals.append(t - self._last)
         self._last = t
         if self.clock is None:
             return -math.inf, 0.0

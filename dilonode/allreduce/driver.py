@@ -243,6 +243,10 @@ class FormedGroup(NamedTuple):
     weights: Sequence[float]
     my_index: int
     digest: str
+    # Left out for an outer state that differs from the one that stands: its holders.
+    diverged: tuple[str, ...] = ()
+    # Peers we left out for an outer state that differs from ours (ours stands).
+    outvoted: tuple[str, ...] = ()
 
 
 FormGroup = Callable[[int, int, int, set[str]], FormedGroup | Awaitable[FormedGroup]]
@@ -286,6 +290,8 @@ class SwarmOutcome:
     attempts: tuple[RoundOutcome, ...]
     excluded: Mapping[str, str] = field(default_factory=dict)  # peer id -> reason
     errors: tuple[str, ...] = ()  # one line per failed attempt
+    diverged: tuple[str, ...] = ()  # see FormedGroup (the last group formed)
+    outvoted: tuple[str, ...] = ()
 
     @property
     def skipped(self) -> bool:
@@ -319,8 +325,9 @@ class SwarmRounds:
         errors: list[str] = []
         for attempt in range(self.policy.max_attempts):
             try:
-                spec, my_index, peers = await self._prepare(fragment, round_no, attempt,
-                                                            set(excluded), local)
+                spec, my_index, peers, formed = await self._prepare(fragment, round_no,
+                                                                    attempt, set(excluded),
+                                                                    local)
             except Exception as exc:  # a matchmaking failure must not kill the daemon
                 errors.append(one_line(f"attempt {attempt}: no group: {exc}"))
                 log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
@@ -336,7 +343,8 @@ class SwarmRounds:
             attempts.append(got)
             if got.state is RoundState.DONE:
                 self._note_rejected(fragment, round_no, got.rejected, got.convicted)
-                return SwarmOutcome(got, tuple(attempts), excluded, tuple(errors))
+                return SwarmOutcome(got, tuple(attempts), excluded, tuple(errors),
+                                    tuple(formed.diverged), tuple(formed.outvoted))
             assert got.failure is not None
             errors.append(one_line(f"attempt {attempt}: {got.failure.reason}"))
             log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
@@ -366,7 +374,8 @@ class SwarmRounds:
                             self.bans.window)
 
     async def _prepare(self, fragment: int, round_no: int, attempt: int, exclude: set[str],
-                       local: torch.Tensor) -> tuple[GroupSpec, int, dict[int, str]]:
+                       local: torch.Tensor
+                       ) -> tuple[GroupSpec, int, dict[int, str], FormedGroup]:
         if self.bans is not None:
             exclude = exclude | (self.bans.banned(self.clock()) - {self.plane.peer_id})
         formed = self.form_group(fragment, round_no, attempt, exclude)
@@ -385,7 +394,9 @@ class SwarmRounds:
         if not isinstance(addrs, Mapping):
             addrs = dict(zip(members, addrs, strict=True))
         peers = {i: addrs[pid] for i, pid in enumerate(members) if i != group.my_index}
-        return spec, group.my_index, peers
+        if not isinstance(group, FormedGroup):  # a bare tuple from a test's matchmaker
+            group = FormedGroup(*group)
+        return spec, group.my_index, peers, group
 
     def _alone(self, fragment: int, round_no: int, attempt: int,
                local: torch.Tensor) -> RoundOutcome:
@@ -564,4 +575,5 @@ class NetworkCollective:
             skipped=out.skipped, members=tuple(out.members),
             attempts=len(swarm.attempts) + sum("no group" in e for e in swarm.errors),
             rejected=out.rejected, encoded=out.encoded, digest=out.digest or "",
+            diverged=swarm.diverged, outvoted=swarm.outvoted,
             latency_s=self.rounds.clock() - t0)

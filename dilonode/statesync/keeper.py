@@ -136,7 +136,8 @@ class StateKeeper:
 
     def _recover(self, worker: Any, thread: Any, peers: dict[str, str], auth: Credentials,
                  before_final: Callable[[], Awaitable[None]], *,
-                 same_rounds: bool = False, final_lead: float = 0.0) -> None:
+                 same_rounds: bool = False, final_lead: float = 0.0,
+                 prefer: tuple[str, ...] = ()) -> None:
         """`same_rounds`: also take a state with as many rounds as ours (ours may have
         diverged in a lone round), but only when its content differs from ours.
         `final_lead`: see `recover` (start publishing before the transfer ends)."""
@@ -152,8 +153,8 @@ class StateKeeper:
         job = recover(peers, local, self.cfg.run_id, self.digest, sc,
                       min_rounds=sum(local.rounds) - int(same_rounds),
                       before_final=before_final, auth=auth, final_lead=final_lead,
-                      own_candidate=same_rounds, wait_behind=wait,
-                      wait_from_step=started, replayer=self._replayer())
+                      own_candidate=same_rounds and not prefer, wait_behind=wait,
+                      wait_from_step=started, replayer=self._replayer(), prefer=prefer)
         try:
             got = thread.run(asyncio.wait_for(job, sc.recover_timeout),
                              timeout=sc.recover_timeout + 10.0)
@@ -192,30 +193,44 @@ class StateKeeper:
         """After a round this node went through alone while peers are live, it is behind
         them (a timeout cost it more than the matchmaking window, so it can no longer meet
         them) or its copy diverged: fetch the state of peers that landed more rounds and
-        jump to it, as a joiner does. Only between syncs (nothing in flight)."""
+        jump to it, as a joiner does. When matchmaking left it out for holding another
+        state than its group's (`worker.diverged_from`), it takes that group's state.
+        Only between syncs (nothing in flight)."""
         if (not (self.active and self.cfg.statesync.enabled) or worker.pending
                 or worker.stats.alone == self._alone_seen):
             return
         self._alone_seen = worker.stats.alone
+        prefer, worker.diverged_from = tuple(worker.diverged_from), ()
+        self.adopt(worker, thread, dht, prefer)
+
+    def adopt(self, worker: Any, thread: Any, dht: Any, prefer: tuple[str, ...] = ()) -> bool:
+        """Take the state the live peers agree on (or, with `prefer`, the state of those
+        peers) if it differs from ours; True if ours was replaced. Nothing may be in flight."""
         peers = _serving_peers(dht)
-        if not peers:
-            return
+        if not peers or not (self.active and self.cfg.statesync.enabled):
+            return False
 
         async def already_visible() -> None:
             return None
 
-        log.info("went on alone with %d live peer(s) around: checking whether they are ahead",
-                 len(peers))
+        if prefer:
+            log.info("outer state differs from the one that stands: adopting the state of "
+                     "%s", ", ".join(prefer))
+        else:
+            log.info("went on alone with %d live peer(s) around: checking whether they are "
+                     "ahead", len(peers))
+        before = self.recovery
         # Peers that went alone in the same round are asking us at the same time: serve
         # them directly (nothing is in flight) rather than wait for a step we are not taking.
         self.source.blocked(True)
         try:
             self._recover(worker, thread, peers, dht.credentials, already_visible,
-                          same_rounds=True)
+                          same_rounds=True, prefer=prefer)
         except (RecoveryError, OSError, ValueError) as exc:
             log.warning("state sync after a lone round failed: %s", exc)
         finally:
             self.source.blocked(False)
+        return self.recovery is not before
 
     def training(self, on: bool) -> None:
         self.source.training(on)

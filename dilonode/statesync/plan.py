@@ -90,7 +90,8 @@ def manifest_of(state: WorkerState, run_id: str, config_digest: str, chunk_bytes
     return Manifest(run_id=run_id, config_digest=config_digest, step=state.step,
                     current_step=state.step if state.taken_at is None else state.taken_at,
                     rounds=list(state.rounds), outer_steps=list(state.outer_steps),
-                    chunk_bytes=chunk_bytes, tensors=entries, replays=replays)
+                    chunk_bytes=chunk_bytes, tensors=entries, replays=replays,
+                    chains=list(state.chains))
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,8 @@ class Assembler:
         if self.needed():
             raise RuntimeError(f"Assembler.state: {len(self.needed())} chunks missing")
         m = self.manifest
-        return WorkerState(m.step, tuple(m.rounds), tuple(m.outer_steps), dict(self.tensors))
+        return WorkerState(m.step, tuple(m.rounds), tuple(m.outer_steps), dict(self.tensors),
+                           chains=tuple(m.chains))
 
 
 @dataclass

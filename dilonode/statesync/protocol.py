@@ -106,11 +106,16 @@ class Manifest(_Model):
     chunk_bytes: int = Field(ge=4096, le=64 << 20)
     tensors: list[TensorChunks] = Field(min_length=2, max_length=8192)
     replays: list[RoundReplay] = Field(default_factory=list, max_length=4096)
+    # Per fragment, the hash chain of the rounds applied (algo/chain.py); [] if unknown.
+    chains: list[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]] = Field(
+        default_factory=list, max_length=4096)
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
         if len(self.rounds) != len(self.outer_steps):
             raise ValueError("rounds and outer_steps differ in length")
+        if self.chains and len(self.chains) != len(self.rounds):
+            raise ValueError(f"{len(self.chains)} chains for {len(self.rounds)} fragments")
         names = [t.name for t in self.tensors]
         if names != tensor_names(len(self.rounds)):
             raise ValueError(f"tensors {one_line(str(names), 120)} are not the "
@@ -145,8 +150,9 @@ class Manifest(_Model):
 
     def content_key(self) -> tuple[Any, ...]:
         """What two manifests must share to describe the same state (the step may differ)."""
-        return (tuple(self.rounds), tuple(self.outer_steps), self.chunk_bytes,
-                tuple((t.name, t.numel, tuple(t.chunks)) for t in self.tensors))
+        return (tuple(self.rounds), tuple(self.outer_steps), tuple(self.chains),
+                self.chunk_bytes, tuple((t.name, t.numel, tuple(t.chunks))
+                                        for t in self.tensors))
 
     @property
     def nbytes(self) -> int:

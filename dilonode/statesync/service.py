@@ -30,7 +30,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -657,7 +657,8 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                   auth: Credentials | None = None, peer_id: str | None = None,
                   final_lead: float = 0.0, own_candidate: bool = False,
                   wait_behind: float = 0.0, wait_from_step: int = 0,
-                  replayer: Replayer | None = None) -> Recovery | None:
+                  replayer: Replayer | None = None,
+                  prefer: Collection[str] = ()) -> Recovery | None:
     """Fetch the swarm's current outer state from `peers` (peer id -> state address).
 
     Each connection proves that the peer id it was looked up under answers, and proves us
@@ -692,6 +693,9 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     `replayer` (the run's outer step: `algo.replay.replay_round`): a fragment that a round
     changed after we fetched it is replayed from that round's result when that is cheaper
     (`_Client.fetch`); None: it is fetched again.
+
+    `prefer` (a node left out of a round for holding another state than its group's):
+    only the manifests of these peers are considered while any of them answers.
     """
     t0 = time.perf_counter()
     me = _whoami(auth, peer_id)
@@ -726,6 +730,8 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
             t_pass = time.perf_counter()
             watched = client.newer is not None
             manifests, client.newer = client.newer or await client.manifests(), None
+            if prefer and (chosen := {p: m for p, m in manifests.items() if p in prefer}):
+                manifests = chosen
             client.result.manifest_seconds += time.perf_counter() - t_pass
             log.info("state sync: pass %d: %d manifest(s)%s in %.2f s, %.2f s since start",
                      client.result.passes, len(manifests), " (read while fetching)"

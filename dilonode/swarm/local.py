@@ -98,12 +98,13 @@ class LocalSwarm:
         self.maddrs = self._wait_bootstrap(timeout)
         return self.maddrs
 
-    def start_nodes(self) -> None:
-        """Start the N training nodes; they wait for each other before training."""
+    def start_nodes(self, extra: dict[int, list[str]] | None = None) -> None:
+        """Start the N training nodes (node i with `extra[i]` args too, e.g. `--set
+        data.batch_size=24` for a slower one); they wait for each other before training."""
         net = self.cfg.network.model_copy(update={"min_peers": self.n})
         self.cfg_path.write_text(self.cfg.model_copy(update={"network": net}).model_dump_json())
         for i in range(self.n):
-            self.start_node(i)
+            self.start_node(i, (extra or {}).get(i))
 
     @property
     def cfg_path(self) -> Path:
@@ -196,7 +197,7 @@ def run_local_swarm(cfg: RunConfig, nodes: int, config_path: str | None = None,
 
     def on_event(name: str, ev: dict) -> None:
         if ev.get("event") == "progress":
-            steps[name] = ev["step"]
+            steps[name] = ev.get("progress", ev["step"])  # the swarm clock's steps
             low = min(steps.values()) if len(steps) == nodes else 0
             bar.update(low - bar.n)
             bar.set_postfix(loss=ev.get("eval_loss"), refresh=False)

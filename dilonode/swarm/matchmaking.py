@@ -11,9 +11,15 @@
    seconds (re-storing our entry if it is not visible: a refused or lost store). The wait
    ends early once every `expected` peer (those the caller believes alive, from the peer
    records) has registered, or as soon as a leader has closed the group (step 3).
-3. Close: the group's leader is the smallest peer id among the valid entries it reads at
-   the end of its wait (minus the peers it excludes). It re-stores its own entry with a
-   `roster` (members, data addresses, weights, sorted by peer id) and uses that roster.
+3. Close: entries carry the chain of the fragment's outer state before this round
+   (`algo/chain.py`). The chain that stands is the one most entries carry (then the most
+   tokens trained, then the smallest peer id among its holders): nodes whose outer state
+   differs from it (a lone round, a partition) are left out, go through the round alone and
+   adopt the state that stands from its members before they contribute again. The group's
+   leader is the smallest peer id among the valid entries with the standing chain that it
+   reads at the end of its wait (minus the peers it excludes). It re-stores its own entry
+   with a `roster` (members, data addresses, weights, sorted by peer id) and uses that
+   roster.
    Every other peer adopts the first roster it reads that names it and was written by the
    smallest member of that roster; it waits for one until about one window after it first
    read the leader's entry (the leader registered before that, so its own wait is over by
@@ -40,6 +46,7 @@ Everything is bounded by `timeout`; failure to register or to read raises `Match
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
@@ -51,7 +58,8 @@ from dilonode.auth import Credentials
 from dilonode.swarm.dht import RawEntry, decode_entries
 from dilonode.swarm.records import GroupEntry, RosterMember, encode_record, group_key
 
-__all__ = ["Group", "GroupBoard", "MatchmakingError", "form_group", "settings_difference"]
+__all__ = ["Group", "GroupBoard", "MatchmakingError", "form_group", "settings_difference",
+           "standing_chain"]
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +101,12 @@ class GroupBoard(Protocol):
 
 @dataclass(frozen=True)
 class Group:
-    """The outcome of one matchmaking attempt as seen by this node."""
+    """The outcome of one matchmaking attempt as seen by this node.
+
+    `diverged`: this node was left out because its outer state differs from the one that
+    stands; the members of the group that stands (adopt their state). `outvoted`: peers
+    left out of our group for holding a state that differs from ours (ours stands).
+    """
 
     members: tuple[str, ...]
     data_addrs: tuple[str, ...]
@@ -103,6 +116,8 @@ class Group:
     fragment: int
     round: int
     attempt: int
+    diverged: tuple[str, ...] = ()
+    outvoted: tuple[str, ...] = ()
 
     def digest(self) -> str:
         """sha256 hex of run id, fragment, round, attempt and the sorted members, '\\n'-joined.
@@ -222,6 +237,16 @@ def _roster_for(entries: dict[str, GroupEntry], me: str) -> tuple[list[RosterMem
     return None, bool(closed)
 
 
+def _standing_roster(entries: dict[str, GroupEntry]) -> tuple[tuple[str, ...], str] | None:
+    """(members, chain) of the valid roster with the most members (then the smallest
+    writer), or None: the group that stands when we were left out of it."""
+    closed = [e for p, e in sorted(entries.items()) if e.roster and e.roster[0].peer_id == p]
+    if not closed:
+        return None
+    best = max(closed, key=lambda e: len(e.roster or ()))
+    return tuple(m.peer_id for m in best.roster or ()), best.chain
+
+
 def _group(members: list[RosterMember], me: GroupEntry) -> Group:
     ids = tuple(m.peer_id for m in members)
     return Group(members=ids, data_addrs=tuple(m.data_addr for m in members),
@@ -230,15 +255,34 @@ def _group(members: list[RosterMember], me: GroupEntry) -> Group:
                  round=me.round, attempt=me.attempt)
 
 
-def _alone(me: GroupEntry) -> Group:
-    return _group([RosterMember(peer_id=me.peer_id, data_addr=me.data_addr,
-                                bandwidth_mbps=me.bandwidth_mbps)], me)
+def _alone(me: GroupEntry, diverged: tuple[str, ...] = ()) -> Group:
+    alone = _group([RosterMember(peer_id=me.peer_id, data_addr=me.data_addr,
+                                 bandwidth_mbps=me.bandwidth_mbps)], me)
+    return dataclasses.replace(alone, diverged=diverged)
+
+
+def standing_chain(entries: Mapping[str, GroupEntry]) -> str:
+    """The chain that stands among `entries`: held by most, then most tokens in all, then
+    by the smallest peer id (every member derives the same from the same entries)."""
+    holders: dict[str, list[str]] = {}
+    for peer, entry in sorted(entries.items()):
+        holders.setdefault(entry.chain, []).append(peer)
+
+    def rank(chain: str) -> tuple[int, int, str]:
+        peers = holders[chain]
+        # min() below: most holders, most tokens, then the smallest first holder.
+        return (-len(peers), -sum(entries[p].tokens for p in peers), peers[0])
+
+    return min(holders, key=rank)
 
 
 def _close(view: _Board, exclude: frozenset[str], deadline: float) -> Group:
-    """As leader: publish the roster of what we read (our own entry, now with the roster)."""
+    """As leader: publish the roster of what we read (our own entry, now with the roster),
+    leaving out the entries whose chain is not ours (ours stands: we lead)."""
     entries = {p: e for p, e in view.entries.items() if p not in exclude}
     entries[view.me.peer_id] = view.me
+    outvoted = tuple(sorted(p for p, e in entries.items() if e.chain != view.me.chain))
+    entries = {p: e for p, e in entries.items() if e.chain == view.me.chain}
     roster = [RosterMember(peer_id=p, data_addr=e.data_addr, bandwidth_mbps=e.bandwidth_mbps)
               for p, e in sorted(entries.items())]
     closing = view.me.model_copy(update={"roster": roster})
@@ -246,7 +290,11 @@ def _close(view: _Board, exclude: frozenset[str], deadline: float) -> Group:
         view.store(closing, deadline)  # a later expiration than the registration: replaces it
     except TimeoutError as exc:
         raise MatchmakingError(f"could not publish the roster under {view.key}: {exc}") from None
-    return _group(roster, view.me)
+    if outvoted:
+        log.warning("group %s: left out %d peer(s) whose outer state differs from ours "
+                    "(they adopt the state that stands): %s", view.key, len(outvoted),
+                    ", ".join(outvoted))
+    return dataclasses.replace(_group(roster, view.me), outvoted=outvoted)
 
 
 def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attempt: int,
@@ -312,7 +360,9 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
     roster, any_roster = _roster_for(entries, me.peer_id)
     if roster is None and not any_roster:
         # Not `dead()` here: peers that do not know yet would pick another leader.
-        leader = min({p for p in entries if p not in skip} | {me.peer_id})
+        valid = {p: e for p, e in entries.items() if p not in skip} | {me.peer_id: me}
+        chain = standing_chain(valid)
+        leader = min(p for p, e in valid.items() if e.chain == chain)
         if leader == me.peer_id:
             group = _close(view, skip, deadline)
             log.info("group %s: closed with %d member(s), digest %s", view.key, group.size,
@@ -331,6 +381,12 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
             raise MatchmakingError(f"no roster from leader {leader} under {view.key} within "
                                    f"{time.monotonic() - start:.1f}s{why}", blame=leader)
     if roster is None:
+        stood = _standing_roster(view.entries)
+        if stood is not None and stood[1] != me.chain:
+            log.warning("group %s: our outer state differs from the one that stands (held "
+                        "by %s); alone this round, then adopting theirs", view.key,
+                        ", ".join(stood[0]))
+            return _alone(me, diverged=stood[0])
         log.info("group %s: closed without us (late or excluded); alone this round", view.key)
         return _alone(me)
     group = _group(roster, me)

@@ -31,13 +31,17 @@ class Membership:
     def __init__(self, dht: SwarmDHT, run_id: str, net: NetworkConfig, data_addr: str,
                  status: Callable[[], dict[str, Any]] | None = None, *,
                  settings: Mapping[str, str | int | float] | None = None,
-                 gone: Callable[[], Mapping[str, float]] | None = None) -> None:
+                 gone: Callable[[], Mapping[str, float]] | None = None,
+                 local_state: Callable[[int], tuple[str, int]] | None = None) -> None:
         self.dht, self.run_id, self.net, self.data_addr = dht, run_id, net, data_addr
         # Peers that hung up on our data plane, and when (`DataPlane.gone`).
         self.gone = gone or dict
         self.status = status or (lambda: {})
         # Round settings every group member must share (`RoundPolicy.settings()`).
         self.settings = dict(settings or {})
+        # fragment -> (chain of its outer state, tokens this node trained), for matchmaking
+        # to group only nodes holding the same state (algo/chain.py).
+        self.local_state = local_state or (lambda _fragment: ("", 0))
         self.state_addr: str | None = None  # advertised state-sync listener, if any
         # Peer records can be briefly missing from a DHT read: peers that were in our groups
         # within one record ttl are expected too (a dead one costs a window, as its record does).
@@ -126,9 +130,11 @@ class Membership:
         def expected() -> frozenset[str]:
             return waits_for - self._suspects()
 
+        chain, tokens = self.local_state(fragment)
         me = GroupEntry(peer_id=self.dht.peer_id, run_id=self.run_id, data_addr=self.data_addr,
                         fragment=fragment, round=round_no, attempt=attempt,
-                        bandwidth_mbps=self.net.bandwidth_mbps, settings=self.settings)
+                        bandwidth_mbps=self.net.bandwidth_mbps, settings=self.settings,
+                        chain=chain, tokens=tokens)
         group = form_group(self.dht, self.run_id, fragment, round_no, attempt, me,
                            self.net.matchmaking_window, self.net.matchmaking_timeout,
                            poll_interval=0.05, expected=expected, exclude=exclude,
@@ -138,7 +144,7 @@ class Membership:
             self._seen.update({m: now for m in group.members})
             self._rounds[fragment] = (round_no, frozenset(), frozenset(group.members))
         return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
-                           group.digest())
+                           group.digest(), group.diverged, group.outvoted)
 
     def counts(self, fragment: int, round_no: int, peer_id: str) -> bool:
         """Whether our `round_no` of `fragment` counts `peer_id`: it is in the group, or, while

@@ -9,6 +9,12 @@ usable. Two kinds exist:
   heartbeat before it expires.
 * `GroupEntry`: a node's registration for one matchmaking attempt of one fragment round,
   stored under `group_key(run_id, fragment, round, attempt)` with the peer id as subkey.
+* `ClockRecord`: the swarm clock a node follows (start time, seconds per reference step),
+  under `clock_key(run_id)`; every node republishes the one it follows, so it outlives
+  any node (`dilonode.swarm.clock`).
+* `FinalRecord`: the digest of a node's outer weights at the end of the run, under
+  `final_key(run_id)`, which the end-of-run agreement check compares
+  (`dilonode.swarm.agreement`).
 
 Encoding is a msgpack map of the model's fields, sealed in the signed envelope of
 `dilonode.auth.seal_record` with the author's identity key (bound to the run id and the
@@ -32,13 +38,18 @@ from dilonode.auth import AuthError, Credentials, open_record, seal_record
 __all__ = [
     "MAX_RECORD_BYTES",
     "RUN_ID_PATTERN",
+    "ClockRecord",
+    "FinalRecord",
     "GroupEntry",
     "MAX_ROSTER",
     "PeerRecord",
     "Record",
     "RosterMember",
     "decode_record",
+    "SignedRecord",
+    "clock_key",
     "encode_record",
+    "final_key",
     "group_key",
     "peers_key",
 ]
@@ -52,7 +63,7 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 _PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{1,128}$"
 _KEY_PREFIX = "dilonode"
 
-R = TypeVar("R", bound="Record")
+R = TypeVar("R", bound="SignedRecord")
 
 
 def _check_data_addr(value: str) -> str:
@@ -68,7 +79,7 @@ def _check_finite(value: float) -> float:
     return value
 
 
-class Record(BaseModel):
+class SignedRecord(BaseModel):
     """Fields every published record carries; strict so a peer's types are never coerced."""
 
     # extra="ignore": a peer of the same protocol version may add optional fields without
@@ -78,6 +89,11 @@ class Record(BaseModel):
     peer_id: str = Field(pattern=_PEER_ID_PATTERN)
     run_id: str = Field(pattern=RUN_ID_PATTERN)
     version: int = Field(PROTOCOL_VERSION, ge=1)
+
+
+class Record(SignedRecord):
+    """A record of a node reachable on the data path."""
+
     data_addr: str = Field(description="'host:port' of the node's TCP data path")
 
     @field_validator("data_addr")
@@ -107,6 +123,35 @@ class PeerRecord(Record):
     @classmethod
     def _state_addr(cls, value: str | None) -> str | None:
         return None if value is None else _check_data_addr(value)
+
+
+_CHAIN_PATTERN = r"^([0-9a-f]{32})?$"
+_DIGEST_PATTERN = r"^[0-9a-f]{64}$"
+
+
+class ClockRecord(SignedRecord):
+    """The swarm clock: reference step s starts at `t0 + s * step_seconds` (Unix time),
+    started by `origin`. Republished unchanged by every node that follows it."""
+
+    t0: float
+    step_seconds: float = Field(gt=0.0, le=86400.0)
+    origin: str = Field(pattern=_PEER_ID_PATTERN)
+
+    @field_validator("t0", "step_seconds")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        return _check_finite(value)
+
+
+class FinalRecord(SignedRecord):
+    """A node's outer state when its run ended: the sha256 of its outer weights, its round
+    counters and chains, and the tokens it trained (who stands if nodes disagree)."""
+
+    digest: str = Field(pattern=_DIGEST_PATTERN)
+    rounds: list[int] = Field(max_length=4096)
+    chains: list[str] = Field(max_length=4096)
+    tokens: int = Field(ge=0, lt=2**63)
+    end_step: int = Field(ge=0, lt=2**63)
 
 
 # Longest roster a leader may publish: keeps an entry well under MAX_RECORD_BYTES.
@@ -150,6 +195,11 @@ class GroupEntry(Record):
     settings: dict[str, str | int | float] = Field(default_factory=dict,
                                                    max_length=_MAX_SETTINGS)
     roster: list[RosterMember] | None = Field(None, min_length=1, max_length=MAX_ROSTER)
+    # The fragment's outer-state chain before this round (algo/chain.py; "" unknown) and
+    # the tokens this node has trained in all: matchmaking groups only equal chains, the
+    # one with most members (then most tokens, then lowest peer id) standing.
+    chain: str = Field("", pattern=_CHAIN_PATTERN)
+    tokens: int = Field(0, ge=0, lt=2**63)
 
     @field_validator("bandwidth_mbps")
     @classmethod
@@ -176,7 +226,17 @@ def group_key(run_id: str, fragment: int, round: int, attempt: int) -> str:
     return f"{_KEY_PREFIX}/{run_id}/group/{fragment}/{round}/{attempt}"
 
 
-def encode_record(record: Record, creds: Credentials) -> bytes:
+def clock_key(run_id: str) -> str:
+    """DHT key of the swarm clock records (subkey: the republishing peer's id)."""
+    return f"{_KEY_PREFIX}/{run_id}/clock"
+
+
+def final_key(run_id: str) -> str:
+    """DHT key of the end-of-run records (subkey: peer id)."""
+    return f"{_KEY_PREFIX}/{run_id}/final"
+
+
+def encode_record(record: SignedRecord, creds: Credentials) -> bytes:
     """The signed bytes that `decode_record` accepts; `creds` must be the record's author."""
     if (record.peer_id, record.run_id) != (creds.peer_id, creds.run_id):
         raise ValueError(f"record of {record.peer_id}@{record.run_id} cannot be signed by "
@@ -194,7 +254,7 @@ def _unsigned_version(raw: bytes) -> object:
     return data.get("version") if isinstance(data, dict) else None
 
 
-def _one_line(kind: type[Record], exc: ValidationError) -> str:
+def _one_line(kind: type[SignedRecord], exc: ValidationError) -> str:
     parts = []
     for err in exc.errors(include_url=False):
         where = ".".join(str(p) for p in err["loc"]) or "record"

@@ -66,10 +66,14 @@ class WorkerStats:
     sync_wait_s: float = 0.0  # time the training thread spent blocked on a sync result
     abandoned: int = 0  # rounds left unfinished when stopping (drain timeout)
     missed: int = 0  # rounds this worker's pacer jumped over (paused, or slower than H)
+    diverged: int = 0  # rounds matchmaking left us out of: our outer state differed
+    grouped: int = 0  # fragment rounds averaged with at least one peer
     late: int = 0  # rounds whose result was not there when the fragment's next was due
-    contributed_tokens: int = 0  # tokens in the contributions this worker sent
     # fragment (-1: DDP gradients) -> (rounds, total s, max s) from begin to result
     latency: dict[int, tuple[int, float, float]] = field(default_factory=dict)
+    # fragment -> who averaged its last round (networked rounds): whom the end-of-run
+    # agreement check expects to hold the same weights.
+    members: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     _MAX_DROPPED = 50
 
@@ -79,13 +83,19 @@ class WorkerStats:
         self.peak_sync_bytes = max(self.peak_sync_bytes, result.payload_bytes_sent)
         self.syncs += 1
         self.skipped += int(result.skipped)
-        self.alone += int(fragment >= 0 and result.group_size < 2)
+        # Alone with others around, except when they were left out for holding another
+        # state than ours (ours stands; they adopt it).
+        self.alone += int(fragment >= 0 and result.group_size < 2 and not result.outvoted)
+        self.diverged += int(bool(result.diverged))
+        self.grouped += int(fragment >= 0 and result.group_size >= 2)
         self.retried += int(result.attempts > 1)
         self.dropped = (self.dropped + list(result.dropped))[-self._MAX_DROPPED:]
         n, total, worst = self.latency.get(fragment, (0, 0.0, 0.0))
         self.latency[fragment] = (n + 1, total + result.latency_s, max(worst, result.latency_s))
         if fragment >= 0:
             self.rounds[fragment] = self.rounds.get(fragment, 0) + 1
+            if result.members:
+                self.members[fragment] = tuple(result.members)
 
 
 def build_inner_optimizer(model: nn.Module, cfg: InnerOptConfig) -> torch.optim.AdamW:
@@ -160,6 +170,13 @@ class Worker:
         # fragment -> (round, its result as the codec carried it): the last round applied,
         # when the collective keeps encoded results; served so joiners can replay it.
         self.replays: dict[int, tuple[int, EncodedResult]] = {}
+        # When set (a list), every round started and landed is recorded here in order
+        # (own step, fragment, round, tokens or group size): `sim.replay_traces` re-runs a
+        # daemon's schedule exactly, and operators can see why a round was missed.
+        self.trace: list[dict[str, int | str]] | None = None
+        # The peers holding the state that stands, after a round left us out for holding
+        # another (the node re-syncs from them between steps, then clears it).
+        self.diverged_from: tuple[str, ...] = ()
         if self.algo.mode != "ddp":
             self._init_outer(list(names))
 
@@ -247,7 +264,7 @@ class Worker:
         in flight (the only place a clock-paced worker waits for a result)."""
         for act in due:
             if act.fragment in self.pending:
-                self.stats.late += 1
+                self.stats.late += int(not self.pending[act.fragment][1].done())
                 self._land_fragment(act.fragment)
             self._start(act.fragment, act.round)
 
@@ -272,8 +289,10 @@ class Worker:
         local = flatten(self._frag_params(self.fragments[p]))  # [numel_p]
         delta = pseudo_gradient(self.outer[p].weights, local)
         tokens, self.tokens_since[p] = self.tokens_since[p], 0
-        self.stats.contributed_tokens += tokens
         self.next_round[p] = r + 1
+        if self.trace is not None:
+            self.trace.append({"step": self.step, "event": "start", "fragment": p, "round": r,
+                               "tokens": tokens})
         self._launched_at[p] = self.step
         self.pending[p] = (r, self.collective.begin(SyncKey("fragment", p, r), delta,
                                                     float(tokens)))
@@ -307,6 +326,14 @@ class Worker:
         self.start_final()
         for p in sorted(self.pending):
             self._land_fragment(p)
+
+    def start_round(self, p: int, r: int) -> None:
+        """Start round r of fragment p now (a driver replaying a recorded schedule)."""
+        self._start(p, r)
+
+    def land_round(self, p: int) -> None:
+        """Land fragment p's round in flight now, waiting for it (replaying a schedule)."""
+        self._land_fragment(p)
 
     def start_final(self) -> None:
         """Start the end-of-run rounds of `final_sync` (a virtual-time driver lands them)."""
@@ -376,6 +403,11 @@ class Worker:
         del self.pending[p]
         self._launched_at.pop(p, None)
         self.stats.record(p, result)
+        if self.trace is not None:
+            self.trace.append({"step": self.step, "event": "land", "fragment": p, "round": r,
+                               "group": result.group_size})
+        if result.diverged:
+            self.diverged_from = result.diverged
         params = self._frag_params(self.fragments[p])
         self.replays.pop(p, None)
         digest = result.digest or _values_digest(result.mean)

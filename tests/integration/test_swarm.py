@@ -27,8 +27,10 @@ BASE = {
     "model": {"preset": "nano"},
     "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
     "inner": {"lr": 3e-3, "warmup_steps": 0},
+    # Paced by steps: every node syncs after exactly H own steps, the schedule the
+    # lockstep simulator runs (test_hetero covers the swarm clock at unequal speeds).
     "diloco": {"mode": "streaming", "sync_every": 6, "num_fragments": 3,
-               "fragment_sync_delay": 1, "fragment_update_alpha": 0.5},
+               "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "pacing": "steps"},
     "codec": {"name": "float32"},
     "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 40.0,
                 "allreduce_timeout": 20.0, "max_attempts": 2},
@@ -53,7 +55,9 @@ def test_three_nodes_match_the_simulator(tmp_path):
     assert len({s["outer_digest"] for s in summaries.values()}) == 1, "nodes disagree"
     for s in summaries.values():
         assert s["skipped_rounds"] == 0, s["dropped_peers"]
-        assert s["rounds_per_fragment"] == {"0": 2, "1": 2, "2": 2}
+        # 2 rounds each in 12 steps, plus the end-of-run round of fragments 0 and 1 (whose
+        # last rounds started at steps 8 and 10; fragment 2's started at 12).
+        assert s["rounds_per_fragment"] == {"0": 3, "1": 3, "2": 2}
     # every node holds the same outer weights, equal to the simulator's run of this config
     states = [torch.load(tmp_path / f"node-{i}" / "outer.pt") for i in range(3)]
     captured = {}

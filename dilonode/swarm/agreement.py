@@ -1,0 +1,119 @@
+"""The end-of-run agreement check: do the nodes that finished the run hold one model?
+
+Every node that reaches the end of the run publishes a `FinalRecord` (the sha256 of its
+outer weights, its round counters and chains, the tokens it trained) under
+`final_key(run)`, reads the records of the peers it expects (the members of its last
+rounds, and any other live peer that published one), and compares. Pure decisions here
+(`Verdict`, `standing_digest`); the node does the waiting and, when its weights are not
+the ones that stand, adopts them through state sync before it checks again
+(`dilonode.node`). A node that still differs says in one line from whom, and exits
+non-zero: a swarm never ends as two models with every node reporting success.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dilonode.swarm.dht import decode_entries
+from dilonode.swarm.records import FinalRecord, encode_record, final_key
+
+__all__ = ["FinalBoard", "Verdict", "standing_digest", "verdict"]
+
+log = logging.getLogger(__name__)
+
+
+def standing_digest(records: Mapping[str, FinalRecord]) -> str:
+    """The weights that stand among nodes that disagree: held by most nodes, then most
+    tokens trained, then by the smallest peer id (the rule matchmaking applies to chains)."""
+    holders: dict[str, list[str]] = {}
+    for peer, rec in sorted(records.items()):
+        holders.setdefault(rec.digest, []).append(peer)
+    return min(holders, key=lambda d: (-len(holders[d]),
+                                       -sum(records[p].tokens for p in holders[d]),
+                                       holders[d][0]))
+
+
+@dataclass
+class Verdict:
+    """How our final outer weights compare with the peers'."""
+
+    digest: str
+    same: list[str] = field(default_factory=list)  # peers holding our weights
+    differ: dict[str, str] = field(default_factory=dict)  # peer -> its digest
+    missing: list[str] = field(default_factory=list)  # expected, published nothing in time
+    adopted: bool = False  # we took the standing weights from peers at the end
+
+    @property
+    def agrees(self) -> bool | None:
+        """True: every peer that answered holds our weights; None: nobody answered."""
+        if self.differ:
+            return False
+        return True if self.same else None
+
+    def line(self) -> str:
+        if self.agrees is False:
+            who = ", ".join(f"{p} ({d[:12]})" for p, d in sorted(self.differ.items()))
+            return (f"outer weights {self.digest[:12]} differ from {len(self.differ)} "
+                    f"peer(s): {who}")
+        if self.agrees is None:
+            return "no peer to compare the final outer weights with"
+        extra = f"; {len(self.missing)} expected peer(s) did not report" if self.missing else ""
+        return (f"outer weights {self.digest[:12]} identical on {len(self.same) + 1} "
+                f"node(s){extra}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"agrees": self.agrees, "digest": self.digest, "same": sorted(self.same),
+                "differ": dict(sorted(self.differ.items())), "missing": sorted(self.missing),
+                "adopted": self.adopted, "line": self.line()}
+
+
+def verdict(mine: FinalRecord, others: Mapping[str, FinalRecord],
+            expected: Collection[str]) -> Verdict:
+    """Compare our record with the peers' (only records for the same end step count)."""
+    out = Verdict(mine.digest)
+    for peer, rec in sorted(others.items()):
+        if peer == mine.peer_id or rec.end_step != mine.end_step:
+            continue
+        if rec.digest == mine.digest:
+            out.same.append(peer)
+        else:
+            out.differ[peer] = rec.digest
+    out.missing = sorted(set(expected) - set(out.same) - set(out.differ) - {mine.peer_id})
+    return out
+
+
+class FinalBoard:
+    """Publishes our final record and reads the peers' (bounded DHT calls)."""
+
+    def __init__(self, dht: Any, run_id: str, ttl: float = 600.0) -> None:
+        self.dht, self.run_id, self.ttl = dht, run_id, ttl
+
+    def publish(self, record: FinalRecord, timeout: float = 10.0) -> None:
+        self.dht.store_raw(final_key(self.run_id), self.dht.peer_id,
+                           encode_record(record, self.dht.credentials), self.ttl,
+                           timeout=timeout)
+
+    def read(self, timeout: float = 5.0) -> dict[str, FinalRecord]:
+        key = final_key(self.run_id)
+        raw = self.dht.get_raw(key, timeout=timeout)
+        return decode_entries(self.dht, key, raw, FinalRecord, self.dht.credentials)
+
+    def collect(self, mine: FinalRecord, expected: Collection[str], timeout: float,
+                poll: float = 0.5, settle: bool = False) -> Verdict:
+        """Read until every expected peer has published for our end step (and, with
+        `settle`, until none of them differs any more) or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got = verdict(mine, self.read(timeout=min(5.0, max(timeout, 0.1))), expected)
+            except (TimeoutError, RuntimeError) as exc:
+                log.debug("end-of-run check: DHT read failed: %s", exc)
+                got = verdict(mine, {}, expected)
+            done = not got.missing and not (settle and got.differ)
+            if done or time.monotonic() >= deadline:
+                return got
+            time.sleep(poll)

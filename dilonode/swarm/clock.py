@@ -1,0 +1,132 @@
+"""The swarm clock, agreed through the DHT: when reference step s starts, on every node.
+
+With `diloco.pacing = "time"` rounds open on this clock (`algo/pacing.py`), so nodes of any
+speed meet in every round. Agreement without a coordinator:
+
+* Every node stores the clock it follows under `clock_key(run)` (subkey: its peer id) and
+  re-stores it in the background, so the clock outlives whichever node started it.
+* The clock that stands is the one with the earliest `t0` (then the smallest origin peer
+  id) among the valid records a node reads: every node that reads the same records picks
+  the same one.
+* A node that finds no clock proposes one once it knows its own step time (or
+  `diloco.step_seconds` is set), starting now. Nodes started together may each propose;
+  every node keeps reading (every `poll` s until its first round, then every few
+  seconds) and follows the clock that stands. A node that switches after it started
+  rounds (two halves that started apart and met) jumps to the standing clock's newest
+  round: the rounds in between count as missed, and the chains of its fragments (which
+  differ from the others') make it adopt their state at its next round.
+* A clock whose `t0` lies in the future, or older than `max_age`, is ignored: it cannot be
+  this run's.
+
+Hosts read their wall clock (`time.time`), so they should run NTP; skew within a fraction
+of `network.matchmaking_window` is absorbed by matchmaking.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dilonode.algo.pacing import SwarmClock, TimePacer
+from dilonode.swarm.dht import decode_entries
+from dilonode.swarm.records import ClockRecord, clock_key, encode_record
+
+__all__ = ["ClockKeeper", "Proposal", "standing_clock"]
+
+log = logging.getLogger(__name__)
+
+# Seconds per reference step this node proposes, or None while it does not know yet.
+Proposal = Callable[[], float | None]
+
+
+def standing_clock(records: dict[str, ClockRecord], now: float,
+                   max_age: float = 30 * 86400.0) -> ClockRecord | None:
+    """The clock every node picks from the same records: earliest t0, then smallest origin
+    (clocks starting in the future or more than `max_age` ago are not considered)."""
+    usable = [r for r in records.values() if now - max_age <= r.t0 <= now + 5.0]
+    if not usable:
+        return None
+    return min(usable, key=lambda r: (r.t0, r.origin, r.step_seconds))
+
+
+class ClockKeeper:
+    """Reads, proposes and republishes the swarm clock for one node (module docstring)."""
+
+    def __init__(self, dht: Any, run_id: str, pacer: TimePacer, propose: Proposal,
+                 frozen: Callable[[], bool], *, ttl: float = 60.0, poll: float = 0.5,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.dht, self.run_id, self.pacer = dht, run_id, pacer
+        self.propose, self.frozen = propose, frozen
+        self.ttl, self.poll, self.wall = ttl, poll, wall
+        self.following: ClockRecord | None = None
+        self.switches = 0  # clocks followed after this node had started rounds
+        self._published_at = float("-inf")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- one pass (the thread repeats it; tests call it directly) ------------------------
+    def read(self, timeout: float = 5.0) -> ClockRecord | None:
+        key = clock_key(self.run_id)
+        raw = self.dht.get_raw(key, timeout=timeout)
+        return standing_clock(decode_entries(self.dht, key, raw, ClockRecord,
+                                             self.dht.credentials), self.wall())
+
+    def tick(self) -> None:
+        """Read the clocks; follow the standing one or propose ours; republish when due."""
+        standing = self.read()
+        if standing is not None:
+            self._follow(standing)
+        elif self.following is None and (step_s := self.propose()) is not None:
+            self._follow(ClockRecord(peer_id=self.dht.peer_id, run_id=self.run_id,
+                                     t0=self.wall(), step_seconds=step_s,
+                                     origin=self.dht.peer_id), proposed=True)
+        if self.following is not None and \
+                time.monotonic() - self._published_at > self.ttl / 3:
+            self._publish()
+
+    def _follow(self, record: ClockRecord, proposed: bool = False) -> None:
+        mine = self.following
+        if mine is not None and (mine.t0, mine.origin) == (record.t0, record.origin):
+            return
+        switching = mine is not None and self.frozen()
+        self.following = record
+        self.pacer.clock = SwarmClock(record.t0, record.step_seconds)
+        self._published_at = float("-inf")  # republish the one we follow now
+        if switching:
+            self.switches += 1
+            log.warning("swarm clock: switching to the clock started by %s %.1f s earlier "
+                        "than ours (two groups met); rounds in between are missed",
+                        record.origin, (mine.t0 if mine else record.t0) - record.t0)
+        else:
+            log.info("swarm clock: %s (one reference step = %.4g s)",
+                     "proposing ours" if proposed else f"following {record.origin}'s",
+                     record.step_seconds)
+
+    def _publish(self) -> None:
+        assert self.following is not None
+        mine = self.following.model_copy(update={"peer_id": self.dht.peer_id})
+        self.dht.store_raw(clock_key(self.run_id), self.dht.peer_id,
+                           encode_record(mine, self.dht.credentials), self.ttl)
+        self._published_at = time.monotonic()
+
+    # -- background thread ---------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dilonode-clock", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception as exc:  # a DHT hiccup: read again at the next pass
+                log.debug("swarm clock: %s", exc)
+            wait = self.poll if not self.frozen() else self.ttl / 6
+            self._stop.wait(wait)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)

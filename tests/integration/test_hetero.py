@@ -1,0 +1,76 @@
+"""A mixed swarm on loopback: one node 3x slower per step than the other two.
+
+Rounds open on the swarm clock, so the slow node takes part in every round with the tokens
+it trained, nobody waits for it in the run, and every node ends with identical outer
+weights. The nodes' recorded schedules, replayed in process over the simulator's
+`LocalGroup` (`sim.replay_traces`), give the same weights: the simulator and the daemon
+are one algorithm at unequal speeds too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("hivemind")
+
+from dilonode.config import load_config  # noqa: E402
+from dilonode.sim import replay_traces  # noqa: E402
+from dilonode.swarm.local import LocalSwarm  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SLOW = 2  # node 2 runs 3x the batch: each of its steps costs about 3x
+BASE = {
+    "run_id": "hetero-test", "seed": 9, "eval_every": 12, "device": "cpu", "total_steps": 48,
+    "model": {"preset": "nano"},
+    "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
+    "inner": {"lr": 3e-3, "warmup_steps": 0},
+    "diloco": {"mode": "streaming", "sync_every": 12, "num_fragments": 2,
+               "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "pacing": "time",
+               # A round period of 1.2 s: several times a loopback round (~0.25 s here).
+               "step_seconds": 0.1},
+    "codec": {"name": "float32"},
+    "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 40.0,
+                "allreduce_timeout": 20.0, "max_attempts": 2},
+    "paths": {"trace": True},
+}
+
+
+@pytest.mark.timeout(420)
+def test_a_3x_slower_node_takes_part_in_every_round_and_all_end_identical(tmp_path):
+    cfg = load_config(overrides={**BASE, "paths": {**BASE["paths"], "out_dir": str(tmp_path)}})
+    swarm = LocalSwarm(cfg, 3)
+    try:
+        swarm.start_bootstrap()
+        swarm.start_nodes({SLOW: ["--set", "data.batch_size=12"]})
+        summaries = swarm.follow()
+    finally:
+        swarm.stop()
+    assert [p.returncode for p in swarm.procs] == [0, 0, 0]
+    assert sorted(summaries) == ["node-0", "node-1", "node-2"], summaries
+    s = [summaries[f"node-{i}"] for i in range(3)]
+    assert len({x["outer_digest"] for x in s}) == 1, "nodes disagree"
+    assert all(x["agreement"]["agrees"] is True for x in s), [x["agreement"] for x in s]
+    # 4 rounds per fragment in 48 reference steps, plus the end-of-run round of fragment 0.
+    for x in s:
+        assert x["rounds_per_fragment"] == {"0": 5, "1": 4}, x
+        assert x["rounds_with_peers"] == 9 and x["missed_rounds"] == 0, x
+    # The slow node trained fewer steps; the fast ones never waited for it in the run.
+    assert s[SLOW]["steps"] < min(s[0]["steps"], s[1]["steps"])
+    assert all(s[i]["late_rounds"] == 0 for i in (0, 1))
+
+    traces = [[json.loads(line) for line in
+               (tmp_path / f"node-{i}" / "trace.jsonl").read_text().splitlines()]
+              for i in range(3)]
+    assert all(e["group"] == 3 for t in traces for e in t if e["event"] == "land")
+    cfgs = [cfg, cfg, load_config(overrides={**BASE, "data": {**BASE["data"],
+                                                               "batch_size": 12}})]
+    workers = replay_traces(cfgs, traces, [x["steps"] for x in s])
+    want = torch.load(tmp_path / "node-0" / "outer.pt")
+    for w in workers:
+        got = w.outer_model().state_dict()
+        for name, ref in want.items():
+            torch.testing.assert_close(got[name], ref, atol=1e-5, rtol=0, msg=name)
