@@ -288,6 +288,7 @@ class Node:
             self.keeper.training(False)
         if steps is not None and not rep.stopped_early and self.worker.plan is not None:
             self.verdict = self._agree()
+            self.status.set_agreement(self.verdict.as_dict())
             if self.verdict.adopted:  # the weights changed: evaluate what we hold now
                 rep.eval_history[-1] = (self.worker.step, self.worker.evaluate(batches))
         self.keeper.finish(self.worker, abandoned=self.worker.stats.abandoned)

@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no t
 
     from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 
-__all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "finite_or_none"]
+__all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "finite_or_none",
+           "state_chain"]
 
 # Columns of `history()["series"]`, drawn by the dashboard (same names for the swarm view).
 HISTORY_SERIES = ("step", "train_loss", "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps",
@@ -79,7 +80,8 @@ class NodeStatus:
         self._cur: dict[str, Any] = {"step": 0, "tokens": 0, "train_loss": None,
                                      "eval_loss": None, "eval_step": None, "bytes_sent": 0,
                                      "bytes_received": 0, "compute_utilization": 0.0,
-                                     "sync_wait_s": 0.0}
+                                     "sync_wait_s": 0.0, "swarm_step": 0, "state_chain": "",
+                                     "agreement": None}
         # Rates need two samples; None (null) until then rather than a misleading 0.
         self._rates: dict[str, float | None] = {"tokens_per_s": None, "sent_Bps": None,
                                                 "recv_Bps": None}
@@ -105,7 +107,16 @@ class NodeStatus:
                 sync_wait_s=round(report.sync_wait_s, 3))
             if evals:
                 self._cur.update(eval_step=evals[-1][0], eval_loss=finite_or_none(evals[-1][1]))
+            if getattr(worker, "plan", None) is not None:
+                self._cur.update(swarm_step=worker.swarm_step, state_chain=state_chain(worker))
             self._maybe_sample()
+
+    def set_agreement(self, verdict: dict[str, Any]) -> None:
+        """The end-of-run check's outcome (`swarm.agreement.Verdict.as_dict`)."""
+        with self._lock:
+            self._cur["agreement"] = {"agrees": verdict.get("agrees"),
+                                      "digest": str(verdict.get("digest", ""))[:16],
+                                      "line": str(verdict.get("line", ""))[:300]}
 
     def on_sync(self, key: SyncKey, result: ReduceResult, step: int) -> None:
         """Record a landed sync (called by `ObservedCollective`)."""
@@ -180,8 +191,17 @@ class NodeStatus:
         keys = ("worker_id", "state", "url", "step", "total_steps", "tokens", "train_loss",
                 "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps", "bytes_sent",
                 "bytes_received", "compute_utilization", "peers_seen", "skipped_rounds",
-                "uptime_s", "version")
-        return {k: s[k] for k in keys}
+                "uptime_s", "version", "swarm_step", "state_chain")
+        agreement = s.get("agreement") or {}
+        return {**{k: s[k] for k in keys}, "agrees": agreement.get("agrees"),
+                "final_digest": agreement.get("digest")}
+
+
+def state_chain(worker: Any) -> str:
+    """Per fragment, '<rounds landed>:<first 12 hex of its chain>', ';'-joined: what the
+    swarm view compares (nodes that landed the same rounds must hold the same chains)."""
+    return ";".join(f"{worker.next_round[p] - (p in worker.pending)}:{c[:12]}"
+                    for p, c in enumerate(worker.chains))
 
 
 def _label_order(label: str) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from dilonode import PROTOCOL_VERSION, __version__
 from dilonode.status.snapshot import HISTORY_SERIES, finite_or_none
 from dilonode.swarm.records import PeerRecord
 
-__all__ = ["SwarmView", "node_rows"]
+__all__ = ["SwarmView", "node_rows", "swarm_agreement"]
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _SUMMARY_KEYS = ("worker_id", "state", "url", "total_steps", "tokens", "train_loss",
                  "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps", "bytes_sent",
                  "bytes_received", "compute_utilization", "peers_seen", "skipped_rounds",
-                 "uptime_s", "version")
+                 "uptime_s", "version", "swarm_step", "state_chain", "agrees", "final_digest")
 
 
 def node_rows(records: Sequence[PeerRecord], now: float) -> list[dict[str, Any]]:
@@ -50,6 +50,29 @@ def node_rows(records: Sequence[PeerRecord], now: float) -> list[dict[str, Any]]
                 row[key] = finite_or_none(float(value))
         rows.append(row)
     return sorted(rows, key=lambda x: x["peer_id"])
+
+
+def swarm_agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the nodes hold one model, from their published chains: nodes that landed the
+    same rounds of a fragment must hold the same chain (nodes a round apart are mid-landing
+    and not compared), and nodes that finished must hold the same final weights. `agrees`
+    None when there is nothing to compare yet."""
+    seen: dict[tuple[int, str], set[str]] = {}  # (fragment, rounds landed) -> chains
+    for row in rows:
+        for p, item in enumerate(str(row.get("state_chain") or "").split(";")):
+            landed, _, chain = item.partition(":")
+            if landed.isdigit() and chain:
+                seen.setdefault((p, int(landed)), set()).add(chain)
+    split = sorted(f"fragment {p} after {n} rounds" for (p, n), c in seen.items() if len(c) > 1)
+    finals = {str(r["final_digest"]) for r in rows if r.get("final_digest")}
+    compared = any(len(c) for c in seen.values()) or finals
+    if split or len(finals) > 1:
+        what = split[:3] + ([f"{len(finals)} different final weights"] if len(finals) > 1
+                            else [])
+        return {"agrees": False, "line": "nodes disagree: " + "; ".join(what)}
+    if not compared:
+        return {"agrees": None, "line": "nothing to compare yet"}
+    return {"agrees": True, "line": f"one model on {len(rows)} node(s)"}
 
 
 def _sum(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -130,7 +153,7 @@ class SwarmView:
                 "uptime_s": round(self._clock() - self._started, 1),
                 "updated_at": updated, "error": error, "nodes": rows,
                 "tokens_per_s": _sum(rows, "tokens_per_s"),
-                "tokens": _sum(rows, "tokens")}
+                "tokens": _sum(rows, "tokens"), "agreement": swarm_agreement(rows)}
 
     def history(self) -> dict[str, Any]:
         with self._lock:

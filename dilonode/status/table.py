@@ -62,6 +62,8 @@ def format_node(s: dict[str, Any]) -> str:
         ("peers seen", str(s["peers_seen"])),
         ("rounds", f"skipped {s['skipped_rounds']}  retried {s['retried_rounds']}"),
     ]
+    if (agreement := s.get("agreement")) is not None:
+        pairs.append(("end of run", agreement["line"]))
     text = key_values(pairs)
     rows = [[x["fragment"], str(x["rounds"]), str(x["last"]["round"]),
              str(x["last"]["at_step"]), str(x["last"]["group_size"]),
@@ -79,6 +81,8 @@ def format_swarm(s: dict[str, Any]) -> str:
              f"(bootstrap {s['peer_id']}, up {s['uptime_s']:.0f} s)")
     if s.get("error"):
         title += f"\nlast DHT read failed: {s['error']}"
+    if s.get("agreement"):
+        title += f"\nagreement: {s['agreement']['line']}"
     rows = [[n["peer_id"][:16] + "…", str(n.get("worker_id") or "-"), str(n.get("state") or "-"),
              str(n["step"]), _num(n.get("train_loss")), _num(n.get("eval_loss")),
              _num(n.get("tokens_per_s"), "{:,.0f}"),

@@ -1,0 +1,135 @@
+"""One model through faults, the pure parts: matchmaking groups only equal outer states (the
+odd ones out are told whose state stands), the swarm clock every node picks, the
+end-of-run verdict, and the swarm view's agreement line."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from dilonode.algo.chain import chain_next, chain_start
+from dilonode.algo.pacing import TimePacer
+from dilonode.auth import Credentials, Identity
+from dilonode.status.swarm import swarm_agreement
+from dilonode.swarm.agreement import standing_digest, verdict
+from dilonode.swarm.clock import ClockKeeper, standing_clock
+from dilonode.swarm.matchmaking import form_group, standing_chain
+from dilonode.swarm.records import ClockRecord, FinalRecord, GroupEntry
+from tests.boards import Board, View
+
+RUN = "agree-unit"
+IDS = sorted((Identity.generate() for _ in range(5)), key=lambda i: i.peer_id)
+CHAIN_A = chain_next(chain_start("c" * 64, 1), 4, "d" * 64, True)
+CHAIN_B = chain_next(chain_start("c" * 64, 1), 4, "e" * 64, True)
+
+
+def _entry(i: int, chain: str, tokens: int = 100) -> GroupEntry:
+    return GroupEntry(peer_id=IDS[i].peer_id, run_id=RUN, data_addr=f"127.0.0.1:{7100 + i}",
+                      fragment=1, round=5, attempt=0, bandwidth_mbps=10.0, chain=chain,
+                      tokens=tokens)
+
+
+def test_chains_differ_when_results_differ_and_match_when_equal():
+    start = chain_start("c" * 64, 1)
+    assert start != chain_start("c" * 64, 2) != chain_start("f" * 64, 1)
+    assert CHAIN_A == chain_next(start, 4, "d" * 64, True) != CHAIN_B
+    assert chain_next(start, 4, "d" * 64, False) != CHAIN_A  # a refused result marks it
+
+
+def test_the_chain_held_by_most_stands_then_most_tokens_then_smallest_id():
+    three = {IDS[i].peer_id: _entry(i, CHAIN_A if i < 3 else CHAIN_B) for i in range(5)}
+    assert standing_chain(three) == CHAIN_A
+    tied = {IDS[i].peer_id: _entry(i, CHAIN_A if i < 2 else CHAIN_B, 100 if i < 2 else 150)
+            for i in range(4)}
+    assert standing_chain(tied) == CHAIN_B  # 2 against 2: the one with more tokens
+    even = {IDS[i].peer_id: _entry(i, CHAIN_A if i in (1, 3) else CHAIN_B) for i in range(4)}
+    assert standing_chain(even) == CHAIN_B  # all equal: the smallest id holds B
+
+
+def test_matchmaking_leaves_out_the_odd_ones_and_tells_them_whose_state_stands():
+    board = Board()
+    chains = [CHAIN_A, CHAIN_A, CHAIN_A, CHAIN_B, CHAIN_B]
+
+    def form(i: int):
+        view = View(board, Credentials(IDS[i], RUN))
+        expected = {p.peer_id for p in IDS} - {IDS[i].peer_id}
+        return form_group(view, RUN, 1, 5, 0, _entry(i, chains[i]), 1.0, 8.0,
+                          poll_interval=0.02, expected=expected)
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        groups = list(pool.map(form, range(5)))
+    winners = tuple(IDS[i].peer_id for i in range(3))
+    for i in range(3):
+        assert groups[i].members == winners and not groups[i].diverged
+    assert groups[0].outvoted == (IDS[3].peer_id, IDS[4].peer_id)  # the leader says whom
+    for i in (3, 4):
+        assert groups[i].members == (IDS[i].peer_id,) and groups[i].diverged == winners
+
+
+def _clock(i: int, t0: float, step: float = 0.5) -> ClockRecord:
+    return ClockRecord(peer_id=IDS[i].peer_id, run_id=RUN, t0=t0, step_seconds=step,
+                       origin=IDS[i].peer_id)
+
+
+def test_the_earliest_plausible_clock_stands():
+    now = 1_795_000_000.0  # Unix time, 2026
+    records = {IDS[0].peer_id: _clock(0, now - 50), IDS[1].peer_id: _clock(1, now - 80),
+               IDS[2].peer_id: _clock(2, now + 100),  # starts in the future: ignored
+               IDS[3].peer_id: _clock(3, 5.0)}  # 1970: ignored
+    assert standing_clock(records, now).origin == IDS[1].peer_id
+    assert standing_clock({}, now) is None
+
+
+class _FakeDHT(View):
+    def get_raw(self, key, timeout=None):
+        return super().get_raw(key, timeout)
+
+
+def test_clock_keepers_started_together_end_on_one_clock():
+    board, wall = Board(), [1_000_000.0]
+    keepers = []
+    for i in range(3):
+        dht = _FakeDHT(board, Credentials(IDS[i], RUN))
+        pacer = TimePacer(lambda: wall[0])
+        keepers.append(ClockKeeper(dht, RUN, pacer, propose=lambda i=i: 0.1 * (i + 1),
+                                   frozen=lambda: False, wall=lambda: wall[0]))
+    for k in keepers:  # each proposes (nobody's clock visible yet), a moment apart
+        k.tick()
+        wall[0] += 0.2
+    for k in keepers:  # then each follows the one that stands: the earliest
+        k.tick()
+    assert {k.following.origin for k in keepers} == {IDS[0].peer_id}
+    assert all(k.pacer.clock.step_seconds == 0.1 for k in keepers)
+    assert keepers[0].switches == 0
+
+
+def _final(i: int, digest: str, tokens: int = 10, end: int = 48) -> FinalRecord:
+    return FinalRecord(peer_id=IDS[i].peer_id, run_id=RUN, digest=digest, rounds=[5, 4],
+                       chains=[CHAIN_A, CHAIN_A], tokens=tokens, end_step=end)
+
+
+def test_end_of_run_verdict_names_who_differs_and_which_weights_stand():
+    mine = _final(0, "a" * 64)
+    others = {IDS[1].peer_id: _final(1, "a" * 64), IDS[2].peer_id: _final(2, "b" * 64),
+              IDS[3].peer_id: _final(3, "c" * 64, end=96)}  # another end step: not compared
+    v = verdict(mine, others, expected={IDS[1].peer_id, IDS[2].peer_id, IDS[4].peer_id})
+    assert v.agrees is False and v.same == [IDS[1].peer_id]
+    assert v.differ == {IDS[2].peer_id: "b" * 64} and v.missing == [IDS[4].peer_id]
+    assert IDS[2].peer_id in v.line() and "differ" in v.line()
+    assert verdict(mine, {}, ()).agrees is None
+    records = {IDS[0].peer_id: mine, **others}
+    del records[IDS[3].peer_id]
+    assert standing_digest(records) == "a" * 64
+    assert standing_digest({IDS[0].peer_id: _final(0, "a" * 64, 5),
+                            IDS[1].peer_id: _final(1, "b" * 64, 9)}) == "b" * 64
+
+
+def test_swarm_view_says_whether_nodes_hold_one_model():
+    rows = [{"state_chain": f"4:{CHAIN_A[:12]};3:{CHAIN_A[:12]}"},
+            {"state_chain": f"5:{CHAIN_B[:12]};3:{CHAIN_A[:12]}"},  # a round ahead: fine
+            {"state_chain": f"4:{CHAIN_A[:12]};3:{CHAIN_A[:12]}"}]
+    assert swarm_agreement(rows)["agrees"] is True
+    rows[2]["state_chain"] = f"4:{CHAIN_B[:12]};3:{CHAIN_A[:12]}"
+    got = swarm_agreement(rows)
+    assert got["agrees"] is False and "fragment 0 after 4 rounds" in got["line"]
+    assert swarm_agreement([{"final_digest": "a"}, {"final_digest": "b"}])["agrees"] is False
+    assert swarm_agreement([{}])["agrees"] is None
