@@ -28,6 +28,11 @@ every round's result into one preallocated buffer (run_round(out=...)); --keep-e
 also keeps the encoded result, as the daemon does for joiners (run_round(keep_encoded=True)).
 The data plane tunes glibc malloc for the whole process (`tune_allocator`), gloo's rounds
 included, which run after ours in the same processes; --no-tune-malloc leaves it alone.
+--device cuda hands our rounds the tensor on the GPU, as a GPU host's trainer does (codecs
+and reduction run there: the torch data path), while gloo reduces the same values as a CPU
+float32 tensor; --link-gbit 1,10 adds the time an ideal link of each rate would need for
+the bytes one peer sends (the butterfly's 2 (N-1)/N x encoded tensor), to compare loopback
+round times with (benchmarks/gpu.sh runs both on the GPU machine).
 """
 
 from __future__ import annotations
@@ -91,6 +96,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--perf", type=Path,
                    help="dir for `perf record` samples of rank 0's measured rounds, per "
                         "method; prints where its CPU goes (benchmarks/cpu_sampling.py)")
+    p.add_argument("--device", default="cpu",
+                   help="where our rounds' tensor lives (cpu, cuda): the data path")
+    p.add_argument("--link-gbit", default="",
+                   help="comma-separated link rates (Gbit/s) to show ideal round times for")
     p.add_argument("--json", type=Path, help="write the figures here")
     return p.parse_args(argv)
 
@@ -140,7 +149,8 @@ async def _ours(rank: int, world: int, x: torch.Tensor,
     peers = {i: a for i, a in enumerate(addrs) if i != rank}
     probe = _LagProbe()
     probe.start()
-    buf = torch.empty(args.numel) if args.reuse_output else None
+    x = x.to(args.device)  # cuda: the round quantizes and reduces on the GPU
+    buf = torch.empty(args.numel, device=args.device) if args.reuse_output else None
     out: dict[str, list[dict[str, Any]]] = {}
     for fragment, codec in enumerate(args.codecs.split(",")):
         # CPU time, not wall: on a shared box waiting for a core would swamp the profile.
@@ -347,6 +357,18 @@ def _summarize(method: str, codec: str, rows_per_rank: list[list[dict[str, Any]]
     return row
 
 
+def _link_table(rows: list[dict[str, Any]], rates: list[float]) -> str:
+    """Round wall time against an ideal link: bytes one peer sends / rate, per row."""
+    head = f"{'method':<10} {'codec':<9} {'round s':>8}" + "".join(
+        f" {f'ideal@{r:g}G s':>13} {'x ideal':>8}" for r in rates)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ideal = [r["ideal_s"][str(g)] for g in rates]
+        cells = "".join(f" {i:>13.3f} {r['wall_median_s'] / i:>8.2f}" for i in ideal)
+        lines.append(f"{r['method']:<10} {r['codec']:<9} {r['wall_median_s']:>8.3f}{cells}")
+    return "\n".join(lines)
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'method':<10} {'codec':<9} {'round s':>8} {'payload/peer':>13} "
             f"{'wire/peer':>11} {'ideal/peer':>11} {'wire/ideal':>10} {'cpu s/peer':>10} "
@@ -380,9 +402,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_summarize("gloo", "float32", [o["gloo"] for o in per_rank], args))
     if args.hivemind:
         rows.append(_summarize("hivemind", "float32", [o["hivemind"] for o in per_rank], args))
+    rates = [float(r) for r in args.link_gbit.split(",") if r]
+    for r in rows:  # ideal link seconds: the bytes one peer must send at each rate
+        r["ideal_s"] = {str(g): r["ideal_bytes_per_peer"] * 8 / (g * 1e9) for g in rates}
     env = {"numel": args.numel, "procs": args.procs, "rounds": args.rounds,
            "chunk": args.chunk, "inline": args.inline, "sockbuf": args.sockbuf,
-           "loop": args.loop, "reuse_output": args.reuse_output,
+           "loop": args.loop, "reuse_output": args.reuse_output, "device": args.device,
+           "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
            "keep_encoded": args.keep_encoded,
            "tune_malloc": not args.no_tune_malloc,
            "cpus": os.cpu_count(), "loadavg_before": load_before,
@@ -392,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} rounds; {os.cpu_count()} CPUs, load avg before "
           f"{load_before[0]:.2f}, after {env['loadavg_after'][0]:.2f}")
     print(_table(rows))
+    if rates:
+        print(_link_table(rows, rates))
     for r in rows:
         if "perf_shares" in r:
             print(f"rank 0, {r['method']} {r['codec']}: where its {r['perf_cpu_s']:.3f} CPU s "

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from dilonode.algo.codecs import Codec
 
 __all__ = ["butterfly_average", "part_bounds", "reduce_mean", "reduce_weighted",
-           "weight_coefficients", "wire_bytes_ideal"]
+           "reduction_steps", "weight_coefficients", "wire_bytes_ideal"]
 
 
 def part_bounds(numel: int, weights: Sequence[float], align: int = 1) -> list[tuple[int, int]]:
@@ -68,7 +68,39 @@ def reduce_mean(contributions: Sequence[torch.Tensor],
         acc = out.copy_(contributions[0])
     for c in contributions[1:]:
         acc.add_(c)
-    return acc.div_(len(contributions))
+    return acc.div_(_divisor(acc, len(contributions)))
+
+
+def _divisor(acc: torch.Tensor, n: int) -> float | torch.Tensor:
+    """n as the divisor of `acc.div_`: a number on the CPU, a tensor on other devices,
+    where torch computes `t / number` as `t * (1 / number)`, which can differ in the last
+    bit from the division the protocol specifies."""
+    if acc.device.type == "cpu":
+        return float(n)
+    return torch.full((), float(n), dtype=acc.dtype, device=acc.device)
+
+
+def reduction_steps(weights: Sequence[float] | None, n: int) -> list[tuple[str, float]]:
+    """`reduce_weighted(contributions, weights)` as one step per contribution, in member
+    order, for owners that fold each contribution into the result as it is decoded.
+
+    Each step is (name, coefficient) applied to the decoded values v of that member:
+    "write" (acc = v), "add" (acc += v), "add_divide" (acc = (acc + v) / coefficient),
+    "write_scaled" (acc = float32(v * c)), "add_scaled" (acc += float32(v * c)). The plain
+    mean is write, add..., add_divide by N; the weighted mean write_scaled then
+    add_scaled with `weight_coefficients`: the same operations in the same order as
+    `reduce_weighted`, so the same bits (tested against it and the golden reductions).
+    """
+    if n < 1:
+        raise ValueError("reduction_steps: no contributions")
+    coef = None if weights is None else weight_coefficients(weights)
+    if coef is None:
+        if n == 1:
+            return [("write", 1.0)]  # x / 1 == x
+        return [("write", 1.0)] + [("add", 1.0)] * (n - 2) + [("add_divide", float(n))]
+    if len(coef) != n:
+        raise ValueError(f"reduction_steps: {len(coef)} weights for {n} contributions")
+    return [("write_scaled", coef[0])] + [("add_scaled", c) for c in coef[1:]]
 
 
 def weight_coefficients(weights: Sequence[float]) -> list[float] | None:

@@ -22,6 +22,13 @@ Wire formats (all little-endian, sizes exact, see `Codec.encoded_size`):
 
 Data to decode comes from untrusted peers: lengths, scales, payload values and the meta
 are validated and every failure is a `CodecError` with a one-line message.
+
+Two implementations of one arithmetic: the reference (numpy and torch passes,
+`get_codec(..., reference=True)`) and, by default where numba imports, the compiled
+kernels of `kernels.py` for the block codecs (one pass per block; bit-identical, tested
+against the reference). Both also offer `check` + `accumulate`, which let an owner validate
+a payload on arrival and later dequantize it straight into its running sum
+(`butterfly.reduction_steps` says how).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+from dilonode.algo import kernels
 
 __all__ = [
     "CODEC_NAMES",
@@ -86,6 +95,15 @@ class Codec(Protocol):
         """Like `decode`, written into `out` (float32, contiguous, `meta.numel` values)."""
         ...
 
+    def check(self, data: Buffer, meta: CodecMeta) -> None:
+        """Raise CodecError where `decode(data, meta)` would; decode nothing else."""
+        ...
+
+    def accumulate(self, data: Buffer, meta: CodecMeta, out: torch.Tensor, step: str,
+                   coef: float = 1.0) -> None:
+        """Dequantize `check`ed data into `out` by one `butterfly.reduction_steps` step."""
+        ...
+
     def encoded_size(self, numel: int) -> int: ...
 
 
@@ -106,7 +124,9 @@ def all_finite(a: np.ndarray | torch.Tensor) -> bool:
     allocates a mask (measured on 262,144 float32 values, one thread: 24 us vs 61 us); only
     a non-finite sum (finite values overflowing, or a real NaN/Inf) needs the exact check.
     """
-    t = a.detach().cpu() if isinstance(a, torch.Tensor) else None
+    t = a.detach() if isinstance(a, torch.Tensor) else None
+    if t is not None and t.device.type != "cpu":
+        return bool(torch.isfinite(t).all())  # on the device: no copy to the host
     if t is None:
         with np.errstate(over="ignore", invalid="ignore"):
             return bool(np.isfinite(a.sum())) or bool(np.isfinite(a).all())
@@ -195,15 +215,39 @@ def _per_element(v: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
     return v.repeat_interleave(block_size)[:numel]
 
 
+def _accumulate_tensor(v: torch.Tensor, out: torch.Tensor, step: str, coef: float) -> None:
+    """One `butterfly.reduction_steps` step with torch ops: v, out (n,) float32."""
+    if step == "write":
+        out.copy_(v)
+    elif step == "add":
+        out.add_(v)
+    elif step == "write_scaled":
+        torch.mul(v, coef, out=out)
+    elif step == "add_scaled":
+        out.add_(torch.mul(v, coef))  # the product rounded to float32 first: no FMA
+    elif step == "add_divide":
+        out.add_(v).div_(coef)
+    else:
+        raise ValueError(f"unknown reduction step {step!r}")
+
+
+def _kernel_mode(step: str) -> int:
+    mode = kernels.MODES.get(step)
+    if mode is None:
+        raise ValueError(f"unknown reduction step {step!r}")
+    return mode
+
+
 # ---------------------------------------------------------------------------- float codecs
 
 
 class _FloatCodec:
     """Raw IEEE values; block_size is fixed at 1 (no scales)."""
 
-    def __init__(self, name: str, dtype: torch.dtype, wire: str) -> None:
+    def __init__(self, name: str, dtype: torch.dtype, wire: str, fast: bool = False) -> None:
         self.name = name
         self.block_size = 1
+        self.fast = fast and sys.byteorder == "little"
         self._dtype = dtype
         self._wire = np.dtype(wire)  # explicit little-endian numpy dtype of the bytes
 
@@ -226,7 +270,7 @@ class _FloatCodec:
             bits = h.view(torch.int16).numpy()  # (n,) raw 16-bit patterns
         return bits.astype(self._wire, copy=False).tobytes(), self._meta(x.numel())
 
-    def decode_shared(self, data: bytes, meta: CodecMeta) -> torch.Tensor:
+    def decode_shared(self, data: Buffer, meta: CodecMeta) -> torch.Tensor:
         """`decode`, except that float32 values are a read-only view of `data` (no copy)."""
         if self._dtype != torch.float32 or sys.byteorder != "little":
             return self.decode(data, meta)
@@ -240,6 +284,22 @@ class _FloatCodec:
             bad = n - int(torch.isfinite(values).sum())
             raise CodecError(f"{self.name} payload holds {bad} non-finite value(s)")
         return values  # (n,) shares `data`'s memory
+
+    def check(self, data: Buffer, meta: CodecMeta) -> None:
+        if self._dtype == torch.float32 and sys.byteorder == "little":
+            self.decode_shared(data, meta)  # a checked view: no copy
+        else:
+            self.decode(data, meta)
+
+    def accumulate(self, data: Buffer, meta: CodecMeta, out: torch.Tensor, step: str,
+                   coef: float = 1.0) -> None:
+        n = _check_meta(self, meta, check_block=False)
+        dst = _out_array(out, n)
+        if self.fast and self._dtype == torch.float32:
+            src = np.frombuffer(_check_length(self, data, n), dtype=np.float32)  # (n,) view
+            kernels.accumulate_f32(src, dst, np.float32(coef), _kernel_mode(step))
+            return
+        _accumulate_tensor(self.decode(data, meta), out, step, coef)
 
     def _raise_overflow(self, x: torch.Tensor) -> None:
         if not bool(torch.isfinite(x).all()):
@@ -338,9 +398,11 @@ class _BlockCodec:
 
     qmax: float = 1.0  # largest quantized magnitude; scale = absmax / qmax
 
-    def __init__(self, name: str, block_size: int) -> None:
+    def __init__(self, name: str, block_size: int, fast: bool = False) -> None:
         self.name = name
         self.block_size = block_size
+        # The compiled kernels (kernels.py) instead of the numpy/torch reference passes.
+        self.fast = fast and kernels.AVAILABLE and sys.byteorder == "little"
 
     def __repr__(self) -> str:
         return f"get_codec({self.name!r}, block_size={self.block_size})"
@@ -356,6 +418,19 @@ class _BlockCodec:
         """Write the unit (unscaled) values of `payload` into `out` (n,) float32."""
         raise NotImplementedError
 
+    def _quantize_fast(self, x: np.ndarray, div: np.ndarray, out: np.ndarray) -> None:
+        """kernels: the payload of x (n,) float32 with nonzero divisors (n_blocks,)."""
+        raise NotImplementedError
+
+    def _check_payload_fast(self, payload: np.ndarray, numel: int) -> None:
+        """kernels: raise CodecError where the reference `_dequantize` would."""
+        raise NotImplementedError
+
+    def _dequantize_fast(self, payload: np.ndarray, scale: np.ndarray, out: np.ndarray,
+                         mode: int, coef: float) -> None:
+        """kernels: payload values times their block's scale, stored into out by `mode`."""
+        raise NotImplementedError
+
     def encoded_size(self, numel: int) -> int:
         n = _check_count(numel)
         return _n_blocks(n, self.block_size) * _SCALE_BYTES + self._payload_size(n)
@@ -367,25 +442,45 @@ class _BlockCodec:
         a = absmax.numpy()  # (n_blocks,)
         if not bool(np.isfinite(a).all()):
             _raise_non_finite(x)
+        return torch.from_numpy(self._scales_of(a))
+
+    def _scales_of(self, a: np.ndarray) -> np.ndarray:
+        """(n_blocks,) finite float32 block absmax -> (n_blocks,) float32 scales."""
         if self.qmax == 1.0:
-            return absmax
+            return a
         scale = a / np.float32(self.qmax)  # (n_blocks,) float32 division, as torch's
         # Near float32 max, fl(absmax / qmax) * qmax can round to inf, which decode refuses;
         # one ulp down keeps qmax * scale finite and costs far less than scale / 2 in error.
         too_big = scale.astype(np.float64) * self.qmax >= _F32_OVERFLOW
         if bool(too_big.any()):
             scale = np.where(too_big, np.nextafter(scale, np.float32(0)), scale)
-        return torch.from_numpy(scale)
+        return scale
 
     def encode(self, x: torch.Tensor) -> tuple[bytes, CodecMeta]:
         x = _as_float32_vector(x)
+        meta = CodecMeta(codec=self.name, numel=x.numel(), block_size=self.block_size)
+        if self.fast:
+            return self._encode_fast(x), meta
         scale = self.block_scales(x)  # (n_blocks,)
         n_scale_bytes = scale.numel() * _SCALE_BYTES
         buf = np.empty(n_scale_bytes + self._payload_size(x.numel()), dtype=np.uint8)
         buf[:n_scale_bytes].view("<f4")[:] = scale.numpy()
         self._quantize(x, scale, buf[n_scale_bytes:])
-        meta = CodecMeta(codec=self.name, numel=x.numel(), block_size=self.block_size)
         return buf.tobytes(), meta
+
+    def _encode_fast(self, x: torch.Tensor) -> bytes:
+        """`encode`'s bytes from the kernels: x (n,) float32 CPU contiguous."""
+        xa, nb = x.numpy(), _n_blocks(x.numel(), self.block_size)  # (n,)
+        bits = np.empty(nb, dtype=np.int32)  # (n_blocks,) bit patterns of block absmax
+        kernels.absmax_bits(xa.view(np.int32), self.block_size, bits)
+        if bool((bits >= 0x7F800000).any()):  # an Inf or NaN exponent field
+            _raise_non_finite(x)
+        scale = self._scales_of(bits.view(np.float32))  # (n_blocks,)
+        buf = np.empty(nb * _SCALE_BYTES + self._payload_size(x.numel()), dtype=np.uint8)
+        buf[:nb * _SCALE_BYTES].view("<f4")[:] = scale
+        div = np.where(scale > 0, scale, np.float32(1))  # zero block: 0/1 = 0
+        self._quantize_fast(xa, div, buf[nb * _SCALE_BYTES:])
+        return buf.tobytes()
 
     def decode(self, data: Buffer, meta: CodecMeta) -> torch.Tensor:
         n = _check_meta(self, meta, check_block=True)
@@ -397,17 +492,48 @@ class _BlockCodec:
     def decode_into(self, data: Buffer, meta: CodecMeta, out: torch.Tensor) -> None:
         n = _check_meta(self, meta, check_block=True)
         dst = _out_array(out, n)
-        raw = np.frombuffer(_check_length(self, data, n), dtype=np.uint8)
-        n_scale_bytes = _n_blocks(n, self.block_size) * _SCALE_BYTES
+        scale, payload = self._checked(data, n)
+        if self.fast:
+            self._dequantize_fast(payload, scale, dst, kernels.WRITE, 1.0)
+            return
+        self._dequantize(payload, dst)  # (n,) unit values
+        _per_block(out, torch.from_numpy(scale), self.block_size, torch.mul, out)
+
+    def check(self, data: Buffer, meta: CodecMeta) -> None:
+        if not self.fast:
+            self.decode(data, meta)
+            return
+        self._checked(data, _check_meta(self, meta, check_block=True))
+
+    def accumulate(self, data: Buffer, meta: CodecMeta, out: torch.Tensor, step: str,
+                   coef: float = 1.0) -> None:
+        n = _check_meta(self, meta, check_block=True)
+        dst = _out_array(out, n)
+        if not self.fast:
+            _accumulate_tensor(self.decode(data, meta), out, step, coef)
+            return
+        scale, payload = self._split(data, n)  # `check`ed on arrival
+        self._dequantize_fast(payload, scale, dst, _kernel_mode(step), coef)
+
+    def _split(self, data: Buffer, numel: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scales (n_blocks,) float32, payload bytes) of data, its length checked."""
+        raw = np.frombuffer(_check_length(self, data, numel), dtype=np.uint8)
+        n_scale_bytes = _n_blocks(numel, self.block_size) * _SCALE_BYTES
         scale = raw[:n_scale_bytes].view("<f4").astype(np.float32)  # (n_blocks,) copy
+        return scale, raw[n_scale_bytes:]
+
+    def _checked(self, data: Buffer, numel: int) -> tuple[np.ndarray, np.ndarray]:
+        """`_split`, with the scales checked (and, on the fast path, the payload)."""
+        scale, payload = self._split(data, numel)
         # A NaN/Inf/negative scale, or one whose qmax multiple overflows to inf, would poison
         # the average; the float64 product is exact, and NaN fails both comparisons.
         ok = (scale >= 0) & (scale.astype(np.float64) * self.qmax < _F32_OVERFLOW)
         if not ok.all():
             raise CodecError(f"{self.name} data holds {int((~ok).sum())} invalid block scale(s) "
                              f"(NaN, Inf, negative, or {self.qmax:g} * scale overflows float32)")
-        self._dequantize(raw[n_scale_bytes:], dst)  # (n,) unit values
-        _per_block(out, torch.from_numpy(scale), self.block_size, torch.mul, out)
+        if self.fast:
+            self._check_payload_fast(payload, numel)
+        return scale, payload
 
     def _safe_divide(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x: (n,), scale: (n_blocks,) -> (n,) x / scale, with all-zero blocks left at 0."""
@@ -429,8 +555,24 @@ class _Int8Codec(_BlockCodec):
     def _dequantize(self, payload: np.ndarray, out: np.ndarray) -> None:
         q = payload.view(np.int8)  # (n,) read-only view of the wire bytes
         if (q == -128).any():
-            raise CodecError("int8 data holds -128, outside the symmetric range [-127, 127]")
+            _raise_int8_min()
         np.copyto(out, q)  # int8 -> float32 is exact
+
+    def _quantize_fast(self, x: np.ndarray, div: np.ndarray, out: np.ndarray) -> None:
+        kernels.quantize_int8(x, self.block_size, div, np.float32(self.qmax), out.view(np.int8))
+
+    def _check_payload_fast(self, payload: np.ndarray, numel: int) -> None:
+        if kernels.count_int8_min(payload.view(np.int8)):
+            _raise_int8_min()
+
+    def _dequantize_fast(self, payload: np.ndarray, scale: np.ndarray, out: np.ndarray,
+                         mode: int, coef: float) -> None:
+        kernels.dequantize_int8(payload.view(np.int8), scale, self.block_size, out,
+                                np.float32(coef), mode)
+
+
+def _raise_int8_min() -> None:
+    raise CodecError("int8 data holds -128, outside the symmetric range [-127, 127]")
 
 
 class _NibbleCodec(_BlockCodec):
@@ -447,6 +589,8 @@ class _NibbleCodec(_BlockCodec):
 
     def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: np.ndarray) -> None:
         codes = self._codes(x, scale)  # (n,) 8-bit, the code in the low nibble
+        if not codes.numel():
+            return  # (an empty tensor's stride would refuse the int16 view below)
         if codes.numel() % 2:
             codes = torch.cat([codes, codes.new_zeros(1)])  # zero padding nibble
         # Each (even, odd) pair as one little-endian int16: even code in bits 0-3, odd code
@@ -461,9 +605,15 @@ class _NibbleCodec(_BlockCodec):
     def _check_payload(self, payload: np.ndarray) -> None:
         return None
 
-    def _dequantize(self, payload: np.ndarray, out: np.ndarray) -> None:
-        if out.size % 2 and payload[-1] >> 4:
+    def _check_padding(self, payload: np.ndarray, numel: int) -> None:
+        if numel % 2 and payload[-1] >> 4:
             raise CodecError(f"{self.name} data: padding nibble after the last value must be 0")
+
+    def _check_payload_fast(self, payload: np.ndarray, numel: int) -> None:
+        self._check_padding(payload, numel)
+
+    def _dequantize(self, payload: np.ndarray, out: np.ndarray) -> None:
+        self._check_padding(payload, out.size)
         self._check_payload(payload)
         full = out.size // 2
         # np.take with uint8 indices gathers (n_bytes, 2) about twice as fast as fancy
@@ -486,7 +636,23 @@ class _Int4Codec(_NibbleCodec):
     def _check_payload(self, payload: np.ndarray) -> None:
         # Two vectorised compares are ~8x faster than a 256-entry table lookup per byte.
         if ((payload & 0x0F) == 0x08).any() or ((payload & 0xF0) == 0x80).any():
-            raise CodecError("int4 data holds nibble 0b1000 (-8), outside the range [-7, 7]")
+            _raise_int4_min()
+
+    def _quantize_fast(self, x: np.ndarray, div: np.ndarray, out: np.ndarray) -> None:
+        kernels.quantize_int4(x, self.block_size, div, out)
+
+    def _check_payload_fast(self, payload: np.ndarray, numel: int) -> None:
+        self._check_padding(payload, numel)
+        if kernels.count_nibble8(payload):
+            _raise_int4_min()
+
+    def _dequantize_fast(self, payload: np.ndarray, scale: np.ndarray, out: np.ndarray,
+                         mode: int, coef: float) -> None:
+        kernels.dequantize_int4(payload, scale, self.block_size, out, np.float32(coef), mode)
+
+
+def _raise_int4_min() -> None:
+    raise CodecError("int4 data holds nibble 0b1000 (-8), outside the range [-7, 7]")
 
 
 class _Fp4Codec(_NibbleCodec):
@@ -503,6 +669,18 @@ class _Fp4Codec(_NibbleCodec):
         neg = (x < 0) & (code > 0)
         return code | (neg.to(torch.uint8) << 3)
 
+    def _quantize_fast(self, x: np.ndarray, div: np.ndarray, out: np.ndarray) -> None:
+        kernels.quantize_fp4(x, self.block_size, div, _FP4_MIDPOINTS_F32, out)
+
+    def _dequantize_fast(self, payload: np.ndarray, scale: np.ndarray, out: np.ndarray,
+                         mode: int, coef: float) -> None:
+        kernels.dequantize_nibbles(payload, _FP4_UNITS, scale, self.block_size, out,
+                                   np.float32(coef), mode)
+
+
+_FP4_MIDPOINTS_F32 = np.array(_FP4_MIDPOINTS, dtype=np.float32)  # exact in float32
+_FP4_UNITS = np.ascontiguousarray(_FP4_PAIRS[:16, 0])  # (16,) unit value of each fp4 code
+
 
 # ---------------------------------------------------------------------------- public API
 
@@ -517,12 +695,15 @@ _BLOCK_CODECS: dict[str, type[_BlockCodec]] = {
 }
 
 
-def get_codec(name: str, block_size: int = 64) -> Codec:
-    """The codec called `name`; block_size applies to int8/int4/fp4 (float codecs use 1)."""
+def get_codec(name: str, block_size: int = 64, *, reference: bool = False) -> Codec:
+    """The codec called `name`; block_size applies to int8/int4/fp4 (float codecs use 1).
+
+    `reference=True`: the numpy/torch reference passes instead of the compiled kernels
+    (the same bytes and values, slower: for tests and comparisons)."""
     if name in _FLOAT_CODECS:
         dtype, wire = _FLOAT_CODECS[name]
         _check_count(block_size, "block_size")  # accepted and ignored, but must be sane
-        return _FloatCodec(name, dtype, wire)
+        return _FloatCodec(name, dtype, wire, fast=not reference)
     if name not in _BLOCK_CODECS:
         raise CodecError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}")
     bs = _check_count(block_size, "block_size")
@@ -530,7 +711,7 @@ def get_codec(name: str, block_size: int = 64) -> Codec:
         raise CodecError(f"block_size must be >= 2 for {name}, got {bs}")
     if name in ("int4", "fp4") and bs % 2:
         raise CodecError(f"block_size must be even for {name} (two values per byte), got {bs}")
-    return _BLOCK_CODECS[name](name, bs)
+    return _BLOCK_CODECS[name](name, bs, fast=not reference)
 
 
 def max_abs_error_bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:

@@ -548,7 +548,9 @@ class NetworkCollective:
     def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> _NetPending:
         fragment = key.fragment if key.kind == "fragment" else GRAD_FRAGMENT
         t0 = self.rounds.clock()
-        local = flat.detach().to("cpu", torch.float32).flatten().clone()
+        # A copy on flat's own device: on a GPU the round quantizes and reduces there
+        # (AllReduceRound's torch data path) and only encoded bytes cross to the host.
+        local = flat.detach().to(torch.float32).flatten().clone()
         out = None
         if self.reuse_results:
             out = self._results.get(fragment)

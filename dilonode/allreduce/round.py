@@ -69,17 +69,17 @@ import numpy as np
 import torch
 
 from dilonode import PROTOCOL_VERSION
-from dilonode.algo.butterfly import part_bounds, reduce_weighted
+from dilonode.algo.butterfly import part_bounds, reduction_steps
 from dilonode.algo.codecs import (
     Codec,
     CodecError,
     CodecMeta,
     all_finite,
-    decode_shared,
     get_codec,
 )
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, aggregate, check_claims, convicted
+from dilonode.allreduce.datapath import Accepted, DataPath, make_path
 from dilonode.wire.errors import LocalProtocolError, RemoteProtocolError, one_line
 from dilonode.wire.framing import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -259,10 +259,10 @@ def _check_out(out: torch.Tensor | None, local: torch.Tensor, numel: int) -> Non
         return
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"out: need a torch.Tensor, got {type(out).__name__}")
-    if (out.dtype != torch.float32 or out.shape != (numel,) or out.device.type != "cpu"
+    if (out.dtype != torch.float32 or out.shape != (numel,) or out.device != local.device
             or not out.is_contiguous()):
-        raise ValueError(f"out: need a contiguous float32 CPU tensor of shape ({numel},), "
-                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+        raise ValueError(f"out: need a contiguous float32 tensor of shape ({numel},) on "
+                         f"{local.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
     lo, hi = out.data_ptr(), out.data_ptr() + 4 * numel
     l_lo = local.data_ptr()
     if numel and lo < l_lo + 4 * local.numel() and l_lo < hi:
@@ -349,12 +349,16 @@ class AllReduceRound:
     rounds of one size again and again saves the page faults of a fresh buffer per round
     (decoding into a fresh buffer took about twice the CPU of a reused one in an ad-hoc
     test on the shared 2-core box).
+
+    `local` may live on any device: a CPU tensor takes the host path, any other the torch
+    path (`datapath.py`: codecs and reduction on that device; `data_path` forces one), and
+    the result lives on `local`'s device. Both paths give the same bits.
     """
 
     def __init__(self, spec: GroupSpec, my_index: int, local: torch.Tensor, *,
                  timeout: float = 30.0, aggregator: AggregatorSpec | None = None,
                  out: torch.Tensor | None = None, keep_encoded: bool = False,
-                 weight: float = 1.0) -> None:
+                 weight: float = 1.0, data_path: str | None = None) -> None:
         if not 0 <= my_index < spec.size:
             raise ValueError(f"my_index={my_index}: not in 0..{spec.size - 1}")
         if local.dtype != torch.float32 or local.shape != (spec.numel,):
@@ -375,8 +379,9 @@ class AllReduceRound:
         self.weight = float(weight)
         # Each member's token weight, as its first contribution to us carried it (ours too).
         self._weights: dict[int, float] = {my_index: self.weight}
-        self._local = local.detach().cpu().contiguous()
+        self._local = local.detach().contiguous()
         self._codec = spec.codec_obj
+        self._path: DataPath = make_path(self._codec, self._local, data_path)
         # decode(encode(x)) == x for finite x: the one codec whose round trip can be skipped.
         self._lossless = self._codec.name == "float32"
         self._state = RoundState.IDLE
@@ -385,11 +390,12 @@ class AllReduceRound:
         self._digest: str | None = None
         self._failure: RoundFailure | None = None
         n = spec.size
-        # My part: decoded contributions of incomplete chunks only, keyed chunk -> sender.
-        self._pending: dict[int, dict[int, torch.Tensor]] = {}
+        # My part: accepted contributions of incomplete chunks only (checked payloads on the
+        # host path, decoded values on the torch path), keyed chunk -> sender.
+        self._pending: dict[int, dict[int, Accepted]] = {}
         self._chunk_done = [False] * spec.n_chunks(my_index)
         self._mine_reduced = 0
-        self._held_last: tuple[bytes, tuple[int, ...]] | None = None
+        self._held_last: tuple[bytes | memoryview, tuple[int, ...]] | None = None
         self._rejected_by: dict[int, set[int]] = {}  # owner -> members it left out
         # Other parts: result chunks received and the digest announced on the last chunk.
         self._results_got: list[set[int]] = [set() for _ in range(n)]
@@ -467,12 +473,13 @@ class AllReduceRound:
         """Begin the round at time `now`: the contributions to send, or Done for N=1."""
         self._transition(_Event.START)
         self._deadline = now + self.timeout
-        self._out = (torch.empty(self.spec.numel, dtype=torch.float32)
+        self._out = (self._path.empty(self.spec.numel)
                      if self._out_buffer is None else self._out_buffer)
         if self.spec.size == 1:
             for k in range(self.spec.n_chunks(0)):
                 offset, numel = self.spec.chunk_span(0, k)
-                self._keep(0, k, *self._codec.encode(self._local[offset:offset + numel]))
+                payload = self._path.encode(self._local[offset:offset + numel])
+                self._keep(0, k, payload, self._path.meta(numel))
             return self._complete()
         actions = self._send_contributions()
         return actions + self._maybe_complete()
@@ -570,6 +577,9 @@ class AllReduceRound:
     def _send_contributions(self) -> list[Action]:
         spec, actions = self.spec, []
         owners = self._others()
+        self._path.prepare([(spec.parts[j][0] + spec.chunk_span(j, k)[0],
+                             spec.chunk_span(j, k)[1])
+                            for j in owners for k in range(spec.n_chunks(j))])
         # Chunk-major, so every owner gets its chunk 0 first and can start reducing.
         for k in range(max(spec.n_chunks(j) for j in owners)):
             for j in owners:
@@ -586,15 +596,9 @@ class AllReduceRound:
         return actions
 
     def _encode_local(self, start: int, numel: int) -> bytes | memoryview:
-        """Our encoded values [start, start + numel) of `local`, as a contribution."""
-        own = self._local[start:start + numel]
-        if self._lossless:
-            # float32 bytes as they are, a read-only view of `local` (the caller leaves it
-            # alone: `run_round`): it was checked finite at construction, and encode would
-            # only check that again and copy it.
-            return memoryview(np.ascontiguousarray(own.numpy(), dtype="<f4")).cast(
-                "B").toreadonly()
-        return self._codec.encode(own)[0]
+        """Our encoded values [start, start + numel) of `local`, as a contribution (for
+        float32 on the host, a read-only view of `local`: `HostPath.contribution`)."""
+        return self._path.contribution(start, numel)
 
     # ------------------------------------------------------------------ incoming messages
 
@@ -655,24 +659,27 @@ class AllReduceRound:
             raise RemoteProtocolError(f"{what}: payload is {len(msg.payload)} bytes, expected "
                                       f"{size}")
 
-    def _decode(self, msg: Contribution | Result,
-                into: torch.Tensor | None = None) -> torch.Tensor:
-        """The payload's values, decoded into `into` (a slice of the output) if given, else
-        read-only (possibly a view of the payload: `decode_shared`).
+    def _decode(self, msg: Result, into: torch.Tensor) -> torch.Tensor:
+        """The payload's values, decoded into `into` (a slice of the output).
 
         Every codec's decode refuses NaN/Inf, block scales whose multiples overflow
         included (the `Codec` contract, tested per codec), so the values are finite.
         """
-        meta = CodecMeta(codec=self._codec.name, numel=msg.numel,
-                         block_size=self._codec.block_size)
         try:
-            if into is None:
-                return decode_shared(self._codec, msg.payload, meta)
-            self._codec.decode_into(msg.payload, meta, into)
+            self._path.decode_into(msg.payload, self._path.meta(msg.numel), into)
         except CodecError as exc:
             raise RemoteProtocolError(f"{msg.type} chunk {msg.chunk}: bad payload: "
                                       f"{exc}") from None
         return into
+
+    def _accept(self, msg: Contribution) -> Accepted:
+        """Check a contribution's payload now (a bad one fails the round naming its sender
+        at once) and keep what the path reduces later: `DataPath.accept`."""
+        try:
+            return self._path.accept(msg.payload, self._path.meta(msg.numel))
+        except CodecError as exc:
+            raise RemoteProtocolError(f"{msg.type} chunk {msg.chunk}: bad payload: "
+                                      f"{exc}") from None
 
     def _on_contribution(self, sender: int, msg: Contribution) -> list[Action]:
         if msg.owner != self.my_index:
@@ -686,7 +693,7 @@ class AllReduceRound:
         if claimed != msg.weight:
             raise RemoteProtocolError(f"contribution chunk {msg.chunk} claims weight "
                                       f"{msg.weight:g}, earlier chunks {claimed:g}")
-        waiting[sender] = self._decode(msg)
+        waiting[sender] = self._accept(msg)
         if len(waiting) < self.spec.size - 1:
             return []
         return self._reduce_chunk(msg.chunk)
@@ -708,7 +715,7 @@ class AllReduceRound:
             raise RemoteProtocolError(f"duplicate result chunk {msg.chunk}")
         start = self.spec.parts[sender][0] + msg.offset
         # Straight into the output: if anything is wrong the round fails and drops it.
-        values = self._decode(msg, into=self._output()[start:start + msg.numel])
+        values = self._decode(msg, self._output()[start:start + msg.numel])
         self._chunk_hashes[sender][msg.chunk] = chunk_hash(values)
         if self._encoded is not None:
             self._encoded[sender, msg.chunk] = bytes(msg.payload)
@@ -744,21 +751,25 @@ class AllReduceRound:
         target = self._output()[start:start + numel]
         plain = self.aggregator.name == "mean" and not self.aggregator.norm_bound
         if plain and not check_claims(weights, self.aggregator.max_weight_ratio):
-            # The plain (token-weighted) mean, straight into the output slice (no
-            # temporary), where the encoded-and-decoded mean goes anyway.
-            value, rejected = reduce_weighted(ordered, weights, out=target), ()
+            # The plain (token-weighted) mean, folded contribution by contribution straight
+            # into the output slice (no temporaries), where the decoded mean goes anyway:
+            # `reduce_weighted`'s operations in its order (`reduction_steps`).
+            steps = reduction_steps(weights, len(ordered))
+            value, rejected = self._path.combine(ordered, steps, target), ()
         else:
-            # Every decoded chunk was checked finite on arrival (ours at construction).
-            combined = aggregate(ordered, self.aggregator, weights=weights,
+            # Every contribution was checked on arrival (ours at construction).
+            chunks = [self._path.values(c, numel) for c in ordered]
+            combined = aggregate(chunks, self.aggregator, weights=weights,
                                  assume_finite=True)
             value, rejected = combined.value, combined.rejected
         self._rejected_by.setdefault(me, set()).update(rejected)
         try:
-            payload, meta = self._codec.encode(value)
+            payload, meta = self._path.encode(value), self._path.meta(numel)
         except CodecError as exc:  # e.g. float32 sums overflowing to inf
             return self._fail(f"cannot encode the mean of my chunk {k}: {exc}", (), abort=True)
         # float32 decodes to exactly what it encoded: a mean already in place stays.
-        self._keep(me, k, payload, meta, in_place=value is target and self._lossless)
+        in_place = value is target and self._lossless
+        self._keep(me, k, payload, meta, in_place=in_place)
         self._chunk_done[k] = True
         self._mine_reduced += 1
         actions: list[Action] = []
@@ -775,26 +786,24 @@ class AllReduceRound:
             actions += self._send(self._others(), msg)
         return actions + self._maybe_complete()
 
-    def _own_contribution(self, start: int, numel: int) -> torch.Tensor:
-        """decode(encode(local[start:start + numel])), as every contribution is treated."""
-        own = self._local[start:start + numel]
-        if self._lossless:
-            return own  # lossless for finite values (checked at construction): skip the copies
-        return self._codec.decode(*self._codec.encode(own))
+    def _own_contribution(self, start: int, numel: int) -> Accepted:
+        """local[start:start + numel] treated as every contribution is: encoded (decoded
+        on the torch path); `DataPath.own`."""
+        return self._path.own(start, numel)
 
-    def _keep(self, owner: int, k: int, payload: bytes, meta: CodecMeta, *,
+    def _keep(self, owner: int, k: int, payload: bytes | memoryview, meta: CodecMeta, *,
               in_place: bool = False) -> None:
         """Decode the result chunk k of `owner`'s part that we produced into the output
         (unless `in_place`: the output already holds exactly the decoded values)."""
         start = self.spec.parts[owner][0] + self.spec.chunk_span(owner, k)[0]
         values = self._output()[start:start + meta.numel]
         if not in_place:
-            self._codec.decode_into(payload, meta, values)
+            self._path.decode_into(payload, meta, values)
         self._chunk_hashes[owner][k] = chunk_hash(values)
         if self._encoded is not None:
             self._encoded[owner, k] = bytes(payload)
 
-    def _result_msg(self, k: int, payload: bytes, digest: str | None,
+    def _result_msg(self, k: int, payload: bytes | memoryview, digest: str | None,
                     rejected: tuple[int, ...] = ()) -> Result:
         spec, me = self.spec, self.my_index
         offset, numel = spec.chunk_span(me, k)

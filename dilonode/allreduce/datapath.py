@@ -1,0 +1,212 @@
+"""Where a round's numbers live: the host path (CPU) and the torch path (any device).
+
+`AllReduceRound` asks its path to encode contributions and results, to accept (check) a
+contribution on arrival, to fold the accepted contributions of a chunk into the result
+(`butterfly.reduction_steps`), and to decode result chunks into the output. Both paths
+compute the same bits; they differ in where:
+
+* `HostPath` (CPU tensors): the codecs of `codecs.py` (compiled kernels by default). An
+  accepted contribution stays encoded (the payload, checked) until its chunk is complete;
+  the owner then dequantizes each contribution straight into the result in member order,
+  one pass per contribution (float32 payloads are summed from the received bytes).
+* `TorchPath` (a CUDA tensor, or any tensor when asked): `torch_codecs.py` on the tensor's
+  device. Contributions are encoded for all other parts at once when the round starts and
+  copied to the host in one piece per part; received payloads are copied to the device and
+  decoded there; the reduction runs there. Only encoded bytes cross to the host, except
+  the decoded result chunks that the digests hash (BLAKE3 over float32 values: protocol
+  section 5.1).
+
+Neither path does I/O; the round stays sans-IO.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+from dilonode.algo.codecs import Codec, CodecMeta, decode_shared
+from dilonode.algo.torch_codecs import decode_torch, encode_chunks_torch, encode_torch
+
+__all__ = ["Accepted", "DataPath", "HostPath", "TorchPath", "make_path"]
+
+Payload = Union[bytes, memoryview]  # noqa: UP007 (a runtime alias)
+# What a path keeps of a contribution between its arrival and its chunk's reduction.
+Accepted = Union[Payload, torch.Tensor]  # noqa: UP007
+
+
+class HostPath:
+    """CPU tensors and the `codecs.py` codecs (see the module docstring)."""
+
+    name = "host"
+
+    def __init__(self, codec: Codec, local: torch.Tensor) -> None:
+        self.codec = codec
+        self.local = local  # (numel,) float32 CPU, contiguous, checked finite
+        self.lossless = codec.name == "float32"
+
+    def meta(self, numel: int) -> CodecMeta:
+        return CodecMeta(codec=self.codec.name, numel=numel, block_size=self.codec.block_size)
+
+    def prepare(self, chunks: Sequence[tuple[int, int]]) -> None:
+        """Called once at start with the (start, numel) of every contribution to send."""
+
+    def contribution(self, start: int, numel: int) -> Payload:
+        """Our encoded values [start, start + numel) of `local`."""
+        own = self.local[start:start + numel]
+        if self.lossless:
+            # float32 bytes as they are, a read-only view of `local` (checked finite at
+            # construction; the caller leaves it alone: `run_round`).
+            return memoryview(own.numpy()).cast("B").toreadonly()
+        return self.codec.encode(own)[0]
+
+    def accept(self, payload: Payload, meta: CodecMeta) -> Accepted:
+        """Check a contribution (CodecError if bad) and keep it for its chunk's reduction."""
+        self.codec.check(payload, meta)
+        return payload
+
+    def own(self, start: int, numel: int) -> Accepted:
+        """Our own contribution to our part, treated as everyone's: encoded."""
+        return self.contribution(start, numel)
+
+    def combine(self, accepted: Sequence[Accepted], steps: Sequence[tuple[str, float]],
+                out: torch.Tensor) -> torch.Tensor:
+        """Fold the chunk's contributions (member order) into out by `steps`."""
+        meta = self.meta(out.numel())
+        for item, (step, coef) in zip(accepted, steps, strict=True):
+            assert not isinstance(item, torch.Tensor)
+            self.codec.accumulate(item, meta, out, step, coef)
+        return out
+
+    def values(self, item: Accepted, numel: int) -> torch.Tensor:
+        """The decoded values of an accepted contribution (robust aggregators need them)."""
+        assert not isinstance(item, torch.Tensor)
+        return decode_shared(self.codec, bytes(item), self.meta(numel))
+
+    def encode(self, values: torch.Tensor) -> Payload:
+        return self.codec.encode(values)[0]
+
+    def decode_into(self, payload: Payload, meta: CodecMeta, out: torch.Tensor) -> None:
+        self.codec.decode_into(payload, meta, out)
+
+    def empty(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float32)
+
+
+class TorchPath:
+    """Tensors on one device and the `torch_codecs.py` codecs (see the module docstring)."""
+
+    name = "torch"
+
+    def __init__(self, codec: Codec, local: torch.Tensor) -> None:
+        self.codec = codec
+        self.local = local  # (numel,) float32 on self.device, contiguous, checked finite
+        self.device = local.device
+        self._sent: dict[int, memoryview] = {}  # contribution start -> its encoded bytes
+        self._n = torch.empty(0)  # the group size as a device scalar (see `_divide`)
+
+    def meta(self, numel: int) -> CodecMeta:
+        return CodecMeta(codec=self.codec.name, numel=numel, block_size=self.codec.block_size)
+
+    def prepare(self, chunks: Sequence[tuple[int, int]]) -> None:
+        """Encode every contribution we will send, batched per run of consecutive chunks
+        (a part), and bring each run to the host in one copy."""
+        for run in _runs(chunks):
+            start, end = run[0][0], run[-1][0] + run[-1][1]
+            enc = encode_chunks_torch(self.codec, self.local[start:end], run[0][1])
+            host = memoryview(enc.cpu().numpy()).cast("B").toreadonly()  # (E_run,)
+            offset = 0
+            for chunk_start, numel in run:
+                size = self.codec.encoded_size(numel)
+                self._sent[chunk_start] = host[offset:offset + size]
+                offset += size
+
+    def contribution(self, start: int, numel: int) -> Payload:
+        sent = self._sent.pop(start, None)
+        if sent is not None and len(sent) == self.codec.encoded_size(numel):
+            return sent
+        return self.encode(self.local[start:start + numel])
+
+    def accept(self, payload: Payload, meta: CodecMeta) -> Accepted:
+        return decode_torch(self.codec, self._to_device(payload), meta)  # (numel,)
+
+    def own(self, start: int, numel: int) -> Accepted:
+        data = encode_torch(self.codec, self.local[start:start + numel])
+        return decode_torch(self.codec, data, self.meta(numel))  # decode(encode(own))
+
+    def combine(self, accepted: Sequence[Accepted], steps: Sequence[tuple[str, float]],
+                out: torch.Tensor) -> torch.Tensor:
+        for v, (step, coef) in zip(accepted, steps, strict=True):
+            assert isinstance(v, torch.Tensor)
+            if step == "write":
+                out.copy_(v)
+            elif step == "add":
+                out.add_(v)
+            elif step == "write_scaled":
+                torch.mul(v, coef, out=out)
+            elif step == "add_scaled":
+                out.add_(torch.mul(v, coef))  # rounded product, then the sum: no FMA
+            else:
+                out.add_(v).div_(self._divisor(coef))
+        return out
+
+    def values(self, item: Accepted, numel: int) -> torch.Tensor:
+        assert isinstance(item, torch.Tensor)
+        return item
+
+    def encode(self, values: torch.Tensor) -> Payload:
+        host = encode_torch(self.codec, values).to("cpu", copy=True)  # never a view of values
+        return memoryview(host.numpy()).cast("B").toreadonly()
+
+    def decode_into(self, payload: Payload, meta: CodecMeta, out: torch.Tensor) -> None:
+        decode_torch(self.codec, self._to_device(payload), meta, out=out)
+
+    def empty(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float32, device=self.device)
+
+    def _to_device(self, payload: Payload) -> torch.Tensor:
+        """Host bytes -> (len,) uint8 on the device."""
+        if not len(payload):
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffer: never written
+            host = torch.frombuffer(payload, dtype=torch.uint8)
+        return host.to(self.device)
+
+    def _divisor(self, n: float) -> torch.Tensor:
+        # A device tensor: CUDA computes `t / number` as `t * (1 / number)` (butterfly).
+        if self._n.numel() != 1 or float(self._n) != n:
+            self._n = torch.full((), n, dtype=torch.float32, device=self.device)
+        return self._n
+
+
+DataPath = HostPath | TorchPath
+
+
+def make_path(codec: Codec, local: torch.Tensor, kind: str | None = None) -> DataPath:
+    """The path for `local`: "torch" for a tensor off the CPU, else "host"; `kind` forces
+    one ("torch" also runs on CPU tensors: the tests compare both paths there)."""
+    kind = kind or ("host" if local.device.type == "cpu" else "torch")
+    if kind == "host":
+        if local.device.type != "cpu":
+            raise ValueError("the host path needs a CPU tensor")
+        return HostPath(codec, local)
+    if kind == "torch":
+        return TorchPath(codec, local)
+    raise ValueError(f"unknown data path {kind!r}; expected 'host' or 'torch'")
+
+
+def _runs(chunks: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Split (start, numel) chunks, in order, into runs of adjacent chunks where every chunk
+    but the last has the run's first chunk's size (a part's chunks form one run)."""
+    runs: list[list[tuple[int, int]]] = []
+    for start, numel in sorted(chunks):
+        last = runs[-1] if runs else None
+        if (last is not None and last[-1][0] + last[-1][1] == start
+                and last[-1][1] == last[0][1] and numel <= last[0][1]):
+            last.append((start, numel))
+        else:
+            runs.append([(start, numel)])
+    return [run for run in runs if run[0][1]]
