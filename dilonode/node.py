@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dilonode.admission import Admission
 from dilonode.algo.robust import BanTracker
 from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolicy
 from dilonode.config import RunConfig
@@ -60,6 +61,7 @@ class NodeSummary:
     # Robust aggregation: rounds in which a majority of owners rejected a peer, and bans.
     peer_convictions: int = 0
     peer_bans: int = 0
+    checkpoint_age_s: float | None = None  # age of the newest good checkpoint (None: none)
 
 
 class Node:
@@ -77,13 +79,18 @@ class Node:
         self.membership: Membership | None = None
         self.tunnel: Any = None  # libp2p-stream fallback of the data plane (swarm.tunnel)
         self.bans: BanTracker | None = None  # peers left out for repeated rejections
+        # Caps on incoming connections and peer-caused log lines, per listening port.
+        self.admission = Admission(interval=cfg.admission.log_interval)
         self.status = NodeStatus(cfg.run_id, cfg.total_steps, history=cfg.status.history,
-                                 peers=self._peers_seen, trust=self._trust_counters)
+                                 peers=self._peers_seen, trust=self._trust_counters,
+                                 admission=self.admission.snapshot,
+                                 checkpoint_age=self.keeper.checkpointer.age_s)
         self.status_server: Any = None
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
         net = self.cfg.network
+        self.admission.setup(self.cfg.admission)  # before the DHT forks: it inherits the limit
         self.dht = SwarmDHT(self.cfg.run_id, list(net.initial_peers), net.identity_path,
                             net.host, net.dht_port, secret=self._secret,
                             allowed=self.cfg.auth.allowed()).start()
@@ -94,7 +101,8 @@ class Node:
         agg = self.cfg.aggregator
         self.bans = (BanTracker(agg.ban_after, agg.ban_window, agg.ban_seconds)
                      if agg.ban_after else None)
-        plane_options: dict[str, Any] = {"auth": self.dht.credentials}
+        plane_options: dict[str, Any] = {"auth": self.dht.credentials,
+                                         "gate": self.admission.gate("data")}
         if net.p2p_fallback:
             from dilonode.swarm.tunnel import Tunnel
 
@@ -118,8 +126,8 @@ class Node:
         self.membership = Membership(self.dht, self.cfg.run_id, net, address, self._status,
                                      settings=policy.settings(), gone=plane.gone.copy)
         self.keeper.source.counts = self.membership.counts
-        self.membership.state_addr = self.keeper.start_server(self.collective.thread,
-                                                              self.dht.credentials)
+        self.membership.state_addr = self.keeper.start_server(
+            self.collective.thread, self.dht.credentials, self.admission.gate("state"))
         self.keeper.prepare(self.worker, self.collective.thread, self.dht,
                             publish=self.membership.start)
         self.membership.wait_for_peers(net.min_peers, net.start_timeout)
@@ -159,7 +167,7 @@ class Node:
 
         assert self.collective is not None
         server = StatusServer(self.status, node_metrics, host=self.cfg.status.host,
-                              port=self.cfg.status.port)
+                              port=self.cfg.status.port, gate=self.admission.gate("status"))
         self.status.url = self.collective.thread.run(server.start(), timeout=10.0)
         self.status_server = server
 
@@ -252,7 +260,8 @@ class Node:
             round_latency_s={p: {"n": n, "mean": total / n, "max": worst}
                              for p, (n, total, worst) in sorted(st.latency.items())},
             peer_convictions=self.bans.rejections_total if self.bans else 0,
-            peer_bans=self.bans.bans_total if self.bans else 0)
+            peer_bans=self.bans.bans_total if self.bans else 0,
+            checkpoint_age_s=self.keeper.checkpointer.age_s())
 
     def save_outer(self, path: Path) -> None:
         """Write the outer weights (state dict) for comparisons and evaluation."""
