@@ -90,13 +90,16 @@ class Acceptor:
         self._timers["flush"] = self._loop.call_later(self.flush_every, self._flush)
 
     def close(self) -> None:
-        """Stop accepting and close the listening socket; connections stay open."""
+        """Stop accepting and close the listening socket; connections already handed to
+        their protocol stay open, those still being attached are closed."""
         if self.closed:
             return
         self.closed = True
         self._stop_reading()
         for timer in self._timers.values():
             timer.cancel()
+        for task in self._attaching:  # else a connection could outlive its listener
+            task.cancel()
         self.sock.close()
         self.gate.log.flush(force=True)
 
@@ -144,7 +147,8 @@ class Acceptor:
         assert self._loop is not None
         try:
             await self._loop.connect_accepted_socket(lambda: self.factory(ticket), conn)
-        except (OSError, RuntimeError):  # reset before we got to it, or the loop closing
+        except (OSError, RuntimeError, asyncio.CancelledError):
+            # reset before we got to it, the loop closing, or the listener closed
             conn.close()
             self.gate.release(ticket)
 
