@@ -158,3 +158,29 @@ def test_raise_nofile_limit_lifts_the_soft_limit_to_the_hard_one():
                          text=True, timeout=60, check=True)
     got, soft, hard = json.loads(out.stdout)
     assert got == soft == hard or (hard == -1 and soft >= 10240)
+
+
+def test_counters_reach_the_status_snapshot_and_metrics():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dilonode.status.metrics import node_metrics, render
+    from dilonode.status.snapshot import NodeStatus
+
+    adm = Admission(Limits(max_open=8, max_pending=4, max_pending_per_source=1))
+    gate = adm.gate("state")
+    held = Conn(gate, "3.3.3.3")
+    Conn(gate, "3.3.3.3")  # refused: one pending per address
+    gate.closing(held.ticket, "handshake_timeout", "closed one from 3.3.3.3")
+    status = NodeStatus("run-1", admission=adm.snapshot)
+    assert status.snapshot()["admission"]["ports"]["state"]["closed"]["handshake_timeout"] == 1
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(render(node_metrics(status.snapshot())))
+               for s in f.samples}
+    assert samples[("dilonode_connections_refused_total",
+                    (("port", "state"), ("reason", "source_full")))] == 1
+    assert samples[("dilonode_connections_closed_total",
+                    (("port", "state"), ("reason", "handshake_timeout")))] == 1
+    assert samples[("dilonode_connections_open", (("port", "state"),))] == 0
+    assert samples[("dilonode_peer_log_lines_total", ())] == 2
+    plain = render(node_metrics(NodeStatus("run-1").snapshot()))
+    assert "dilonode_connections" not in plain  # no admission provider: no such families
