@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import socket
 import sys
@@ -176,6 +177,7 @@ def run_once(args: argparse.Namespace, flood: bool) -> dict[str, Any]:
     swarm = LocalSwarm(cfg, 2, placement=placement)
     ports = {"data": free_port(), "state": free_port(), "status": free_port()}
     flooder: Flooder | None = None
+    load = [round(x, 1) for x in os.getloadavg()]  # others' load skews steps/s most
     t0 = time.perf_counter()
     try:
         swarm.start_bootstrap()
@@ -201,7 +203,9 @@ def run_once(args: argparse.Namespace, flood: bool) -> dict[str, Any]:
     finally:
         swarm.stop()
     stats = flooder.stop() if flooder is not None else None
-    return summarize(label, summaries, swarm.out, stats, time.perf_counter() - t0)
+    row = summarize(label, summaries, swarm.out, stats, time.perf_counter() - t0)
+    row["loadavg_start_end"] = [load[0], round(os.getloadavg()[0], 1)]
+    return row
 
 
 def summarize(label: str, summaries: dict[str, dict[str, Any]], out: Path,
