@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from dilonode.admission import Gate
 from dilonode.algo.replay import replay_round
 from dilonode.algo.schedule import SyncPlan
 from dilonode.auth import Credentials
@@ -80,7 +81,8 @@ class StateKeeper:
         """State-sync connections refused in the handshake or for a bad MAC, both ways."""
         return self._refused + (self.server.unauthorized_attempts if self.server else 0)
 
-    def start_server(self, thread: Any, auth: Credentials, gate: Any = None) -> str | None:
+    def start_server(self, thread: Any, auth: Credentials,
+                     gate: Gate | None = None) -> str | None:
         """Listen for joiners that `auth` admits (answering "no state yet" until `prepare`
         is done), admitted through `gate` (`dilonode.admission`); returns the address to
         advertise, or None when not serving."""
