@@ -311,6 +311,28 @@ class StatusConfig(_Frozen):
     history: int = Field(600, ge=10, le=100_000, description="points kept for the charts")
 
 
+class AdmissionConfig(_Frozen):
+    """Caps on incoming connections of the data, state-sync and status ports, and on the
+    log lines peers can cause (dilonode/admission.py, dilonode/logcap.py)."""
+
+    raise_nofile: bool = Field(
+        True, description="at start, raise the soft open-files limit to the hard limit")
+    fd_reserve: int = Field(
+        0, ge=0, description="descriptors kept free of incoming connections (DHT, p2pd, "
+        "peers, checkpoints); 0: a quarter of the open-files limit, at least 256")
+    max_open: int = Field(
+        0, ge=0, description="connections held at once per port; 0: sized from the "
+        "open-files limit")
+    max_pending: int = Field(
+        0, ge=0, description="connections still in their handshake per port; 0: sized from "
+        "the open-files limit")
+    max_pending_per_source: int = Field(
+        32, ge=1, description="connections still in their handshake per port from one address")
+    log_interval: float = Field(
+        60.0, gt=0.0, description="seconds between summary lines of repeated peer-caused "
+        "events (the first of each address is logged in full)")
+
+
 class CheckpointConfig(_Frozen):
     """Periodic local checkpoints of the outer state (dilonode/train/checkpoint.py)."""
 
@@ -409,6 +431,7 @@ class RunConfig(_Frozen):
     checkpoint: CheckpointConfig = CheckpointConfig()
     statesync: StateSyncConfig = StateSyncConfig()
     status: StatusConfig = StatusConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     paths: PathsConfig = PathsConfig()
     sim: SimConfig = SimConfig()
 

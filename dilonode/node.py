@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dilonode.admission import Admission
 from dilonode.algo.robust import BanTracker
 from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolicy
 from dilonode.config import RunConfig
@@ -60,9 +61,10 @@ class NodeSummary:
     # Robust aggregation: rounds in which a majority of owners rejected a peer, and bans.
     peer_convictions: int = 0
     peer_bans: int = 0
+    checkpoint_age_s: float | None = None  # age of the newest good checkpoint (None: none)
     # Pacing: rounds this node took part in with others, missed (its pacer jumped over),
     # waited for (result late when the fragment's next round was due), left out of for a
-    # diverged state; tokens it contributed.
+    # diverged state.
     rounds_with_peers: int = 0
     missed_rounds: int = 0
     late_rounds: int = 0
@@ -87,8 +89,12 @@ class Node:
         self.membership: Membership | None = None
         self.tunnel: Any = None  # libp2p-stream fallback of the data plane (swarm.tunnel)
         self.bans: BanTracker | None = None  # peers left out for repeated rejections
+        # Caps on incoming connections and peer-caused log lines, per listening port.
+        self.admission = Admission(interval=cfg.admission.log_interval)
         self.status = NodeStatus(cfg.run_id, cfg.total_steps, history=cfg.status.history,
-                                 peers=self._peers_seen, trust=self._trust_counters)
+                                 peers=self._peers_seen, trust=self._trust_counters,
+                                 admission=self.admission.snapshot,
+                                 checkpoint_age=self.keeper.checkpointer.age_s)
         self.status_server: Any = None
         self.clock: Any = None  # ClockKeeper: the swarm clock (pacing = "time")
         self.verdict: Any = None  # the end-of-run agreement Verdict
@@ -96,6 +102,7 @@ class Node:
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
         net = self.cfg.network
+        self.admission.setup(self.cfg.admission)  # before the DHT forks: it inherits the limit
         self.dht = SwarmDHT(self.cfg.run_id, list(net.initial_peers), net.identity_path,
                             net.host, net.dht_port, secret=self._secret,
                             allowed=self.cfg.auth.allowed()).start()
@@ -106,7 +113,8 @@ class Node:
         agg = self.cfg.aggregator
         self.bans = (BanTracker(agg.ban_after, agg.ban_window, agg.ban_seconds)
                      if agg.ban_after else None)
-        plane_options: dict[str, Any] = {"auth": self.dht.credentials}
+        plane_options: dict[str, Any] = {"auth": self.dht.credentials,
+                                         "gate": self.admission.gate("data")}
         if net.p2p_fallback:
             from dilonode.swarm.tunnel import Tunnel
 
@@ -131,8 +139,8 @@ class Node:
                                      settings=policy.settings(), gone=plane.gone.copy,
                                      local_state=self._local_state)
         self.keeper.source.counts = self.membership.counts
-        self.membership.state_addr = self.keeper.start_server(self.collective.thread,
-                                                              self.dht.credentials)
+        self.membership.state_addr = self.keeper.start_server(
+            self.collective.thread, self.dht.credentials, self.admission.gate("state"))
         self._start_clock()
         self.keeper.prepare(self.worker, self.collective.thread, self.dht,
                             publish=self.membership.start)
@@ -204,7 +212,7 @@ class Node:
 
         assert self.collective is not None
         server = StatusServer(self.status, node_metrics, host=self.cfg.status.host,
-                              port=self.cfg.status.port)
+                              port=self.cfg.status.port, gate=self.admission.gate("status"))
         self.status.url = self.collective.thread.run(server.start(), timeout=10.0)
         self.status_server = server
 
@@ -361,7 +369,8 @@ class Node:
             peer_bans=self.bans.bans_total if self.bans else 0,
             rounds_with_peers=st.grouped, missed_rounds=st.missed,
             late_rounds=st.late, diverged_rounds=st.diverged,
-            agreement=self.verdict.as_dict() if self.verdict is not None else {})
+            agreement=self.verdict.as_dict() if self.verdict is not None else {},
+            checkpoint_age_s=self.keeper.checkpointer.age_s())
 
     def save_outer(self, path: Path) -> None:
         """Write the outer weights (state dict) for comparisons and evaluation."""

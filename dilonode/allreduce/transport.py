@@ -7,7 +7,11 @@ Every connection starts with the authenticating handshake of `dilonode.allreduce
 (Hello, HelloAck, HelloAuth): each side proves its libp2p identity and the swarm secret, the
 acceptor checks the allowlist, and from then on it attributes every frame on that connection
 (each followed by a MAC tag under the session key) to that proven peer. Refused attempts are
-logged in one line and counted in `stats["unauthorized"]` (`unauthorized_attempts`).
+counted in `stats["unauthorized"]` (`unauthorized_attempts`) and logged through the port's
+`Gate` (`dilonode.admission`): the first of each peer in full, the rest in one line per
+reason per minute. The listening socket is served by `dilonode.listener.Acceptor`, which
+caps connections that are still in their handshake (per port and per source address)
+before anything is read from them.
 
 Usage (all on one asyncio event loop):
 
@@ -48,6 +52,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
+from dilonode.admission import Admission, Gate, Ticket
 from dilonode.allreduce.channel import (
     HANDSHAKE_FRAME_MAX,
     TAG_BYTES,
@@ -58,6 +63,7 @@ from dilonode.allreduce.channel import (
     read_handshake_frame,
 )
 from dilonode.auth import Credentials
+from dilonode.listener import Acceptor, bind_listener
 from dilonode.wire.errors import RemoteProtocolError, one_line
 from dilonode.wire.framing import DEFAULT_MAX_FRAME_BYTES, FrameParts
 from dilonode.wire.messages import Hello, Message, RoundMessage
@@ -221,8 +227,9 @@ class _Inbound(asyncio.BufferedProtocol):
     that is fed on; a libp2p stream (`DataPlane.accept_stream`) calls `data_received`.
     """
 
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, ticket: Ticket | None = None) -> None:
         self.plane = plane
+        self.ticket = ticket  # its place in the port's admission gate
         self.remote = "?"
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -244,6 +251,8 @@ class _Inbound(asyncio.BufferedProtocol):
         self.remote = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.plane._configure(transport.get_extra_info("socket"))
         self.plane._inbound.add(self)
+        if self.ticket is not None:
+            self.ticket.close = self.close  # if evicted for a newcomer from elsewhere
         self.plane.stats["connections_in"] += 1
         if self.plane._reading_paused:
             self.transport.pause_reading()
@@ -252,7 +261,8 @@ class _Inbound(asyncio.BufferedProtocol):
     def _hello_due(self) -> None:
         if self.peer_id is None and not self.closed:
             self.plane._reject(self, f"no complete handshake within "
-                               f"{self.plane.connect_timeout:g}s", unauthorized=True)
+                               f"{self.plane.connect_timeout:g}s", unauthorized=True,
+                               kind="handshake_timeout")
 
     def get_buffer(self, sizehint: int) -> memoryview:
         direct = None if self.closed else self.channel.read_buffer()
@@ -291,11 +301,15 @@ class _Inbound(asyncio.BufferedProtocol):
             if not self.proven and self.peer_id is not None:
                 self.proven = True
                 self.plane.gone.pop(self.peer_id, None)
+                if self.ticket is not None:
+                    self.plane.gate.established(self.ticket)
         except RemoteProtocolError as exc:
             self._refuse(exc)
 
     def _refuse(self, exc: RemoteProtocolError) -> None:
-        self.plane._reject(self, exc.reason, unauthorized=isinstance(exc, HandshakeError))
+        unauthorized = isinstance(exc, HandshakeError)
+        self.plane._reject(self, exc.reason, unauthorized=unauthorized,
+                           kind="unauthorized" if unauthorized else "malformed")
 
     def _handshake_progress(self) -> None:
         """Write what the handshake has to say (the HelloAck)."""
@@ -318,10 +332,13 @@ class _Inbound(asyncio.BufferedProtocol):
             if self.peer_id is None and self.channel.claimed is not None:
                 # Hung up after our HelloAck: most likely our proof (secret, identity) did
                 # not satisfy it; an unauthorized attempt either way.
-                self.plane._reject(self, f"handshake abandoned: {reason}", unauthorized=True)
+                self.plane._reject(self, f"handshake abandoned: {reason}", unauthorized=True,
+                                   kind="abandoned")
             self.plane._peer_problem(self.peer_id, "gone", reason)
             if self.peer_id is not None and not self.plane._closed:
                 self.plane.gone[self.peer_id] = time.monotonic()
+        if self.ticket is not None:
+            self.plane.gate.release(self.ticket)
 
     def close(self) -> None:
         self.closed = True
@@ -506,7 +523,9 @@ class DataPlane:
     `fallback(peer_id)`, if given, opens a stream by another path when a direct connection
     fails (`dilonode.swarm.tunnel`); the other side hands such streams to `accept_stream`.
     `tune_malloc` lets `start()` call `tune_allocator()` (process-wide; off for a process
-    that must return freed memory to the kernel at once).
+    that must return freed memory to the kernel at once). `gate` admits incoming
+    connections (the node's `Admission.gate("data")`; None: a gate of its own with the
+    default limits).
     """
 
     def __init__(self, peer_id: str, run_id: str, host: str = "127.0.0.1", port: int = 0, *,
@@ -515,7 +534,8 @@ class DataPlane:
                  max_pending_keys: int = 64, max_pending_bytes: int = 512 << 20,
                  max_queued_bytes: int = 512 << 20, socket_buffer_bytes: int = 4 << 20,
                  auth: Credentials | None = None,
-                 fallback: StreamOpener | None = None, tune_malloc: bool = True) -> None:
+                 fallback: StreamOpener | None = None, tune_malloc: bool = True,
+                 gate: Gate | None = None) -> None:
         Hello(run_id=run_id, peer_id=peer_id)  # validates both ids (ValidationError)
         if auth is not None and (auth.peer_id, auth.run_id) != (peer_id, run_id):
             raise ValueError(f"DataPlane: credentials of {auth.peer_id}@{auth.run_id} for "
@@ -535,12 +555,14 @@ class DataPlane:
         self.max_pending_bytes = max_pending_bytes
         self.max_queued_bytes = max_queued_bytes
         self.socket_buffer_bytes = socket_buffer_bytes
+        self.gate = gate or Admission().gate("data")
+        self.gate.log.logger = log  # its lines are this module's, as before
         self.stats: dict[str, int] = dict.fromkeys(
             ("bytes_in", "bytes_in_direct", "bytes_out", "frames_in", "frames_out",
              "connections_in", "connections_out", "rejected_connections", "rejected_hellos",
              "dropped_frames", "late_frames", "stray_frames", "send_failures", "unauthorized",
              "fallback_connections", "fallback_accepts"), 0)
-        self._server: asyncio.Server | None = None
+        self._acceptor: Acceptor | None = None
         self._rounds: dict[RoundKey, Inbox] = {}
         self._pending: dict[RoundKey, _Pending] = {}
         self._pending_bytes = 0
@@ -566,29 +588,20 @@ class DataPlane:
         """Bind and listen (and `tune_allocator()` unless `tune_malloc` is False)."""
         if self.tune_malloc:
             tune_allocator()
-        if self._server is not None:
+        if self._acceptor is not None:
             raise RuntimeError("DataPlane.start: already started")
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            # Set before listen() so accepted sockets inherit it and the TCP window scales.
-            self._configure(sock)
-            sock.bind((self.host, self.port))
-            sock.setblocking(False)
-            self._server = await asyncio.get_running_loop().create_server(
-                lambda: _Inbound(self), sock=sock, backlog=256)
-        except BaseException:
-            sock.close()
-            raise
-        self.port = sock.getsockname()[1]
+        # Configured before listen() so accepted sockets inherit it and the window scales.
+        sock = bind_listener(self.host, self.port, configure=self._configure)
+        self._acceptor = Acceptor(sock, self.gate, lambda ticket: _Inbound(self, ticket))
+        self._acceptor.start()
+        self.port = self._acceptor.port
         log.debug("data plane %s listening on %s", self.peer_id, self.address)
 
     async def aclose(self, grace: float = 1.0) -> None:
         """Stop listening, flush outgoing frames for up to `grace` s, close everything."""
         self._closed = True
-        if self._server is not None:
-            self._server.close()
+        if self._acceptor is not None:
+            self._acceptor.close()
         await asyncio.gather(*(out.aclose(grace) for out in self._outbound.values()))
         self._outbound.clear()
         for conn in list(self._inbound):
@@ -597,8 +610,6 @@ class DataPlane:
             self._drop_pending(key, None)
         for inbox in self._rounds.values():
             inbox._discard()
-        if self._server is not None:
-            await _bounded(self._server.wait_closed(), grace)
 
     async def __aenter__(self) -> DataPlane:
         await self.start()
@@ -649,10 +660,11 @@ class DataPlane:
                             remote: str) -> None:
         """Serve one incoming connection that arrived by another path than our listening
         socket (a libp2p stream): the same handshake and frames; returns when it ends."""
-        if self._closed:
+        ticket = None if self._closed else self.gate.admit(remote)
+        if ticket is None:
             writer.transport.abort()
             return
-        conn = _Inbound(self)
+        conn = _Inbound(self, ticket)
         conn.connection_made(writer.transport)
         conn.remote = remote
         self.stats["fallback_accepts"] += 1
@@ -726,8 +738,9 @@ class DataPlane:
     def _overflow(self, key: RoundKey, pending: _Pending | None, reason: str) -> None:
         self.stats["dropped_frames"] += 1
         if pending is None or not pending.overflowed:
-            log.warning("data plane %s: dropping frames for round %s: %s", self.peer_id, key,
-                        reason)
+            # Proven peers' frames, but a peer can still send them on purpose: aggregated.
+            self.gate.log.event("dropped_frames", "peers", f"data plane {self.peer_id}: "
+                                f"dropping frames for round {key}: {reason}", key=str(key))
         if pending is not None:
             pending.overflowed = True
 
@@ -741,8 +754,9 @@ class DataPlane:
         frames = sum(e.kind == "message" for e in pending.events)
         if reason is not None and frames:
             self.stats["dropped_frames"] += frames
-            log.warning("data plane %s: dropped %d frame(s) for round %s: %s", self.peer_id,
-                        frames, key, reason)
+            self.gate.log.event("dropped_frames", "peers", f"data plane {self.peer_id}: "
+                                f"dropped {frames} frame(s) for round {key}: {reason}",
+                                key=str(key))
 
     def _peer_problem(self, peer_id: str | None, kind: EventKind, reason: str) -> None:
         """Tell every round that involves `peer_id`, registered or waiting, about it."""
@@ -764,16 +778,19 @@ class DataPlane:
     def _count_unauthorized(self, unauthorized: bool) -> None:
         self.stats["unauthorized"] += unauthorized
 
-    def _reject(self, conn: _Inbound, reason: str, *, unauthorized: bool = False) -> None:
-        """A peer sent something we cannot accept: log one line, count, close, report.
+    def _reject(self, conn: _Inbound, reason: str, *, unauthorized: bool = False,
+                kind: str = "malformed") -> None:
+        """A peer sent something we cannot accept: count, log (aggregated by the gate:
+        `kind` is the reason it counts under), close, report.
 
         Only a proven peer is reported to rounds: a claimed id could be anyone's.
         """
         claimed = conn.channel.claimed
         who = conn.peer_id or (f"unproven {one_line(claimed, 64)}" if claimed
                                else "an unidentified peer")
-        log.warning("data plane %s: rejected connection from %s (%s): %s", self.peer_id, who,
-                    conn.remote, reason)
+        self.gate.closing(conn.ticket, kind, f"data plane {self.peer_id}: rejected connection "
+                          f"from {who} ({conn.remote}): {self.gate.log.cap(reason)}",
+                          key=who)
         self.stats["rejected_connections"] += 1
         self._count_unauthorized(unauthorized)
         if conn.peer_id is None:

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from dilonode.admission import Gate
 from dilonode.algo.replay import replay_round
 from dilonode.algo.schedule import SyncPlan
 from dilonode.auth import Credentials
@@ -80,13 +81,16 @@ class StateKeeper:
         """State-sync connections refused in the handshake or for a bad MAC, both ways."""
         return self._refused + (self.server.unauthorized_attempts if self.server else 0)
 
-    def start_server(self, thread: Any, auth: Credentials) -> str | None:
+    def start_server(self, thread: Any, auth: Credentials,
+                     gate: Gate | None = None) -> str | None:
         """Listen for joiners that `auth` admits (answering "no state yet" until `prepare`
-        is done); returns the address to advertise, or None when not serving."""
+        is done), admitted through `gate` (`dilonode.admission`); returns the address to
+        advertise, or None when not serving."""
         if not (self.active and self.cfg.statesync.enabled):
             return None
         self.server = StateServer(self.source, self.cfg.run_id, self.digest,
-                                  self.cfg.statesync, host=self.cfg.network.host, auth=auth)
+                                  self.cfg.statesync, host=self.cfg.network.host, auth=auth,
+                                  gate=gate)
         address = thread.run(self.server.start(), timeout=10.0)
         announce = self.cfg.network.announce_host
         return f"{announce}:{address.rsplit(':', 1)[1]}" if announce else address
@@ -132,6 +136,7 @@ class StateKeeper:
         state, path = found
         worker.import_state(state)
         self.resumed_from = path
+        self.checkpointer.note_good(path)
         log.info("resumed from checkpoint %s at step %d", path.name, state.step)
 
     def _recover(self, worker: Any, thread: Any, peers: dict[str, str], auth: Credentials,

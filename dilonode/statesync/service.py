@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import threading
@@ -35,9 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dilonode import PROTOCOL_VERSION
+from dilonode.admission import Admission, Gate, Ticket
 from dilonode.allreduce.channel import HandshakeError
 from dilonode.auth import Credentials
 from dilonode.config import StateSyncConfig
+from dilonode.listener import Acceptor, bind_listener
 from dilonode.statesync.link import Link
 from dilonode.statesync.plan import (
     Assembler,
@@ -68,6 +71,7 @@ __all__ = ["Recovery", "RecoveryError", "SnapshotSource", "StateServer", "recove
 log = logging.getLogger(__name__)
 
 _IDLE_CLOSE_S = 120.0  # a connection with no request for this long is closed
+_STREAM_LIMIT = 1 << 16  # asyncio's default buffer limit of a server's StreamReader
 _MAX_FAILED_FETCHES = 3
 _RETRY_S = 0.2  # pause before asking peers again (busy, or a round is landing)
 _RATE_AFTER_S = 0.5  # the transfer rate is trusted after this long (near-end estimate)
@@ -210,16 +214,21 @@ class StateServer:
 
     Only to joiners that pass the handshake under `auth` (the node's credentials; None:
     trust mode, tests and benchmarks only, with the made-up `peer_id`); refused attempts
-    are logged and counted in `unauthorized_attempts`.
+    are counted in `unauthorized_attempts` and logged through `gate` (the node's
+    `Admission.gate("state")`, which also caps connections still in their handshake;
+    None: a gate of its own with the default limits).
     """
 
     def __init__(self, source: SnapshotSource, run_id: str, config_digest: str,
                  cfg: StateSyncConfig, host: str = "127.0.0.1", *,
-                 auth: Credentials | None = None, peer_id: str | None = None) -> None:
+                 auth: Credentials | None = None, peer_id: str | None = None,
+                 gate: Gate | None = None) -> None:
         self.source, self.run_id, self.digest, self.cfg = source, run_id, config_digest, cfg
         self.auth, self.peer_id = auth, _whoami(auth, peer_id)
         self.host = cfg.host or host
-        self._server: asyncio.Server | None = None
+        self.gate = gate or Admission().gate("state")
+        self.gate.log.logger = log
+        self._acceptor: Acceptor | None = None
         self._lock: asyncio.Lock | None = None
         self._cache: dict[str, tuple[object, list[bytes]]] = {}
         # The newest snapshot and the newest of the content before it (older rounds): a
@@ -235,9 +244,10 @@ class StateServer:
 
     async def start(self) -> str:
         self._lock = asyncio.Lock()
-        self._server = await asyncio.start_server(self._handle, self.host, self.cfg.port)
-        port = self._server.sockets[0].getsockname()[1]
-        self.address = f"{self.host}:{port}"
+        self._acceptor = Acceptor(bind_listener(self.host, self.cfg.port), self.gate,
+                                  self._protocol)
+        self._acceptor.start()
+        self.address = f"{self.host}:{self._acceptor.port}"
         self._janitor = asyncio.create_task(self._release_idle())
         return self.address
 
@@ -250,8 +260,8 @@ class StateServer:
                 self.source.forget()
 
     async def aclose(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._acceptor is not None:
+            self._acceptor.close()
         if self._janitor is not None:
             self._janitor.cancel()
         for writer in list(self._conns.values()):
@@ -261,27 +271,52 @@ class StateServer:
             for task in late:
                 task.cancel()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _protocol(self, ticket: Ticket) -> asyncio.StreamReaderProtocol:
+        """The protocol of one admitted connection: a stream pair served by `_handle`."""
+        reader = asyncio.StreamReader(limit=_STREAM_LIMIT)
+        return asyncio.StreamReaderProtocol(
+            reader, functools.partial(self._handle, ticket=ticket))
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      ticket: Ticket | None = None) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._conns[task] = writer
         peer = writer.get_extra_info("peername")
+        if ticket is not None:
+            ticket.close = writer.transport.abort  # if evicted for a newcomer from elsewhere
         try:
             conn = await Link.accept(reader, writer, self.auth, self.run_id, self.peer_id,
                                      self.cfg.request_timeout)
+            if ticket is not None:
+                self.gate.established(ticket)
             peer = f"{conn.peer_id} at {peer}"
             while True:
                 req = await conn.recv(_IDLE_CLOSE_S)
                 conn.send(await self._answer(req, conn.peer_id))
                 await conn.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-            pass  # the joiner is done, gone or idle
+        except TimeoutError:  # a proven joiner that stopped asking
+            if ticket is not None:
+                self.gate.release(ticket, "idle")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the joiner is done or gone
         except RemoteProtocolError as exc:
-            self.unauthorized_attempts += isinstance(exc, HandshakeError)
-            log.warning("state sync: dropping %s: %s", peer, exc.reason)
+            self._refused(ticket, peer, exc)
         finally:
             self._conns.pop(task, None)
             writer.close()
+            if ticket is not None:
+                self.gate.release(ticket)
+
+    def _refused(self, ticket: Ticket | None, peer: object, exc: RemoteProtocolError) -> None:
+        """Count and log (aggregated per address by the gate) a connection we drop."""
+        unauthorized = isinstance(exc, HandshakeError)
+        self.unauthorized_attempts += unauthorized
+        # Link.accept turns its deadline into this HandshakeError.
+        kind = ("handshake_timeout" if exc.reason.startswith("no complete handshake")
+                else "unauthorized" if unauthorized else "malformed")
+        self.gate.closing(ticket, kind, f"state sync: dropping {self.gate.log.cap(peer)}: "
+                          f"{self.gate.log.cap(exc.reason)}")
 
     async def _answer(self, req: StateMessage, joiner: str | None = None) -> StateMessage:
         if isinstance(req, ManifestRequest):

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["CONTENT_TYPE", "Metric", "node_metrics", "render", "swarm_metrics"]
+__all__ = ["CONTENT_TYPE", "Metric", "admission_metrics", "node_metrics", "render",
+           "swarm_metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -101,6 +102,40 @@ def node_metrics(s: Mapping[str, Any]) -> list[Metric]:
                  s["retried_rounds"]),
         *(_counter(f"dilonode_{name}_total", help, s.get("trust", {}).get(name))
           for name, help in _TRUST_COUNTERS),
+        _gauge("dilonode_checkpoint_age_seconds", "Age of the newest good checkpoint.",
+               s.get("checkpoint_age_s")),
+        *admission_metrics(s.get("admission") or {}),
+    ]
+
+
+def admission_metrics(a: Mapping[str, Any]) -> list[Metric]:
+    """Connections refused and closed per port and reason, connections held, and the
+    peer-caused log lines (`dilonode.admission.Admission.snapshot()`)."""
+    ports: Mapping[str, Any] = a.get("ports", {})
+
+    def by_reason(kind: str) -> list[tuple[Mapping[str, str], float]]:
+        return [({"port": port, "reason": reason}, float(n))
+                for port, g in ports.items() for reason, n in g[kind].items()]
+
+    def per_port(key: str) -> list[tuple[Mapping[str, str], float]]:
+        return [({"port": port}, float(g[key])) for port, g in ports.items()]
+
+    plog = a.get("log", {})
+    return [
+        Metric("dilonode_connections_refused_total", "Incoming connections refused before "
+               "anything was read, by port and reason.", "counter", by_reason("refused")),
+        Metric("dilonode_connections_closed_total", "Incoming connections we closed, by port "
+               "and reason.", "counter", by_reason("closed")),
+        Metric("dilonode_connections_open", "Incoming connections held, by port.", "gauge",
+               per_port("open")),
+        Metric("dilonode_connections_pending", "Incoming connections still in their "
+               "handshake (status port: all), by port.", "gauge", per_port("pending")),
+        _counter("dilonode_peer_log_lines_total", "Log lines written about what peers did.",
+                 plog.get("lines")),
+        _counter("dilonode_peer_log_folded_total", "Peer-caused events counted in a summary "
+                 "line instead of a line of their own.", plog.get("folded")),
+        _counter("dilonode_peer_log_truncated_total", "Peer-derived texts cut to fit a log "
+                 "line.", plog.get("truncated")),
     ]
 
 

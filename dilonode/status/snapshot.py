@@ -64,6 +64,8 @@ class NodeStatus:
     def __init__(self, run_id: str, total_steps: int | None = None, *, history: int = 600,
                  sample_every: float = 1.0, peers: Callable[[], int] | None = None,
                  trust: Callable[[], dict[str, int]] | None = None,
+                 admission: Callable[[], dict[str, Any]] | None = None,
+                 checkpoint_age: Callable[[], float | None] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.run_id = run_id
         self.total_steps = total_steps
@@ -74,6 +76,8 @@ class NodeStatus:
         self.sample_every = sample_every
         self._peers = peers or (lambda: 0)
         self._trust = trust or dict  # counters of refused peers, records and contributions
+        self._admission = admission or dict  # refused/closed connections per port and reason
+        self._checkpoint_age = checkpoint_age or (lambda: None)
         self._clock = clock
         self._lock = threading.Lock()
         self._started = clock()
@@ -156,7 +160,8 @@ class NodeStatus:
     # -- readers (any thread) --------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """Everything the status page shows, as plain JSON-ready values."""
-        peers, trust = self._peers(), self._trust()
+        peers, trust, admission = self._peers(), self._trust(), self._admission()
+        ckpt_age = finite_or_none(self._checkpoint_age(), 1)
         with self._lock:
             syncs = dict(self._syncs)
             rounds = dict(self._rounds)
@@ -169,6 +174,7 @@ class NodeStatus:
                 "total_steps": self.total_steps, **self._cur, **self._rates,
                 "peers_seen": peers, "skipped_rounds": self._skipped,
                 "retried_rounds": self._retried, "trust": trust,
+                "admission": admission, "checkpoint_age_s": ckpt_age,
             }
         out["syncs"] = [{"fragment": label, "rounds": rounds[label],
                          "last": {"round": r.round, "at_step": r.at_step,

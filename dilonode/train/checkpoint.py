@@ -9,7 +9,9 @@ A checkpoint is two files in one folder, named by the step:
 Both are written to a temp file, fsynced and renamed, tensors first; the JSON is the commit
 record, so a checkpoint exists only once its JSON is in place, and the folder is fsynced
 after the renames. A kill at any point leaves the previous checkpoints intact and at worst a
-stray temp or tensor file, which the next save removes. `load_latest` walks from the newest
+stray temp or tensor file, which the next save removes; a save that fails (an I/O error, a
+full disk) removes its own temp and uncommitted tensor files at once, so a full disk does
+not fill up further with every attempt. `load_latest` walks from the newest
 checkpoint down, checks the hash, run id and config digest, reports a bad one in one log line
 and falls back to the one before.
 
@@ -17,12 +19,16 @@ and falls back to the one before.
 copy of the outer state when one is due (`Worker.export_state`: the state after the rounds
 landed so far, named by the step at which exactly those have landed) and writes it in a
 background thread, so training never waits on the disk; a save still running when the next
-is due makes that one skipped, not queued.
+is due makes that one skipped, not queued. On a full disk (ENOSPC, EDQUOT) it removes the
+oldest checkpoints down to `keep - 1` (never the last one) and retries once, so the newest
+`keep` still fit. `age_s()` is the age of the newest good checkpoint, for the status page
+and the node's summary.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -42,6 +48,7 @@ __all__ = ["Checkpointer", "latest_checkpoints", "load_checkpoint",
 log = logging.getLogger(__name__)
 
 FORMAT = 1
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _NAME = re.compile(r"^ckpt-(\d{10})\.json$")
 # Called with the name of each point a save passes ("tensors-written", "tensors-renamed",
 # "meta-written"); tests use it to kill or fail a save at a chosen point.
@@ -53,15 +60,20 @@ def _stem(step: int) -> str:
 
 
 def _write_durably(path: Path, data: bytes, hook: FaultHook | None, point: str) -> None:
-    """Write `data` to `path` via a temp file: write, fsync, (hook), rename."""
+    """Write `data` to `path` via a temp file: write, fsync, (hook), rename. On failure
+    the temp file is removed (on a full disk it would hold space nobody can use)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if hook:
-        hook(point)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if hook:
+            hook(point)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -85,14 +97,20 @@ def save_checkpoint(directory: Path, state: WorkerState, run_id: str, digest: st
     stem = _stem(state.step)
     blob = save({k: v.contiguous() for k, v in state.tensors.items()},
                 metadata={"run_id": run_id, "config_digest": digest})
-    _write_durably(directory / f"{stem}.safetensors", blob, hook, "tensors-written")
-    if hook:
-        hook("tensors-renamed")
-    meta = {"format": FORMAT, "run_id": run_id, "config_digest": digest, "state": state.meta(),
-            "tensors_file": f"{stem}.safetensors", "tensors_bytes": len(blob),
-            "tensors_sha256": hashlib.sha256(blob).hexdigest(), "created": time.time()}
-    path = directory / f"{stem}.json"
-    _write_durably(path, json.dumps(meta, indent=1).encode(), hook, "meta-written")
+    tensors, path = directory / f"{stem}.safetensors", directory / f"{stem}.json"
+    try:
+        _write_durably(tensors, blob, hook, "tensors-written")
+        if hook:
+            hook("tensors-renamed")
+        meta = {"format": FORMAT, "run_id": run_id, "config_digest": digest,
+                "state": state.meta(), "tensors_file": tensors.name,
+                "tensors_bytes": len(blob), "tensors_sha256": hashlib.sha256(blob).hexdigest(),
+                "created": time.time()}
+        _write_durably(path, json.dumps(meta, indent=1).encode(), hook, "meta-written")
+    except BaseException:
+        if not path.exists():  # never committed: the tensors file is a stray
+            tensors.unlink(missing_ok=True)
+        raise
     _fsync_dir(directory)
     _prune(directory, keep)
     return path
@@ -106,16 +124,22 @@ def latest_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def _prune(directory: Path, keep: int) -> None:
+def _prune(directory: Path, keep: int) -> int:
+    """Keep the newest `keep` checkpoints, remove the rest and stray files; returns how
+    many files it removed."""
     committed = latest_checkpoints(directory)
     keep_stems = {p.stem for p in committed[:keep]}
+    removed = 0
     for meta in committed[keep:]:
         meta.unlink(missing_ok=True)  # uncommit first: a half-pruned one is never "valid"
+        removed += 1
     for p in directory.iterdir():
         stray = p.name.endswith(".tmp") or (p.suffix == ".safetensors"
                                             and p.stem not in keep_stems)
         if stray and p.name.startswith((".ckpt-", "ckpt-")):
             p.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def load_checkpoint(meta_path: Path, run_id: str, digest: str) -> WorkerState:
@@ -175,6 +199,36 @@ class Checkpointer:
         self.saved: list[Path] = []
         self.skipped = 0
         self.failed = 0
+        self.newest_good: float | None = None  # unix time the newest good one was written
+
+    def age_s(self, now: float | None = None) -> float | None:
+        """Seconds since the newest good checkpoint was written (None: none yet); any
+        thread."""
+        newest = self.newest_good
+        return None if newest is None else max((now or time.time()) - newest, 0.0)
+
+    def note_good(self, meta_path: Path) -> None:
+        """A checkpoint found good (resumed from): its age counts until the next save."""
+        try:
+            created = float(json.loads(meta_path.read_text())["created"])
+        except (OSError, ValueError, KeyError, TypeError):
+            created = meta_path.stat().st_mtime if meta_path.exists() else time.time()
+        self.newest_good = max(self.newest_good or 0.0, created)
+
+    def _save(self, state: WorkerState) -> Path:
+        """`save_checkpoint`; on a full disk, prune to `keep - 1` (at least one) and retry
+        once: the newest `keep` then still fit, the new one included."""
+        try:
+            return save_checkpoint(self.directory, state, self.run_id, self.digest,
+                                   self.keep, self.hook)
+        except OSError as exc:
+            if exc.errno not in _DISK_FULL:
+                raise
+            removed = _prune(self.directory, max(self.keep - 1, 1))
+            log.warning("checkpoint at step %d: %s; removed %d older checkpoint file(s), "
+                        "retrying once", state.step, exc.strerror or exc, removed)
+        return save_checkpoint(self.directory, state, self.run_id, self.digest, self.keep,
+                               self.hook)
 
     def start_from(self, step: int) -> None:
         """After a resume or a join: the next checkpoint is due a period after `step`."""
@@ -220,13 +274,13 @@ class Checkpointer:
     def _write(self, state: WorkerState) -> None:
         t0 = time.perf_counter()
         try:
-            path = save_checkpoint(self.directory, state, self.run_id, self.digest, self.keep,
-                                   self.hook)
+            path = self._save(state)
         except Exception as exc:  # a full disk must not stop training; say it and go on
             self.failed += 1
             log.error("checkpoint at step %d failed: %s: %s", state.step,
                       type(exc).__name__, exc)
             return
         self.saved.append(path)
+        self.newest_good = time.time()
         log.info("checkpoint %s: %d bytes in %.2f s", path.name, state.nbytes,
                  time.perf_counter() - t0)
