@@ -12,9 +12,12 @@ The sync plan (`schedule.SyncPlan`) places round r of fragment p at *reference s
   daemon, virtual in the simulator). Rounds open at the same wall time on every node; a
   fast node has done more inner steps by then than a slow one, and each contributes the
   pseudo-gradient of whatever it trained, weighted by its tokens. A worker acts at its
-  step boundaries only, so it starts a round at the boundary nearest to the round's
-  opening (`lead` = half its own step, in reference steps): at most half a step early or
-  late, which the matchmaking window absorbs.
+  step boundaries only, so it starts a round at the last boundary before the round opens
+  (`lead` = its own step, in reference steps, minus a hair so that a boundary falling
+  exactly on the opening still counts as "at" it): at most one of its steps early, never
+  late. Early is what matchmaking handles well (a peer alone at the end of its window
+  while others are expected waits for them); late registrations miss groups, which is
+  how slow nodes were left out of rounds under step pacing.
 
 Landing. With `StepPacer` a round lands exactly tau own steps after it started, blocking if
 the result is late (today's Streaming DiLoCo). With `TimePacer` it lands at the first step
@@ -34,6 +37,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dilonode.algo.schedule import SyncPlan, SyncStart
+
+# Keeps a boundary that lands on an opening from also counting as "before" the next one
+# (equal-speed workers on an exact clock then start exactly where step pacing does).
+_HAIR = 1e-6
 
 __all__ = ["Pacer", "StepPacer", "SwarmClock", "TimePacer", "due_starts", "final_rounds"]
 
@@ -63,8 +70,10 @@ class Pacer(Protocol):
 
     timed: bool  # lands when results arrive (True) or at exactly tau own steps (False)
 
-    def at_step(self, own_step: int) -> tuple[float, float]:
-        """(reference step now, lead): rounds starting at or before their sum are due."""
+    def at_step(self, own_step: int, pause_s: float = 0.0) -> tuple[float, float]:
+        """(reference step now, lead): rounds starting at or before their sum are due.
+        `pause_s`: work the worker does before its next step (an evaluation), which
+        delays its next boundary."""
         ...
 
 
@@ -73,7 +82,7 @@ class StepPacer:
 
     timed = False
 
-    def at_step(self, own_step: int) -> tuple[float, float]:
+    def at_step(self, own_step: int, pause_s: float = 0.0) -> tuple[float, float]:
         return float(own_step), 0.0
 
 
@@ -82,9 +91,10 @@ class TimePacer:
 
     `now()` is the clock the swarm agreed to read (the daemon: `time.time`; the simulator:
     its virtual clock). `clock` may be None until the swarm has agreed on one (the node
-    then starts no round). The lead is half the worker's own step time: the median of the
-    last `window` intervals between calls (sync overhead included, which is what decides
-    when its next boundary comes; the median ignores a slow first step or a pause).
+    then starts no round). The lead is the worker's own step time (less `_HAIR`): the
+    median of the last `window` intervals between calls (sync overhead included, which is
+    what decides when its next boundary comes; the median ignores a slow first step or a
+    pause).
     """
 
     timed = True
@@ -95,6 +105,7 @@ class TimePacer:
         self.clock = clock
         self._intervals: deque[float] = deque(maxlen=window)
         self._last: float | None = None
+        self._pause = 0.0  # announced at the last boundary: not part of the step time
 
     @property
     def step_s(self) -> float | None:
@@ -104,15 +115,15 @@ class TimePacer:
         ordered = sorted(self._intervals)
         return ordered[len(ordered) // 2]
 
-    def at_step(self, own_step: int) -> tuple[float, float]:
+    def at_step(self, own_step: int, pause_s: float = 0.0) -> tuple[float, float]:
         t = self.now()
         if self._last is not None and t > self._last:
-            self._intervals.append(t - self._last)
-        self._last = t
+            self._intervals.append(t - self._last - self._pause)
+        self._last, self._pause = t, pause_s
         if self.clock is None:
             return -math.inf, 0.0
-        lead = 0.5 * (self.step_s or 0.0) / self.clock.step_seconds
-        return self.clock.ref_step(t), lead
+        lead = ((self.step_s or 0.0) + pause_s) / self.clock.step_seconds
+        return self.clock.ref_step(t), max(lead - _HAIR, 0.0)
 
     def restart(self) -> None:
         """Forget the last boundary (after a pause that was not a step: a re-sync)."""

@@ -56,10 +56,13 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
     worker.should_stop = stop.is_set
     worker.end_step = total_steps
     wait0 = worker.stats.sync_wait_s
+    eval_s = 0.0  # the last evaluation's duration
     while not stop.is_set() and not worker.at_end():
         t0 = time.perf_counter()
         worker.train_step()
         t1 = time.perf_counter()
+        evaluating = worker.step % eval_every == 0
+        worker.pause_s = eval_s if evaluating else 0.0
         try:
             worker.launch()
             worker.land()
@@ -71,8 +74,10 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
         rep.sync_wait_s = worker.stats.sync_wait_s - wait0
         rep.steps, rep.tokens = worker.step, worker.stats.tokens
         rep.wall_s = time.perf_counter() - t_start
-        if worker.step % eval_every == 0:
+        if evaluating:
+            t_eval = time.perf_counter()
             rep.eval_history.append((worker.step, worker.evaluate(eval_batches)))
+            eval_s = time.perf_counter() - t_eval
         if on_step:
             on_step(worker, rep)
     rep.stopped_early = stop.is_set()

@@ -163,6 +163,9 @@ class Worker:
         self.pacer: Pacer = pacer or StepPacer()
         self.ref_now, self.lead = 0.0, 0.0  # the pacer's last reading (reference steps)
         self.end_step: int | None = None  # the run ends at this reference step (set by drivers)
+        # Seconds of other work (an evaluation) before the next step, told by the driver so
+        # the pacer knows when the next boundary comes.
+        self.pause_s = 0.0
         self._rewarm_from: int | None = None  # own step of the last adoption with fresh AdamW
         self.plan: SyncPlan | None = None
         self.fragments: list[Fragment] = []
@@ -253,7 +256,7 @@ class Worker:
         """Read the pacer at this step boundary: the rounds due to start now."""
         if self.plan is None:
             return []
-        self.ref_now, self.lead = self.pacer.at_step(self.step)
+        self.ref_now, self.lead = self.pacer.at_step(self.step, self.pause_s)
         ref, lead = self.ref_now, self.lead
         if self.end_step is not None and ref + lead >= self.end_step:
             ref, lead = float(self.end_step), 0.0  # nothing past the end starts

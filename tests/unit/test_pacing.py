@@ -27,10 +27,10 @@ def test_due_starts_matches_the_step_schedule_exactly():
                 nxt[a.fragment] = a.round + 1
 
 
-def test_due_starts_with_a_lead_starts_at_the_nearest_boundary():
+def test_due_starts_with_a_lead_starts_at_the_last_boundary_before_the_opening():
     plan = SyncPlan(30, 3, 1)  # fragment 0 opens at 10, 40, 70...
-    assert due_starts(plan, [0, 0, 0], 9.4, 0.5) == []
-    assert due_starts(plan, [0, 0, 0], 9.6, 0.5) == [SyncStart(0, 0)]  # half a step early
+    assert due_starts(plan, [0, 0, 0], 6.9, 3.0) == []  # the next boundary is before 10
+    assert due_starts(plan, [0, 0, 0], 7.1, 3.0) == [SyncStart(0, 0)]  # the next is after
     assert due_starts(plan, [1, 0, 0], 12.0, 2.0) == []  # round 0 already started
 
 
@@ -56,7 +56,7 @@ def test_time_pacer_reads_the_clock_and_measures_its_own_step():
     assert pacer.at_step(1) == (20.0, 0.0)  # no step time known yet: no lead
     now[0] = 101.0
     ref, lead = pacer.at_step(2)
-    assert ref == 22.0 and lead == pytest.approx(1.0)  # half of a 1 s step = 1 ref step
+    assert ref == 22.0 and lead == pytest.approx(2.0)  # a 1 s step = 2 reference steps
     assert TimePacer(lambda: 5.0).at_step(1) == (-math.inf, 0.0)  # clock not agreed yet
     assert StepPacer().at_step(7) == (7.0, 0.0)
     with pytest.raises(ValueError, match="step_seconds"):
