@@ -32,8 +32,10 @@ CONFIG = {
     "run_id": "dash-test", "seed": 1, "eval_every": 5, "device": "cpu", "total_steps": 100000,
     "model": {"preset": "nano"},
     "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 1},
+    # Paced by steps: the test reads the dashboard while rounds land every few steps of a
+    # tiny model (the swarm clock would make a reference step as short as one of them).
     "diloco": {"mode": "streaming", "sync_every": 6, "num_fragments": 3,
-               "fragment_sync_delay": 1},
+               "fragment_sync_delay": 1, "pacing": "steps"},
     "codec": {"name": "int8"},
     "network": {"matchmaking_window": 4.0, "matchmaking_timeout": 20.0,
                 "allreduce_timeout": 20.0, "max_attempts": 2},
