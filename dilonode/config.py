@@ -142,6 +142,10 @@ class DilocoConfig(_Frozen):
         None, gt=0.0, description="pacing=time: seconds of one reference step when this node "
         "starts the swarm's clock; unset: measured from this node's first steps. Nodes "
         "joining later follow the clock already agreed")
+    min_round_seconds: float = Field(
+        5.0, gt=0.0, description="pacing=time: a proposed clock is never so fast that a "
+        "fragment's rounds come less than this many seconds apart (finding a group through "
+        "the DHT takes a second or two); rounds of a fast model then hold more steps")
     final_sync: bool = Field(
         True, description="at the end of the run, one more round of every fragment trained "
         "since its last, so the outer weights hold all training and every node ends equal")

@@ -164,11 +164,16 @@ class Node:
             return
         from dilonode.swarm.clock import ClockKeeper
 
-        w, fixed = self.worker, self.cfg.diloco.step_seconds
+        a = self.cfg.diloco.effective()
+        w, fixed = self.worker, a.step_seconds
+        floor = a.min_round_seconds / a.sync_every
 
         def propose() -> float | None:
-            # Measured over a few steps (the first ones include warm-up), unless configured.
-            return fixed or (w.pacer.step_s if w.step >= 5 else None)
+            # Measured over a few steps (the first ones include warm-up), unless configured;
+            # never so short that a fragment's rounds come faster than a group can form.
+            if fixed:
+                return fixed
+            return max(w.pacer.step_s, floor) if w.step >= 5 and w.pacer.step_s else None
 
         self.clock = ClockKeeper(self.dht, self.cfg.run_id, w.pacer, propose,
                                  frozen=lambda: any(w.next_round) or bool(w.pending),

@@ -438,9 +438,15 @@ class Worker:
         # Outer state moves only when a round lands: it is the state after `landed` rounds.
         landed = [self.next_round[p] - (p in self.pending) for p in range(len(self.outer))]
         step = adoption_step(self.plan, landed)
-        if step is None:
+        if step is None and isinstance(self.pacer, StepPacer):
             raise RuntimeError(f"export_state: no step of this schedule has landed exactly "
                                f"{landed} rounds with none in flight (tau >= H/P?)")
+        if step is None:
+            # Paced by the clock, a worker that jumped over rounds of one fragment holds
+            # counters no schedule step gives; name the state by its last landing instead
+            # (the same for every worker holding it). It differs from its peers' (its chain
+            # says so) and adopts theirs at its next round.
+            step = settled_step(self.plan, landed)
         # After `drain` (end of training) rounds may have landed before their scheduled step;
         # a checkpoint named by our own step would then resume with them due again.
         taken_at = max(self.swarm_step, settled_step(self.plan, landed))
@@ -478,9 +484,15 @@ class Worker:
         if self.plan is None or self.pending:
             raise RuntimeError("import_state: only with no sync in flight, outside mode=ddp")
         expected = [self.plan.rounds_started(p, state.step) for p in range(len(self.outer))]
-        if list(state.rounds) != expected:
+        if isinstance(self.pacer, StepPacer) and list(state.rounds) != expected:
+            # Paced by steps the worker jumps to the state's step: it must be one at which
+            # the schedule has exactly these rounds. Paced by the clock, the counters say
+            # which round of each fragment comes next, whatever the label.
             raise ValueError(f"state at step {state.step} has round counters "
                              f"{list(state.rounds)}, this config's schedule gives {expected}")
+        if len(state.rounds) != len(self.outer):
+            raise ValueError(f"state has {len(state.rounds)} fragments, this worker "
+                             f"{len(self.outer)} (diloco.num_fragments differs)")
         state.apply_to(self.outer)
         self.replays.clear()
         for frag, outer in zip(self.fragments, self.outer, strict=True):
