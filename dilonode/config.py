@@ -10,9 +10,16 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from dilonode.auth import allowed_peer_id
 
@@ -114,6 +121,12 @@ class InnerOptConfig(_Frozen):
         "warm the learning rate up again over this many steps; 0 disables")
 
 
+def _int_or_auto(value: Any) -> Any:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ValueError("must be an integer >= 0 or 'auto'")
+
+
 class DilocoConfig(_Frozen):
     """The outer algorithm: DDP, DiLoCo, or Streaming DiLoCo (names from the papers)."""
 
@@ -124,8 +137,11 @@ class DilocoConfig(_Frozen):
     num_fragments: int = Field(3, ge=1, description="P: fragments synced on staggered offsets")
     fragment_pattern: Literal["strided", "sequential"] = Field(
         "strided", description="block i -> fragment i mod P (strided) or contiguous groups")
-    fragment_sync_delay: int = Field(
-        1, ge=0, description="tau: inner steps between starting a sync and merging its result")
+    fragment_sync_delay: Annotated[int | Literal["auto"], BeforeValidator(_int_or_auto)] = Field(
+        1, description="tau: inner steps between starting a sync and merging its "
+        "result; with pacing=time the least such delay (a result merges when it arrives, "
+        "however long that takes, without blocking: the overlap follows the links), and "
+        "'auto' means 1")
     fragment_update_alpha: float = Field(
         0.5, ge=0.0, le=1.0, description="alpha: w <- alpha*w + (1-alpha)*g_new on merge")
     outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
@@ -146,24 +162,42 @@ class DilocoConfig(_Frozen):
         5.0, gt=0.0, description="pacing=time: a proposed clock is never so fast that a "
         "fragment's rounds come less than this many seconds apart (finding a group through "
         "the DHT takes a second or two); rounds of a fast model then hold more steps")
+    max_round_seconds: float = Field(
+        3600.0, gt=0.0, description="pacing=time: the swarm clock is never slowed so much that "
+        "a fragment's rounds come more than this many seconds apart")
+    retune_clock: bool = Field(
+        True, description="pacing=time: the swarm slows its clock when rounds take more than "
+        "half a round period on the links it measures (so results land before a fragment's "
+        "next round, never blocking training), and speeds it up again when they take far "
+        "less, within min_round_seconds..max_round_seconds")
     final_sync: bool = Field(
         True, description="at the end of the run, one more round of every fragment trained "
         "since its last, so the outer weights hold all training and every node ends equal")
 
     @model_validator(mode="after")
     def _check(self) -> DilocoConfig:
-        if self.mode == "streaming" and self.fragment_sync_delay >= self.sync_every:
+        if self.fragment_sync_delay == "auto" and self.pacing != "time":
+            raise ValueError("diloco.fragment_sync_delay = 'auto': needs diloco.pacing = "
+                             "'time' (paced by steps, tau is a fixed schedule)")
+        if self.min_round_seconds > self.max_round_seconds:
+            raise ValueError(f"diloco.min_round_seconds = {self.min_round_seconds}: must be <= "
+                             f"diloco.max_round_seconds = {self.max_round_seconds}")
+        tau = 1 if self.fragment_sync_delay == "auto" else self.fragment_sync_delay
+        if self.mode == "streaming" and tau >= self.sync_every:
             raise ValueError(
-                f"diloco.fragment_sync_delay = {self.fragment_sync_delay}: must be < "
+                f"diloco.fragment_sync_delay = {tau}: must be < "
                 f"diloco.sync_every = {self.sync_every} (a fragment's result must land before "
                 "its next sync starts)")
         return self
 
     def effective(self) -> DilocoConfig:
-        """The plan actually run: mode=diloco pins P=1, tau=0, alpha=0 (plain DiLoCo)."""
+        """The plan actually run: mode=diloco pins P=1, tau=0, alpha=0 (plain DiLoCo); tau
+        'auto' is 1 (paced by the clock, results merge when they arrive)."""
         if self.mode == "diloco":
             return self.model_copy(update={
                 "num_fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0})
+        if self.fragment_sync_delay == "auto":
+            return self.model_copy(update={"fragment_sync_delay": 1})
         return self
 
 

@@ -177,12 +177,46 @@ class Node:
 
         self.clock = ClockKeeper(self.dht, self.cfg.run_id, w.pacer, propose,
                                  frozen=lambda: any(w.next_round) or bool(w.pending),
-                                 ttl=max(4 * self.cfg.network.peer_ttl, 60.0))
+                                 ttl=max(4 * self.cfg.network.peer_ttl, 60.0),
+                                 retune=self._retune if a.retune_clock else None,
+                                 pacemaker=self._is_pacemaker, lead_steps=a.sync_every)
         try:
             self.clock.tick()  # a clock that already stands is followed from the first step
         except (TimeoutError, RuntimeError) as exc:
             log.warning("swarm clock: first read failed (%s); reading again shortly", exc)
         self.clock.start()
+
+    def _is_pacemaker(self) -> bool:
+        """The live node with the smallest peer id retunes the swarm clock (one at a time;
+        two at once, in a partition, resolve by the clock records' rule)."""
+        if self.membership is None:
+            return False
+        live = {r.peer_id for r in self.membership.live_peers(max_age=math.inf)}
+        return self.peer_id == min(live | {self.peer_id})
+
+    def _retune(self, clock: Any, ref_now: float) -> float | None:
+        """Seconds per reference step the swarm needs: rounds (matchmaking included) should
+        land within half a round period at the 90th percentile on every node, so nobody
+        blocks on a result, within diloco.min/max_round_seconds, and never faster than the
+        clock was started (H reference steps stay about H steps of the node that started
+        it); None when the clock is within 25% (slower) or 2x (faster) of that."""
+        from dilonode.status.snapshot import p90
+
+        a = self.cfg.diloco.effective()
+        own = p90(list(self.worker.stats.recent_latency))
+        seen = [own] if own is not None else []
+        for rec in self.membership.live_peers(max_age=math.inf) if self.membership else []:
+            value = (rec.status or {}).get("round_p90_s")
+            if isinstance(value, int | float) and math.isfinite(value) and 0 < value < 1e5:
+                seen.append(float(value))
+        if not seen:
+            return None
+        period = min(max(2.0 * max(seen), a.min_round_seconds), a.max_round_seconds)
+        want = max(period / a.sync_every, clock.step_seconds)
+        now = clock.current_step_seconds
+        if want > 1.25 * now or want < 0.5 * now:
+            return want
+        return None
 
     async def _form(self, fragment: int, round_no: int, attempt: int,
                     exclude: set[str]) -> FormedGroup:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no t
 
     from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 
-__all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "finite_or_none",
+__all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "finite_or_none", "p90",
            "state_chain"]
 
 # Columns of `history()["series"]`, drawn by the dashboard (same names for the swarm view).
@@ -85,7 +85,7 @@ class NodeStatus:
                                      "eval_loss": None, "eval_step": None, "bytes_sent": 0,
                                      "bytes_received": 0, "compute_utilization": 0.0,
                                      "sync_wait_s": 0.0, "swarm_step": 0, "state_chain": "",
-                                     "agreement": None}
+                                     "agreement": None, "round_p90_s": None}
         # Rates need two samples; None (null) until then rather than a misleading 0.
         self._rates: dict[str, float | None] = {"tokens_per_s": None, "sent_Bps": None,
                                                 "recv_Bps": None}
@@ -112,7 +112,8 @@ class NodeStatus:
             if evals:
                 self._cur.update(eval_step=evals[-1][0], eval_loss=finite_or_none(evals[-1][1]))
             if getattr(worker, "plan", None) is not None:
-                self._cur.update(swarm_step=worker.swarm_step, state_chain=state_chain(worker))
+                self._cur.update(swarm_step=worker.swarm_step, state_chain=state_chain(worker),
+                                 round_p90_s=p90(list(st.recent_latency)))
             self._maybe_sample()
 
     def set_agreement(self, verdict: dict[str, Any]) -> None:
@@ -197,10 +198,18 @@ class NodeStatus:
         keys = ("worker_id", "state", "url", "step", "total_steps", "tokens", "train_loss",
                 "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps", "bytes_sent",
                 "bytes_received", "compute_utilization", "peers_seen", "skipped_rounds",
-                "uptime_s", "version", "swarm_step", "state_chain")
+                "uptime_s", "version", "swarm_step", "state_chain", "round_p90_s")
         agreement = s.get("agreement") or {}
         return {**{k: s[k] for k in keys}, "agrees": agreement.get("agrees"),
                 "final_digest": agreement.get("digest")}
+
+
+def p90(values: list[float]) -> float | None:
+    """The 90th percentile (nearest rank) of `values`, None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 3)
 
 
 def state_chain(worker: Any) -> str:
