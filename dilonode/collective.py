@@ -5,6 +5,12 @@ A worker calls `begin(key, flat)` when its schedule says a sync starts and `wait
 returned handle when the result is due; between the two, training goes on. The networked
 implementation (the swarm) satisfies the same protocol, so the worker code is the same in
 the simulator and in the daemon.
+
+Bounded groups (`algo/groups.py`): with more live members than `max_group_size`, a round's
+members are split into rotating groups and each group averages on its own; in the rounds
+`algo.groups.mixes` picks, each group also averages its members' outer states (the
+`state` callable of `begin`, `algo/mixing.py`), and `SyncKey(kind="mix")` rounds average
+states only (the end of a grouped run).
 """
 
 from __future__ import annotations
@@ -17,18 +23,21 @@ import blake3
 import torch
 
 from dilonode.algo.butterfly import butterfly_average
-from dilonode.algo.codecs import Codec
+from dilonode.algo.codecs import Codec, get_codec
+from dilonode.algo.groups import grouped, mixes, num_keys, partition
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, aggregate
 
-__all__ = ["Collective", "LocalGroup", "PendingReduce", "ReduceResult", "SyncKey"]
+__all__ = ["Collective", "LocalGroup", "PendingReduce", "ReduceResult", "StateSource",
+           "SyncKey"]
 
 
 @dataclass(frozen=True)
 class SyncKey:
-    """What is being averaged: a fragment's pseudo-gradient round, or DDP gradients at a step."""
+    """What is being averaged: a fragment's pseudo-gradient round, DDP gradients at a step,
+    or (kind "mix", the end of a grouped run) a fragment's packed outer state alone."""
 
-    kind: Literal["fragment", "grad"]
+    kind: Literal["fragment", "grad", "mix"]
     fragment: int
     round: int
 
@@ -57,6 +66,13 @@ class ReduceResult:
     diverged: tuple[str, ...] = ()
     # Matchmaking left these peers out: their outer state differs from ours, which stands.
     outvoted: tuple[str, ...] = ()
+    # The swarm averaged in bounded groups (more live peers than max_group_size): replicas
+    # in different groups hold different states by design (algo/mixing.py).
+    grouped: bool = False
+    # A mixing round: the group's mean packed outer state [2 * numel] (float32, the same
+    # bits on every member) and its digest; None when the round did not mix states.
+    state_mean: torch.Tensor | None = None
+    state_digest: str = ""
 
 
 class PendingReduce(Protocol):
@@ -65,9 +81,16 @@ class PendingReduce(Protocol):
     def wait(self, timeout: float | None = None) -> ReduceResult: ...
 
 
+# Returns the caller's packed outer state of the fragment (`algo.mixing.pack_state`).
+StateSource = Callable[[], torch.Tensor]
+
+
 class Collective(Protocol):
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> PendingReduce:
-        """Start averaging `flat`, trained on `weight` tokens (the mean is token-weighted)."""
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+              state: StateSource | None = None) -> PendingReduce:
+        """Start averaging `flat`, trained on `weight` tokens (the mean is token-weighted).
+        `state` is asked only when the round also mixes outer states (grouped swarms);
+        the fragment's outer state does not change while its round is in flight."""
         ...
 
 
@@ -75,6 +98,8 @@ class Collective(Protocol):
 class _Slot:
     contributions: dict[int, torch.Tensor] = field(default_factory=dict)
     tokens: dict[int, float] = field(default_factory=dict)
+    states: dict[int, StateSource] = field(default_factory=dict)
+    key: SyncKey | None = None
     results: dict[int, ReduceResult] | None = None
     skipped: set[int] = field(default_factory=set)  # members that started a later round
     done_at: float = 0.0  # virtual time the result reaches the members (`LocalGroup.now`)
@@ -93,17 +118,29 @@ class LocalGroup:
     Owners combine each chunk of `chunk_numel` values with `aggregator` (checks included),
     as the networked round does; parts are aligned to `align` (default: the codec's block),
     which must be the daemon's block size for the two to cut the same chunks.
+
+    `max_group_size` (None: one group, whatever the count): with more live members, each
+    fragment round is split into the groups `algo.groups.partition` gives (worker i is
+    peer id `str(i)` of run `run_id`), as the daemon's matchmaking splits a swarm, and
+    rounds `algo.groups.mixes(round, mix_every)` also average each group's outer states
+    (float32, plain mean in member order: the daemon's state round).
     """
 
     def __init__(self, num_workers: int, codec: Codec, weights: list[float] | None = None, *,
                  aggregator: AggregatorSpec | None = None,
-                 chunk_numel: int | None = None, align: int | None = None) -> None:
+                 chunk_numel: int | None = None, align: int | None = None,
+                 max_group_size: int | None = None, mix_every: int = 1,
+                 run_id: str = "sim") -> None:
         self.codec = codec
         self.members = list(range(num_workers))
         self.weights = weights or [1.0] * num_workers
         self.aggregator = aggregator or AggregatorSpec()
         self.chunk_numel = chunk_numel
         self.align = align
+        self.max_group_size = max_group_size
+        self.mix_every = mix_every
+        self.run_id = run_id
+        self._f32 = get_codec("float32", codec.block_size)
         self._slots: dict[SyncKey, _Slot] = {}
         self.now: Callable[[], float] | None = None  # virtual clock (None: lockstep)
         self.latency = 0.0  # virtual seconds from the last contribution to the result
@@ -120,12 +157,14 @@ class LocalGroup:
             self._complete(slot)
 
     def _contribute(self, key: SyncKey, worker: int, flat: torch.Tensor,
-                    weight: float) -> _Slot:
-        slot = self._slots.setdefault(key, _Slot())
+                    weight: float, state: StateSource | None = None) -> _Slot:
+        slot = self._slots.setdefault(key, _Slot(key=key))
         if worker in slot.contributions:
             raise RuntimeError(f"worker {worker} contributed twice to {key}")
         slot.contributions[worker] = flat.detach().to("cpu", torch.float32)
         slot.tokens[worker] = float(weight)
+        if state is not None:
+            slot.states[worker] = state
         if self.now is not None:
             slot.done_at = max(slot.done_at, self.now() + self.latency)
         self._newest[(worker, key.kind, key.fragment)] = key.round
@@ -146,8 +185,34 @@ class LocalGroup:
         """Whether `slot`'s result has reached its members at the current (virtual) time."""
         return slot.results is not None and (self.now is None or slot.done_at <= self.now())
 
+    def groups(self, key: SyncKey, contributors: list[int]) -> list[list[int]] | None:
+        """The groups of round `key` among `contributors`, or None for one group of all
+        (at most `max_group_size` live members, DDP gradients, or no bound set)."""
+        m, n = self.max_group_size, len(self.members)
+        if m is None or key.kind == "grad" or not grouped(n, m):
+            return None
+        split = partition([str(w) for w in contributors], m, self.run_id, key.fragment,
+                          key.round, keys=num_keys(n, m))
+        return [sorted(int(w) for w in g) for g in split]
+
     def _reduce(self, slot: _Slot) -> None:
+        assert slot.key is not None
         everyone = sorted(slot.contributions)
+        split = self.groups(slot.key, everyone)
+        slot.results = {}
+        for order in split or [everyone]:
+            slot.results.update(self._average(slot, order, grouped_round=split is not None))
+        slot.contributions.clear()  # bounded memory: only the means are kept
+        slot.tokens.clear()
+        slot.states.clear()
+
+    def _average(self, slot: _Slot, everyone: list[int],
+                 grouped_round: bool) -> dict[int, ReduceResult]:
+        """One group's round: the butterfly mean of its members' contributions (and, in a
+        mixing round, of their states); the results of its members."""
+        assert slot.key is not None
+        if slot.key.kind == "mix":
+            return self._mix_only(slot, everyone, grouped_round)
         # The daemon's round refuses a NaN/Inf payload and retries without its sender (the
         # codecs cannot even encode one); leaving the sender out here is that retry.
         refused = {w for w in everyone if not bool(torch.isfinite(slot.contributions[w]).all())}
@@ -169,15 +234,39 @@ class LocalGroup:
                                              chunk_numel=self.chunk_numel, align=self.align,
                                              token_weights=tokens)
         names = tuple(str(w) for w in sorted(rejected))
-        digest = blake3.blake3(mean.numpy().tobytes()).hexdigest()
-        slot.results = {w: ReduceResult(mean, len(order), sent[i], recv[i], rejected=names,
-                                        digest=digest)
-                        for i, w in enumerate(order)}
-        slot.results.update({w: ReduceResult(mean, len(order), 0, 0, rejected=names,
-                                             digest=digest)
-                             for w in refused})
-        slot.contributions.clear()  # bounded memory: only the mean is kept
-        slot.tokens.clear()
+        digest = _digest(mean)
+        state, state_digest = None, ""
+        if grouped_round and mixes(slot.key.round, self.mix_every) and len(order) > 1 and \
+                all(w in slot.states for w in order):
+            state, s_sent, s_recv = self._mean_state(order, [slot.states[w]() for w in order])
+            state_digest = _digest(state)
+            sent = [a + b for a, b in zip(sent, s_sent, strict=True)]
+            recv = [a + b for a, b in zip(recv, s_recv, strict=True)]
+        results = {w: ReduceResult(mean, len(order), sent[i], recv[i], rejected=names,
+                                   digest=digest, grouped=grouped_round, state_mean=state,
+                                   state_digest=state_digest)
+                   for i, w in enumerate(order)}
+        results.update({w: ReduceResult(mean, len(order), 0, 0, rejected=names, digest=digest,
+                                        grouped=grouped_round)
+                        for w in refused})
+        return results
+
+    def _mean_state(self, order: list[int], states: list[torch.Tensor]
+                    ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The float32 butterfly mean of packed states (the daemon's state round)."""
+        weights = [self.weights[w] for w in order]
+        return butterfly_average([s.to("cpu", torch.float32) for s in states], weights,
+                                 self._f32, chunk_numel=self.chunk_numel, align=self.align)
+
+    def _mix_only(self, slot: _Slot, order: list[int],
+                  grouped_round: bool) -> dict[int, ReduceResult]:
+        """A `mix` round: the contributions are packed states; every member gets the mean."""
+        mean, sent, recv = self._mean_state(order, [slot.contributions[w] for w in order])
+        digest = _digest(mean)
+        return {w: ReduceResult(mean, len(order), sent[i], recv[i], digest=digest,
+                                grouped=grouped_round, state_mean=mean,
+                                state_digest=digest)
+                for i, w in enumerate(order)}
 
     def _collect(self, key: SyncKey, worker: int) -> ReduceResult:
         slot = self._slots[key]
@@ -190,13 +279,18 @@ class LocalGroup:
         return result
 
 
+def _digest(values: torch.Tensor) -> str:
+    return blake3.blake3(values.numpy().tobytes()).hexdigest()
+
+
 class _LocalView:
     def __init__(self, group: LocalGroup, worker: int) -> None:
         self.group = group
         self.worker = worker
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> _LocalPending:
-        slot = self.group._contribute(key, self.worker, flat, weight)
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+              state: StateSource | None = None) -> _LocalPending:
+        slot = self.group._contribute(key, self.worker, flat, weight, state)
         return _LocalPending(self.group, slot, key, self.worker)
 
 

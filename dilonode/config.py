@@ -291,6 +291,22 @@ class NetworkConfig(_Frozen):
     leave_timeout: float = Field(
         5.0, gt=0.0, description="seconds a stopping node waits for its in-flight rounds "
         "before abandoning them (they are never half-applied)")
+    max_group_size: int = Field(
+        16, ge=2, le=256, description="most peers averaging one fragment round together. "
+        "With more live peers, matchmaking splits them into groups of at most this size "
+        "that change every round (dilonode/algo/groups.py), so connections, bytes and "
+        "DHT reads per node stay bounded as the swarm grows; with at most this many, one "
+        "group as before. 16 suits internet links")
+    mix_state_every: int = Field(
+        1, ge=0, le=1000, description="grouped swarms (more than max_group_size peers): "
+        "the members of a group also average their outer state (weights and momentum, "
+        "float32, about 16x an int4 round's bytes) in every n-th round of a fragment, so "
+        "replicas stay close to the swarm mean (docs/groups-results.md measures drift "
+        "and bytes); 0 never, and replicas then drift apart without bound")
+    final_mix_rounds: int = Field(
+        3, ge=0, le=64, description="grouped swarms: at the end of the run, rounds that only "
+        "average outer states in rotating groups (each shrinks the replicas' spread about "
+        "sqrt(max_group_size)-fold) before the end-of-run check makes them identical")
 
     @model_validator(mode="after")
     def _check(self) -> NetworkConfig:

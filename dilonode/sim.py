@@ -27,13 +27,21 @@ from pathlib import Path
 import torch
 
 from dilonode.algo.codecs import get_codec
+from dilonode.algo.mixing import spread
 from dilonode.algo.pacing import Pacer, StepPacer, SwarmClock, TimePacer
-from dilonode.collective import Collective, LocalGroup, PendingReduce, SyncKey
+from dilonode.collective import (
+    Collective,
+    LocalGroup,
+    PendingReduce,
+    StateSource,
+    SyncKey,
+)
 from dilonode.config import RunConfig
 from dilonode.train.data import load_data
 from dilonode.train.worker import Worker
 
-__all__ = ["EvalPoint", "SimReport", "Tamper", "replay_traces", "simulate", "write_report"]
+__all__ = ["EvalPoint", "SimReport", "Tamper", "end_in_agreement", "replay_traces", "simulate",
+           "write_report"]
 
 # (worker index, what is being averaged, the worker's flat tensor) -> what it contributes.
 Tamper = Callable[[int, SyncKey, torch.Tensor], torch.Tensor]
@@ -73,6 +81,9 @@ class SimReport:
     worker_stats: list[dict[str, float]] = field(default_factory=list)
     pacing: str = "steps"
     virtual_s: float = 0.0  # simulated duration (reference steps)
+    # Grouped swarms: the replicas' spread at the end (max relative L2 distance from their
+    # mean) before they adopt the state that stands; 0 when they already held one state.
+    replica_spread: float = 0.0
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -87,8 +98,9 @@ class _Tampered:
     def __init__(self, inner: Collective, worker: int, tamper: Tamper) -> None:
         self.inner, self.worker, self.tamper = inner, worker, tamper
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> PendingReduce:
-        return self.inner.begin(key, self.tamper(self.worker, key, flat), weight)
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+              state: StateSource | None = None) -> PendingReduce:
+        return self.inner.begin(key, self.tamper(self.worker, key, flat), weight, state=state)
 
 
 class _Clock:
@@ -110,9 +122,11 @@ def _pacer(cfg: RunConfig, now: Callable[[], float]) -> Pacer:
 def _build_workers(cfg: RunConfig, data, device, tamper: Tamper | None = None,
                    clocks: list[Callable[[], float]] | None = None,
                    ) -> tuple[list[Worker], LocalGroup]:
+    net = cfg.network
     group = LocalGroup(cfg.sim.workers, get_codec(cfg.codec.name, cfg.codec.block_size),
-                       aggregator=cfg.aggregator.spec(), chunk_numel=cfg.network.chunk_numel,
-                       align=cfg.codec.block_size)
+                       aggregator=cfg.aggregator.spec(), chunk_numel=net.chunk_numel,
+                       align=cfg.codec.block_size, max_group_size=net.max_group_size,
+                       mix_every=net.mix_state_every, run_id=cfg.run_id)
     views: list[Collective] = [group.view(i) for i in range(cfg.sim.workers)]
     if tamper is not None:
         views = [_Tampered(v, i, tamper) for i, v in enumerate(views)]
@@ -158,8 +172,10 @@ def simulate(cfg: RunConfig, device: torch.device | None = None,
         report = _report(cfg, workers, history, time.perf_counter() - t0)
         report.worker_stats = run.worker_stats()
         report.virtual_s = max(r.t for r in run.runs)
+        report.replica_spread = run.spread
         return report
     clock = _Clock()
+    spread_at_end = 0.0
     workers, _ = _build_workers(cfg, data, device, tamper, [clock.now] * cfg.sim.workers)
     history: list[EvalPoint] = []
     for step in range(1, cfg.total_steps + 1):
@@ -171,7 +187,7 @@ def simulate(cfg: RunConfig, device: torch.device | None = None,
         for w in workers:
             w.land()
         if step == cfg.total_steps:
-            _finish_lockstep(workers)
+            spread_at_end = _finish_lockstep(workers)
         if on_step:
             on_step(step, workers)
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
@@ -182,17 +198,51 @@ def simulate(cfg: RunConfig, device: torch.device | None = None,
     report = _report(cfg, workers, history, time.perf_counter() - t0)
     report.worker_stats = [_worker_stats(w, 0.0, float(cfg.total_steps)) for w in workers]
     report.virtual_s = float(cfg.total_steps)
+    report.replica_spread = spread_at_end
     return report
 
 
-def _finish_lockstep(workers: list[Worker]) -> None:
-    """Land what is in flight, then the end-of-run rounds: all begin before anyone waits."""
+def _finish_lockstep(workers: list[Worker]) -> float:
+    """Land what is in flight, then the end-of-run rounds (and, in a grouped swarm, the
+    end-of-run mixing rounds): all begin before anyone waits."""
     for w in workers:
         w.drain()
     for w in workers:
         w.start_final()
     for w in workers:
         w.drain()
+    while any(w.final_mix_due() for w in workers):
+        for w in workers:
+            if w.final_mix_due():
+                w.start_mix()
+        for w in workers:
+            w.drain()
+    return end_in_agreement(workers)
+
+
+def end_in_agreement(workers: list[Worker]) -> float:
+    """The daemon's end-of-run check, in process: every worker adopts the outer state most
+    of them hold (then most tokens, then the lowest index; `swarm/agreement.py`). Only a
+    grouped swarm ends with different states; returns their spread before (max relative
+    L2 distance from the mean, `algo.mixing.spread`)."""
+    if not workers or workers[0].plan is None:
+        return 0.0
+    flats = [w.outer_flat() for w in workers]
+    digests = [_digest(f) for f in flats]
+    if len(set(digests)) == 1:
+        return 0.0
+    worst, _ = spread(flats)
+    holders: dict[str, list[int]] = {}
+    for i, d in enumerate(digests):
+        holders.setdefault(d, []).append(i)
+    best = min(holders, key=lambda d: (-len(holders[d]),
+                                       -sum(workers[i].stats.tokens for i in holders[d]),
+                                       holders[d][0]))
+    src = workers[holders[best][0]]
+    for i, w in enumerate(workers):
+        if digests[i] != best:
+            w.adopt_outer(src)
+    return worst
 
 
 def _worker_stats(w: Worker, blocked_s: float, duration: float) -> dict[str, float]:
@@ -235,6 +285,7 @@ class _VirtualRun:
         self.eval_batches, self.on_eval = eval_batches, on_eval
         self.history: list[EvalPoint] = []
         self.t0 = time.perf_counter()
+        self.spread = 0.0  # replicas' spread before the end-of-run adoption
 
     def run(self) -> tuple[list[Worker], list[EvalPoint]]:
         drivers = [self._drive(r) for r in self.runs]
@@ -293,6 +344,14 @@ class _VirtualRun:
         if wait := [h for _, h in w.pending.values() if not h.done()]:
             yield wait
         w.drain()
+        while w.final_mix_due():
+            w.start_mix()
+            yield None  # the others start theirs before anyone waits
+            if wait := [h for _, h in w.pending.values() if not h.done()]:
+                yield wait
+            w.drain()
+        if all(r.finished or r is run for r in self.runs):
+            self.spread = end_in_agreement([r.worker for r in self.runs])
 
     def _evaluate(self, at: float, final: bool = False) -> None:
         workers = [r.worker for r in self.runs]

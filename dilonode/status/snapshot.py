@@ -26,7 +26,7 @@ from dilonode import PROTOCOL_VERSION, __version__
 if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no torch
     import torch
 
-    from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
+    from dilonode.collective import Collective, PendingReduce, ReduceResult, StateSource, SyncKey
 
 __all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "finite_or_none", "p90",
            "state_chain"]
@@ -251,6 +251,7 @@ class ObservedCollective:
     def __init__(self, inner: Collective, status: NodeStatus, step: Callable[[], int]) -> None:
         self.inner, self.status, self.step = inner, status, step
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> PendingReduce:
-        return _ObservedPending(self.inner.begin(key, flat, weight), key, self.status,
-                                self.step)
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+              state: StateSource | None = None) -> PendingReduce:
+        return _ObservedPending(self.inner.begin(key, flat, weight, state=state), key,
+                                self.status, self.step)

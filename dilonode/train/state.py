@@ -106,7 +106,11 @@ class WorkerState:
         of copied again."""
         tensors: dict[str, torch.Tensor] = {}
         for p, st in enumerate(outer):
-            if reuse is not None and p < reuse.num_fragments and \
+            # A mixing round (grouped swarms) changes the state but no counter; the chain
+            # names the state, so it must match too.
+            same_chain = (reuse is None or not chains or len(reuse.chains) != len(chains)
+                          or reuse.chains[p] == chains[p])
+            if reuse is not None and p < reuse.num_fragments and same_chain and \
                     (reuse.rounds[p], reuse.outer_steps[p]) == (rounds[p], st.steps):
                 for kind in ("weights", "momentum"):
                     tensors[f"outer.{p}.{kind}"] = reuse.tensors[f"outer.{p}.{kind}"]

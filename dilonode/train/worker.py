@@ -25,6 +25,7 @@ from torch import nn
 
 from dilonode.algo.chain import chain_next, chain_start
 from dilonode.algo.fragments import Fragment, assign_fragments, flatten, unflatten_into
+from dilonode.algo.mixing import mixed_chain, pack_state, unpack_state
 from dilonode.algo.outer import NonFiniteError, OuterState, merge, pseudo_gradient
 from dilonode.algo.pacing import Pacer, StepPacer, TimePacer, due_starts, final_rounds
 from dilonode.algo.replay import EncodedResult
@@ -186,6 +187,11 @@ class Worker:
         # The peers holding the state that stands, after a round left us out for holding
         # another (the node re-syncs from them between steps, then clears it).
         self.diverged_from: tuple[str, ...] = ()
+        # The swarm averages in bounded groups (the last landed round said so): replicas
+        # differ between groups by design, the end of the run mixes states first.
+        self.grouped = False
+        self._mixing: set[int] = set()  # fragments whose round in flight is a "mix" round
+        self._mixes_done = 0  # end-of-run mixing rounds started
         if self.algo.mode != "ddp":
             self._init_outer(list(names))
 
@@ -304,7 +310,12 @@ class Worker:
                                "tokens": tokens})
         self._launched_at[p] = self.step
         self.pending[p] = (r, self.collective.begin(SyncKey("fragment", p, r), delta,
-                                                    float(tokens)))
+                                                    float(tokens),
+                                                    state=lambda p=p: self._packed(p)))
+
+    def _packed(self, p: int) -> torch.Tensor:
+        """Fragment p's outer state as one flat vector (mixing rounds, algo/mixing.py)."""
+        return pack_state(self.outer[p].weights, self.outer[p].momentum_buf)
 
     # -- phase 3 -------------------------------------------------------------------------
     def land(self) -> None:
@@ -335,6 +346,26 @@ class Worker:
         self.start_final()
         for p in sorted(self.pending):
             self._land_fragment(p)
+        while self.final_mix_due():
+            self.start_mix()
+            for p in sorted(self.pending):
+                self._land_fragment(p)
+
+    def final_mix_due(self) -> bool:
+        """Whether another end-of-run mixing round is due (grouped swarms only:
+        `network.final_mix_rounds` of them, after the end-of-run rounds)."""
+        return (self.grouped and self.plan is not None and self.end_step is not None
+                and not self.pending and self._mixes_done < self.cfg.network.final_mix_rounds)
+
+    def start_mix(self) -> None:
+        """One end-of-run round of every fragment that only averages outer states in this
+        round's group, numbered after the schedule's rounds (the round counters stay)."""
+        for p in range(len(self.outer)):
+            r = self.next_round[p] + self._mixes_done
+            self._launched_at[p] = self.step
+            self._mixing.add(p)
+            self.pending[p] = (r, self.collective.begin(SyncKey("mix", p, r), self._packed(p)))
+        self._mixes_done += 1
 
     def start_round(self, p: int, r: int) -> None:
         """Start round r of fragment p now (a driver replaying a recorded schedule)."""
@@ -364,7 +395,9 @@ class Worker:
                 except TimeoutError:
                     del self.pending[p]
                     self._launched_at.pop(p, None)
-                    self.next_round[p] = r  # not landed: the state must not claim it
+                    if p not in self._mixing:  # a mixing round claims no round counter
+                        self.next_round[p] = r  # not landed: the state must not claim it
+                    self._mixing.discard(p)
                     self.stats.abandoned += 1
                     log.warning("fragment %d round %d abandoned: not done %.1f s after the "
                                 "stop", p, r, timeout)
@@ -411,6 +444,10 @@ class Worker:
         result = self._wait(handle)  # p stays pending while we wait: export_state sees it
         del self.pending[p]
         self._launched_at.pop(p, None)
+        if p in self._mixing:
+            self._land_mix(p, r, result)
+            return
+        self.grouped = result.grouped
         self.stats.record(p, result)
         if self.trace is not None:
             self.trace.append({"step": self.step, "event": "land", "fragment": p, "round": r,
@@ -420,6 +457,9 @@ class Worker:
         params = self._frag_params(self.fragments[p])
         self.replays.pop(p, None)
         digest = result.digest or _values_digest(result.mean)
+        if result.state_mean is not None:  # the group's mean state: every member steps it
+            self._load_packed(p, result.state_mean)
+            self.chains[p] = mixed_chain(result.state_digest)
         try:
             new_global = self.outer[p].step(result.mean)
         except NonFiniteError as exc:
@@ -428,9 +468,29 @@ class Worker:
             log.warning("fragment %d round %d: %s", p, r, exc)
             return
         self.chains[p] = chain_next(self.chains[p], r, digest, applied=True)
-        if result.encoded is not None and result.group_size > 1:
+        if result.encoded is not None and result.group_size > 1 and result.state_mean is None:
             self.replays[p] = (r, result.encoded)
         merged = merge(flatten(params), new_global, self.algo.fragment_update_alpha)
+        unflatten_into(merged, params)
+
+    def _load_packed(self, p: int, packed: torch.Tensor) -> None:
+        weights, momentum = unpack_state(packed)
+        self.outer[p].weights.copy_(weights)
+        self.outer[p].momentum_buf.copy_(momentum)
+
+    def _land_mix(self, p: int, r: int, result: ReduceResult) -> None:
+        """An end-of-run mixing round landed: adopt the group's mean state and merge it
+        into the local weights as a round's new global weights are."""
+        self._mixing.discard(p)
+        self.stats.bytes_sent += result.payload_bytes_sent
+        self.stats.bytes_received += result.payload_bytes_received
+        if self.trace is not None:
+            self.trace.append({"step": self.step, "event": "mix", "fragment": p, "round": r,
+                               "group": result.group_size})
+        self._load_packed(p, result.mean)
+        self.chains[p] = mixed_chain(result.digest or _values_digest(result.mean))
+        params = self._frag_params(self.fragments[p])
+        merged = merge(flatten(params), self.outer[p].weights, self.algo.fragment_update_alpha)
         unflatten_into(merged, params)
 
     # -- state (checkpoints, joiners) ----------------------------------------------------
@@ -442,7 +502,8 @@ class Worker:
         if self.plan is None:
             raise RuntimeError("export_state: mode=ddp has no outer state to export")
         # Outer state moves only when a round lands: it is the state after `landed` rounds.
-        landed = [self.next_round[p] - (p in self.pending) for p in range(len(self.outer))]
+        landed = [self.next_round[p] - (p in self.pending and p not in self._mixing)
+                  for p in range(len(self.outer))]
         step = adoption_step(self.plan, landed)
         if step is None and isinstance(self.pacer, StepPacer):
             raise RuntimeError(f"export_state: no step of this schedule has landed exactly "
@@ -514,6 +575,17 @@ class Worker:
             self._rewarm_from = self.step
         if isinstance(self.pacer, TimePacer):
             self.pacer.restart()  # the fetch was no step: keep it out of the step time
+
+    def adopt_outer(self, other: Worker) -> None:
+        """Take another in-process worker's outer state and chains, keeping our counters
+        and inner state (the simulator's end-of-run agreement; the daemon fetches it)."""
+        if self.pending or other.pending:
+            raise RuntimeError("adopt_outer: only with no sync in flight")
+        for mine, theirs, frag in zip(self.outer, other.outer, self.fragments, strict=True):
+            mine.weights.copy_(theirs.weights)
+            mine.momentum_buf.copy_(theirs.momentum_buf)
+            unflatten_into(mine.weights, self._frag_params(frag))
+        self.chains = list(other.chains)
 
     # -- evaluation ----------------------------------------------------------------------
     def outer_model(self) -> nn.Module:

@@ -236,7 +236,8 @@ class _Recorder:
         self.got: dict[SyncKey, ReduceResult] = {}
         self.devices: set[str] = set()
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> PendingReduce:
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+              state: object = None) -> PendingReduce:
         self.devices.add(flat.device.type)
         self.sent[key] = flat.detach().to("cpu", copy=True)
         return _RecordingPending(self, key, self.inner.begin(key, flat, weight))

@@ -88,7 +88,7 @@ def test_observed_collective_records_each_landed_sync_once():
             return result
 
     class Inner:
-        def begin(self, key, flat, weight=1.0):
+        def begin(self, key, flat, weight=1.0, state=None):
             return Pending()
 
     st = NodeStatus("run", clock=Clock())
