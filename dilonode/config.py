@@ -292,7 +292,7 @@ class NetworkConfig(_Frozen):
         5.0, gt=0.0, description="seconds a stopping node waits for its in-flight rounds "
         "before abandoning them (they are never half-applied)")
     max_group_size: int = Field(
-        16, ge=2, le=256, description="most peers averaging one fragment round together. "
+        16, ge=2, le=64, description="most peers averaging one fragment round together. "
         "With more live peers, matchmaking splits them into groups of at most this size "
         "that change every round (dilonode/algo/groups.py), so connections, bytes and "
         "DHT reads per node stay bounded as the swarm grows; with at most this many, one "

@@ -34,6 +34,9 @@ __all__ = ["Node", "NodeSummary", "summary_json"]
 
 log = logging.getLogger(__name__)
 
+# End-of-run passes (adopt the standing weights, wait for the others) before giving up.
+_AGREE_PASSES = 3
+
 
 @dataclass
 class NodeSummary:
@@ -72,6 +75,9 @@ class NodeSummary:
     # The end-of-run check (swarm/agreement.py): {"agrees": bool | None, ...}; {} if the
     # node stopped before the end.
     agreement: dict[str, Any] = field(default_factory=dict)
+    # Bounded groups: whether the swarm averaged in groups at the end, the largest group.
+    grouped: bool = False
+    largest_group: int = 0
 
 
 class Node:
@@ -109,7 +115,8 @@ class Node:
         policy = RoundPolicy(codec=self.cfg.codec.name, block_size=self.cfg.codec.block_size,
                              chunk_numel=net.chunk_numel, timeout=net.allreduce_timeout,
                              max_attempts=net.max_attempts,
-                             aggregator=self.cfg.aggregator.spec())
+                             aggregator=self.cfg.aggregator.spec(),
+                             max_group_size=net.max_group_size, mix_every=net.mix_state_every)
         agg = self.cfg.aggregator
         self.bans = (BanTracker(agg.ban_after, agg.ban_window, agg.ban_seconds)
                      if agg.ban_after else None)
@@ -355,32 +362,27 @@ class Node:
     def _agree(self) -> Any:
         """The end-of-run check (swarm/agreement.py): publish our final weights' digest,
         compare with the peers of our last rounds; if ours are not the ones that stand,
-        adopt those through state sync and compare again. Logs one line."""
-        from dilonode.swarm.agreement import FinalBoard, standing_digest
+        adopt those through state sync and compare again (a few passes: in a grouped
+        swarm every group ends on its own state, and the first pass's adoptions make one
+        of them stand clearly). Logs one line."""
+        from dilonode.swarm.agreement import FinalBoard
 
         assert self.dht is not None and self.collective is not None
         net = self.cfg.network
         board = FinalBoard(self.dht, self.cfg.run_id)
-        expected = {m for ms in self.worker.stats.members.values() for m in ms} - {self.peer_id}
+        expected = self._final_peers()
         wait = net.matchmaking_timeout + net.allreduce_timeout
         mine = self._final_record()
         try:
             board.publish(mine)
             got = board.collect(mine, expected, wait)
-            if got.agrees is False:
-                records = {p: r for p, r in board.read().items()
-                           if r.end_step == mine.end_step} | {self.peer_id: mine}
-                stands = standing_digest(records)
-                if stands != mine.digest:
-                    holders = tuple(p for p, r in records.items() if r.digest == stands)
-                    adopted = self.keeper.adopt(self.worker, self.collective.thread, self.dht,
-                                                prefer=holders)
-                    mine = self._final_record()
-                    board.publish(mine)
-                    got = board.collect(mine, expected, wait, settle=True)
-                    got.adopted = adopted
-                else:  # ours stands: give the others time to adopt it
-                    got = board.collect(mine, expected, wait, settle=True)
+            adopted = False
+            for _ in range(_AGREE_PASSES):
+                if got.agrees is not False:
+                    break
+                got, mine, took = self._settle(board, mine, expected, wait)
+                adopted = adopted or took
+            got.adopted = adopted
         except (TimeoutError, RuntimeError) as exc:
             from dilonode.swarm.agreement import Verdict
 
@@ -388,6 +390,35 @@ class Node:
             got = Verdict(mine.digest, missing=sorted(expected))
         (log.error if got.agrees is False else log.info)("end of run: %s", got.line())
         return got
+
+    def _final_peers(self) -> set[str]:
+        """Whom the end-of-run check waits for: the members of our last rounds, and in a
+        grouped swarm every live peer (all must read the same records to pick the same
+        standing weights among the groups')."""
+        expected = {m for ms in self.worker.stats.members.values() for m in ms}
+        if self.worker.grouped and self.membership is not None:
+            expected |= {r.peer_id for r in self.membership.live_peers()}
+        return expected - {self.peer_id}
+
+    def _settle(self, board: Any, mine: Any, expected: set[str],
+                wait: float) -> tuple[Any, Any, bool]:
+        """One pass: adopt the weights that stand if ours are not them, then wait for the
+        expected peers to hold one state; (verdict, our record, whether we adopted)."""
+        from dilonode.swarm.agreement import standing_digest
+
+        assert self.collective is not None
+        records = {p: r for p, r in board.read().items()
+                   if r.end_step == mine.end_step} | {self.peer_id: mine}
+        stands = standing_digest(records)
+        adopted = False
+        if stands != mine.digest:
+            holders = tuple(p for p, r in records.items() if r.digest == stands)
+            adopted = self.keeper.adopt(self.worker, self.collective.thread, self.dht,
+                                        prefer=holders)
+            mine = self._final_record()
+            board.publish(mine)
+        # Ours stands (or is now the standing one): give the others time to adopt it.
+        return board.collect(mine, expected, wait, settle=True), mine, adopted
 
     def _summary(self, rep: Any) -> NodeSummary:
         st = self.worker.stats
@@ -409,6 +440,7 @@ class Node:
             rounds_with_peers=st.grouped, missed_rounds=st.missed,
             late_rounds=st.late, diverged_rounds=st.diverged,
             agreement=self.verdict.as_dict() if self.verdict is not None else {},
+            grouped=self.worker.grouped, largest_group=st.largest_group,
             checkpoint_age_s=self.keeper.checkpointer.age_s())
 
     def save_outer(self, path: Path) -> None:

@@ -19,6 +19,11 @@ Three layers, each usable alone:
   failure retries with attempt+1, excluding every peer the failures blamed, up to
   `max_attempts`. If no attempt succeeds it returns the node's own quantized value
   (`decode(encode(local))`) as a group of one, flagged `skipped`; never a partial average.
+  In a grouped swarm (the group is `mixing`, `algo/groups.py`) a round that
+  `algo.groups.mixes` picks is followed, in the same group, by a *state round*: the
+  members' packed outer states (`algo/mixing.py`) averaged in float32 under wire fragment
+  `STATE_WIRE | fragment`. A state round that fails leaves the pseudo-gradient round as it
+  is (the node steps its own state); `reduce(mix_only=True)` runs state rounds alone.
 * `NetworkCollective` runs a plane and `SwarmRounds` on an event loop in a background thread
   (uvloop when installed) and implements `Collective.begin(key, flat)`; the training thread
   blocks only in `PendingReduce.wait()`.
@@ -32,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -43,6 +49,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from dilonode.algo.groups import mixes
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, BanTracker
 from dilonode.allreduce.round import (
@@ -56,12 +63,13 @@ from dilonode.allreduce.round import (
     group_digest,
 )
 from dilonode.allreduce.transport import DataPlane, Inbox, PeerEvent
-from dilonode.collective import ReduceResult, SyncKey
+from dilonode.collective import ReduceResult, StateSource, SyncKey
 from dilonode.wire.errors import one_line
 from dilonode.wire.messages import Abort
 
 __all__ = [
     "GRAD_FRAGMENT",
+    "STATE_WIRE",
     "TICK_SECONDS",
     "FormGroup",
     "FormedGroup",
@@ -79,6 +87,7 @@ T = TypeVar("T")
 
 TICK_SECONDS = 0.1
 GRAD_FRAGMENT = 2**32 - 1  # wire fragment index used for SyncKey(kind="grad", ...)
+STATE_WIRE = 1 << 31  # wire fragment of a fragment's state round: STATE_WIRE | fragment
 
 
 @dataclass(frozen=True)
@@ -247,6 +256,8 @@ class FormedGroup(NamedTuple):
     diverged: tuple[str, ...] = ()
     # Peers we left out for an outer state that differs from ours (ours stands).
     outvoted: tuple[str, ...] = ()
+    # A group of a grouped swarm: mixing rounds also average the members' outer states.
+    mixing: bool = False
 
 
 FormGroup = Callable[[int, int, int, set[str]], FormedGroup | Awaitable[FormedGroup]]
@@ -266,6 +277,9 @@ class RoundPolicy:
     timeout: float = 30.0
     max_attempts: int = 3
     aggregator: AggregatorSpec = AggregatorSpec()
+    # Bounded groups: the most peers per group, and which rounds mix states (every n-th).
+    max_group_size: int = 16
+    mix_every: int = 1
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or not self.timeout > 0:
@@ -279,7 +293,8 @@ class RoundPolicy:
         return {"codec": self.codec, "block_size": self.block_size,
                 "chunk_numel": self.chunk_numel, "aggregator": agg.name,
                 "norm_bound": agg.norm_bound, "trim": agg.trim, "clip_tau": agg.clip_tau,
-                "clip_iters": agg.clip_iters, "max_weight_ratio": agg.max_weight_ratio}
+                "clip_iters": agg.clip_iters, "max_weight_ratio": agg.max_weight_ratio,
+                "max_group_size": self.max_group_size, "mix_state_every": self.mix_every}
 
 
 @dataclass(frozen=True)
@@ -292,6 +307,8 @@ class SwarmOutcome:
     errors: tuple[str, ...] = ()  # one line per failed attempt
     diverged: tuple[str, ...] = ()  # see FormedGroup (the last group formed)
     outvoted: tuple[str, ...] = ()
+    grouped: bool = False  # the group was one of a grouped swarm (FormedGroup.mixing)
+    state: RoundOutcome | None = None  # the state round that followed, when DONE
 
     @property
     def skipped(self) -> bool:
@@ -316,10 +333,14 @@ class SwarmRounds:
         self.bans = bans
 
     async def reduce(self, fragment: int, round_no: int, local: torch.Tensor,
-                     out: torch.Tensor | None = None, weight: float = 1.0) -> SwarmOutcome:
+                     out: torch.Tensor | None = None, weight: float = 1.0,
+                     state: StateSource | None = None,
+                     mix_only: bool = False) -> SwarmOutcome:
         """Average `local` (1-D float32, trained on `weight` tokens) with a group, retrying
         without the culprits. `out` (optional) receives a completed round's result (every
-        attempt writes there)."""
+        attempt writes there). `state` (called on a worker thread, only when a grouped
+        round mixes) gives our packed outer state for the state round; `mix_only`: `local`
+        is such a state and the round averages it alone (float32, plain mean)."""
         excluded: dict[str, str] = {}
         attempts: list[RoundOutcome] = []
         errors: list[str] = []
@@ -327,7 +348,7 @@ class SwarmRounds:
             try:
                 spec, my_index, peers, formed = await self._prepare(fragment, round_no,
                                                                     attempt, set(excluded),
-                                                                    local)
+                                                                    local, mix_only)
             except Exception as exc:  # a matchmaking failure must not kill the daemon
                 errors.append(one_line(f"attempt {attempt}: no group: {exc}"))
                 log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
@@ -338,21 +359,43 @@ class SwarmRounds:
                 continue
             got = await run_round(self.plane, spec, my_index, local, peers,
                                   self.policy.timeout, self.clock, offload=self.offload,
-                                  aggregator=self.policy.aggregator, out=out,
-                                  keep_encoded=self.keep_encoded, weight=weight)
+                                  aggregator=None if mix_only else self.policy.aggregator,
+                                  out=out, keep_encoded=self.keep_encoded and not mix_only,
+                                  weight=1.0 if mix_only else weight)
             attempts.append(got)
             if got.state is RoundState.DONE:
                 self._note_rejected(fragment, round_no, got.rejected, got.convicted)
+                mixed = None
+                if (formed.mixing and state is not None and not mix_only and spec.size > 1
+                        and mixes(round_no, self.policy.mix_every)):
+                    mixed = await self._state_round(spec, my_index, peers, state)
                 return SwarmOutcome(got, tuple(attempts), excluded, tuple(errors),
-                                    tuple(formed.diverged), tuple(formed.outvoted))
+                                    tuple(formed.diverged), tuple(formed.outvoted),
+                                    grouped=formed.mixing, state=mixed)
             assert got.failure is not None
             errors.append(one_line(f"attempt {attempt}: {got.failure.reason}"))
             log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
             for peer_id in got.excluded_peers:
                 if peer_id != self.plane.peer_id:
                     excluded.setdefault(peer_id, got.failure.reason)
-        alone = self._alone(fragment, round_no, self.policy.max_attempts, local)
+        alone = self._alone(fragment, round_no, self.policy.max_attempts, local, mix_only)
         return SwarmOutcome(alone, tuple(attempts), excluded, tuple(errors))
+
+    async def _state_round(self, spec: GroupSpec, my_index: int, peers: dict[int, str],
+                           state: StateSource) -> RoundOutcome | None:
+        """The state round after a grouped pseudo-gradient round, in the same group; None
+        (no mixing for us this round) if it fails."""
+        flat = await asyncio.to_thread(state)  # a copy: [2 * numel] float32
+        sspec = dataclasses.replace(spec, fragment=STATE_WIRE | spec.fragment,
+                                    numel=flat.numel(), codec="float32")
+        got = await run_round(self.plane, sspec, my_index, flat, peers, self.policy.timeout,
+                              self.clock, offload=self.offload)
+        if got.state is RoundState.DONE:
+            return got
+        reason = got.failure.reason if got.failure else "?"
+        log.warning("fragment %d round %d: state round failed (%s); stepping our own state",
+                    spec.fragment, spec.round, one_line(reason))
+        return None
 
     def _note_rejected(self, fragment: int, round_no: int, rejected: Sequence[str],
                        convicted: Sequence[str]) -> None:
@@ -374,7 +417,7 @@ class SwarmRounds:
                             self.bans.window)
 
     async def _prepare(self, fragment: int, round_no: int, attempt: int, exclude: set[str],
-                       local: torch.Tensor
+                       local: torch.Tensor, mix_only: bool = False
                        ) -> tuple[GroupSpec, int, dict[int, str], FormedGroup]:
         if self.bans is not None:
             exclude = exclude | (self.bans.banned(self.clock()) - {self.plane.peer_id})
@@ -382,9 +425,11 @@ class SwarmRounds:
         group = await formed if inspect.isawaitable(formed) else formed
         members = tuple(group.members)
         p = self.policy
-        spec = GroupSpec(run_id=self.plane.run_id, fragment=fragment, round=round_no,
-                         members=members, weights=tuple(group.weights), numel=local.numel(),
-                         codec=p.codec, block_size=p.block_size, chunk_numel=p.chunk_numel,
+        spec = GroupSpec(run_id=self.plane.run_id,
+                         fragment=STATE_WIRE | fragment if mix_only else fragment,
+                         round=round_no, members=members, weights=tuple(group.weights),
+                         numel=local.numel(), codec="float32" if mix_only else p.codec,
+                         block_size=p.block_size, chunk_numel=p.chunk_numel,
                          attempt=attempt, group_digest=group.digest)
         me = group.my_index
         if not 0 <= me < len(members) or members[me] != self.plane.peer_id:
@@ -399,12 +444,14 @@ class SwarmRounds:
         return spec, group.my_index, peers, group
 
     def _alone(self, fragment: int, round_no: int, attempt: int,
-               local: torch.Tensor) -> RoundOutcome:
-        """Group of one: the node's own value, quantized like every contribution."""
+               local: torch.Tensor, mix_only: bool = False) -> RoundOutcome:
+        """Group of one: the node's own value, quantized like every contribution (a state
+        of `mix_only` rounds travels in float32: it comes back exactly)."""
         me = (self.plane.peer_id,)
         p = self.policy
         spec = GroupSpec(run_id=self.plane.run_id, fragment=fragment, round=round_no,
-                         members=me, weights=(1.0,), numel=local.numel(), codec=p.codec,
+                         members=me, weights=(1.0,), numel=local.numel(),
+                         codec="float32" if mix_only else p.codec,
                          block_size=p.block_size, chunk_numel=p.chunk_numel,
                          attempt=min(attempt, 2**32 - 1), group_digest=group_digest(me))
         t0 = self.clock()
@@ -545,34 +592,44 @@ class NetworkCollective:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> _NetPending:
-        fragment = key.fragment if key.kind == "fragment" else GRAD_FRAGMENT
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+              state: StateSource | None = None) -> _NetPending:
+        fragment = GRAD_FRAGMENT if key.kind == "grad" else key.fragment
+        mix_only = key.kind == "mix"
         t0 = self.rounds.clock()
         # A copy on flat's own device: on a GPU the round quantizes and reduces there
         # (AllReduceRound's torch data path) and only encoded bytes cross to the host.
         local = flat.detach().to(torch.float32).flatten().clone()
         out = None
-        if self.reuse_results:
+        if self.reuse_results and not mix_only:
             out = self._results.get(fragment)
             busy = self._in_flight.get(fragment)
             if busy is not None and not busy.done():  # an abandoned round may still write
                 out = None
             elif out is None or out.numel() != local.numel():
                 out = self._results[fragment] = torch.empty_like(local)
-        fut = self.thread.submit(self._reduce(fragment, key.round, local, t0, out, weight))
-        self._in_flight[fragment] = fut
+        fut = self.thread.submit(self._reduce(fragment, key.round, local, t0, out, weight,
+                                              state, mix_only))
+        if not mix_only:
+            self._in_flight[fragment] = fut
         return _NetPending(fut)
 
     async def _reduce(self, fragment: int, round_no: int, local: torch.Tensor,
                       t0: float, out_buf: torch.Tensor | None = None,
-                      weight: float = 1.0) -> ReduceResult:
-        swarm = await self.rounds.reduce(fragment, round_no, local, out_buf, weight)
+                      weight: float = 1.0, state: StateSource | None = None,
+                      mix_only: bool = False) -> ReduceResult:
+        swarm = await self.rounds.reduce(fragment, round_no, local, out_buf, weight,
+                                         state=state, mix_only=mix_only)
         out = swarm.outcome
         assert out.result is not None
+        mixed = out if mix_only else swarm.state
+        rounds = [*swarm.attempts, *([swarm.state] if swarm.state is not None else [])]
         return ReduceResult(
             mean=out.result, group_size=len(out.members),
-            payload_bytes_sent=sum(a.payload_bytes_sent for a in swarm.attempts),
-            payload_bytes_received=sum(a.payload_bytes_received for a in swarm.attempts),
+            payload_bytes_sent=sum(a.payload_bytes_sent for a in rounds),
+            payload_bytes_received=sum(a.payload_bytes_received for a in rounds),
+            grouped=swarm.grouped, state_mean=mixed.result if mixed is not None else None,
+            state_digest=(mixed.digest or "") if mixed is not None else "",
             dropped=tuple(f"{peer}: {reason}" for peer, reason in swarm.excluded.items()),
             skipped=out.skipped, members=tuple(out.members),
             attempts=len(swarm.attempts) + sum("no group" in e for e in swarm.errors),

@@ -205,6 +205,8 @@ class StateKeeper:
                 or worker.stats.alone == self._alone_seen):
             return
         self._alone_seen = worker.stats.alone
+        if getattr(worker, "grouped", False) and not worker.diverged_from:
+            return  # a grouped swarm: replicas differ anyway, the next mixing pulls us in
         prefer, worker.diverged_from = tuple(worker.diverged_from), ()
         self.adopt(worker, thread, dht, prefer)
 

@@ -31,6 +31,16 @@
    by anyone yet, so it waits on, up to the timeout, for the first of them and then one
    more window for the rest, rather than close a group of one and leave them all alone.
 
+Bounded groups (`algo/groups.py`). In a swarm larger than `max_group_size` each node
+registers under the key its rule gives (`key_index`, part of the DHT key) and marks its
+entry `grouped`. A key is grouped when any entry says so or it holds more than
+`max_group_size` entries: its leader is then simply the smallest peer id (replicas of a
+grouped swarm differ by design, so nobody is left out for its chain: mixing brings their
+states together), its roster lists every entry it read (up to `MAX_ROSTER`), and every
+member takes its own group from it (`algo.groups.group_of`: at most `max_group_size`,
+the same split on every member). Such groups are `mixing`: their members also average
+their outer states (`algo/mixing.py`). With at most `max_group_size` peers nothing changes.
+
 One writer per group makes every member's view the same, where reading the key at the end of
 each peer's own window did not: peers that register at different times read different sets,
 and a joiner appearing mid-window split rounds into mismatching views. What remains is a
@@ -54,9 +64,16 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from dilonode.algo.groups import group_of
 from dilonode.auth import Credentials
 from dilonode.swarm.dht import RawEntry, decode_entries
-from dilonode.swarm.records import GroupEntry, RosterMember, encode_record, group_key
+from dilonode.swarm.records import (
+    MAX_ROSTER,
+    GroupEntry,
+    RosterMember,
+    encode_record,
+    group_key,
+)
 
 __all__ = ["Group", "GroupBoard", "MatchmakingError", "form_group", "settings_difference",
            "standing_chain"]
@@ -106,6 +123,7 @@ class Group:
     `diverged`: this node was left out because its outer state differs from the one that
     stands; the members of the group that stands (adopt their state). `outvoted`: peers
     left out of our group for holding a state that differs from ours (ours stands).
+    `mixing`: a group of a grouped swarm (its members also average their outer states).
     """
 
     members: tuple[str, ...]
@@ -118,6 +136,7 @@ class Group:
     attempt: int
     diverged: tuple[str, ...] = ()
     outvoted: tuple[str, ...] = ()
+    mixing: bool = False
 
     def digest(self) -> str:
         """sha256 hex of run id, fragment, round, attempt and the sorted members, '\\n'-joined.
@@ -224,16 +243,16 @@ def _register(view: _Board, deadline: float) -> None:
         log.debug("store under %s refused; relying on the existing entry", view.key)
 
 
-def _roster_for(entries: dict[str, GroupEntry], me: str) -> tuple[list[RosterMember] | None,
-                                                                 bool]:
-    """(the roster naming `me`, whether any roster exists): a roster counts only when its
-    writer is its smallest member; of several naming `me`, the smallest writer's wins."""
+def _roster_for(entries: dict[str, GroupEntry], me: str) -> tuple[GroupEntry | None, bool]:
+    """(the closing entry whose roster names `me`, whether any roster exists): a roster
+    counts only when its writer is its smallest member; of several naming `me`, the
+    smallest writer's wins."""
     closed = sorted(e for e in entries.items() if e[1].roster is not None and e[1].roster
                     and e[1].roster[0].peer_id == e[0])
     for _, entry in closed:
         assert entry.roster is not None
         if any(m.peer_id == me for m in entry.roster):
-            return entry.roster, True
+            return entry, True
     return None, bool(closed)
 
 
@@ -253,6 +272,28 @@ def _group(members: list[RosterMember], me: GroupEntry) -> Group:
                  weights=tuple(m.bandwidth_mbps for m in members),
                  my_index=ids.index(me.peer_id), run_id=me.run_id, fragment=me.fragment,
                  round=me.round, attempt=me.attempt)
+
+
+def _member_group(closing: GroupEntry, me: GroupEntry, max_group_size: int | None) -> Group:
+    """Our group from a leader's closing entry: its whole roster, or in a grouped key the
+    part of the roster's split that holds us."""
+    assert closing.roster is not None
+    if not closing.grouped:
+        return _group(closing.roster, me)
+    ids = [m.peer_id for m in closing.roster]
+    mine = group_of(me.peer_id, ids, max_group_size or len(ids), me.run_id, me.fragment,
+                    me.round)
+    return dataclasses.replace(_group([m for m in closing.roster if m.peer_id in mine], me),
+                               mixing=True)
+
+
+def _is_grouped(entries: Mapping[str, GroupEntry], me: GroupEntry,
+                max_group_size: int | None) -> bool:
+    """Whether a key is split into bounded groups (module docstring)."""
+    if max_group_size is None:
+        return False
+    return (me.grouped or any(e.grouped for e in entries.values())
+            or len(set(entries) | {me.peer_id}) > max_group_size)
 
 
 def _alone(me: GroupEntry, diverged: tuple[str, ...] = ()) -> Group:
@@ -276,16 +317,22 @@ def standing_chain(entries: Mapping[str, GroupEntry]) -> str:
     return min(holders, key=rank)
 
 
-def _close(view: _Board, exclude: frozenset[str], deadline: float) -> Group:
+def _close(view: _Board, exclude: frozenset[str], deadline: float, grouped: bool = False,
+           max_group_size: int | None = None) -> Group:
     """As leader: publish the roster of what we read (our own entry, now with the roster),
-    leaving out the entries whose chain is not ours (ours stands: we lead)."""
+    leaving out the entries whose chain is not ours (ours stands: we lead), unless the
+    key is grouped: then everyone we read (up to MAX_ROSTER), split into groups."""
     entries = {p: e for p, e in view.entries.items() if p not in exclude}
     entries[view.me.peer_id] = view.me
-    outvoted = tuple(sorted(p for p, e in entries.items() if e.chain != view.me.chain))
-    entries = {p: e for p, e in entries.items() if e.chain == view.me.chain}
+    outvoted: tuple[str, ...] = ()
+    if grouped:
+        entries = dict(sorted(entries.items())[:MAX_ROSTER])
+    else:
+        outvoted = tuple(sorted(p for p, e in entries.items() if e.chain != view.me.chain))
+        entries = {p: e for p, e in entries.items() if e.chain == view.me.chain}
     roster = [RosterMember(peer_id=p, data_addr=e.data_addr, bandwidth_mbps=e.bandwidth_mbps)
               for p, e in sorted(entries.items())]
-    closing = view.me.model_copy(update={"roster": roster})
+    closing = view.me.model_copy(update={"roster": roster, "grouped": grouped})
     try:
         view.store(closing, deadline)  # a later expiration than the registration: replaces it
     except TimeoutError as exc:
@@ -294,7 +341,8 @@ def _close(view: _Board, exclude: frozenset[str], deadline: float) -> Group:
         log.warning("group %s: left out %d peer(s) whose outer state differs from ours "
                     "(they adopt the state that stands): %s", view.key, len(outvoted),
                     ", ".join(outvoted))
-    return dataclasses.replace(_group(roster, view.me), outvoted=outvoted)
+    return dataclasses.replace(_member_group(closing, view.me, max_group_size),
+                               outvoted=outvoted)
 
 
 def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attempt: int,
@@ -302,7 +350,8 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
                poll_interval: float = 0.5,
                expected: Collection[str] | Callable[[], Collection[str]] = (),
                exclude: Collection[str] = (),
-               gone: Callable[[], Collection[str]] | None = None) -> Group:
+               gone: Callable[[], Collection[str]] | None = None,
+               key_index: int = 0, max_group_size: int | None = None) -> Group:
     """Register `me` for this attempt and return the group its leader closed.
 
     `expected` (peer ids believed alive, e.g. from the peer records) ends the wait early once
@@ -312,6 +361,8 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
     takes its leader's roster as it is, so that every member runs the same group. `gone`
     (asked at every poll) names peers known dead now (they hung up on our data plane): a
     follower whose leader is among them blames it at once instead of waiting for its roster.
+    `key_index` is our key in a grouped swarm (`algo.groups.key_index`) and
+    `max_group_size` bounds every group (None: one group of everyone, as before).
 
     `board` is a started `SwarmDHT`. Returns within `timeout` seconds or raises
     `MatchmakingError`; see the module docstring for the protocol.
@@ -319,8 +370,8 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
     _check_args(board, run_id, fragment, round, attempt, me, window, timeout)
     start = time.monotonic()
     deadline = start + timeout
-    view = _Board(board, group_key(run_id, fragment, round, attempt), me, timeout + window,
-                  poll_interval)
+    view = _Board(board, group_key(run_id, fragment, round, attempt, key_index), me,
+                  timeout + window, poll_interval)
     _register(view, deadline)
     reserve = min(_READ_RESERVE_S, timeout - window)
     window_end = min(time.monotonic() + window, deadline - reserve)
@@ -358,13 +409,17 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
                 view.read(deadline)
     entries = view.entries
     roster, any_roster = _roster_for(entries, me.peer_id)
+    grouped = _is_grouped(entries, me, max_group_size)
     if roster is None and not any_roster:
         # Not `dead()` here: peers that do not know yet would pick another leader.
         valid = {p: e for p, e in entries.items() if p not in skip} | {me.peer_id: me}
-        chain = standing_chain(valid)
-        leader = min(p for p, e in valid.items() if e.chain == chain)
+        if grouped:  # replicas differ by design: nobody is left out for its chain
+            leader = min(valid)
+        else:
+            chain = standing_chain(valid)
+            leader = min(p for p, e in valid.items() if e.chain == chain)
         if leader == me.peer_id:
-            group = _close(view, skip, deadline)
+            group = _close(view, skip, deadline, grouped, max_group_size)
             log.info("group %s: closed with %d member(s), digest %s", view.key, group.size,
                      group.digest()[:12])
             return group
@@ -381,7 +436,7 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
             raise MatchmakingError(f"no roster from leader {leader} under {view.key} within "
                                    f"{time.monotonic() - start:.1f}s{why}", blame=leader)
     if roster is None:
-        stood = _standing_roster(view.entries)
+        stood = None if grouped else _standing_roster(view.entries)
         if stood is not None and stood[1] != me.chain:
             log.warning("group %s: our outer state differs from the one that stands (held "
                         "by %s); alone this round, then adopting theirs", view.key,
@@ -389,7 +444,7 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
             return _alone(me, diverged=stood[0])
         log.info("group %s: closed without us (late or excluded); alone this round", view.key)
         return _alone(me)
-    group = _group(roster, me)
+    group = _member_group(roster, me, max_group_size)
     log.info("group %s: %d member(s), I am #%d, digest %s", view.key, group.size,
              group.my_index, group.digest()[:12])
     return group

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from dilonode.algo.groups import grouped, key_index, num_keys
 from dilonode.allreduce.driver import FormedGroup
 from dilonode.config import NetworkConfig
 from dilonode.swarm.dht import SwarmDHT
@@ -124,6 +125,8 @@ class Membership:
         # later joins the next round: it waits for this one to land, see `counts`); a peer
         # found dead meanwhile stops being waited for at the next poll.
         waits_for = frozenset(self._expected(exclude))
+        index, is_grouped, waits_for = self._key_of(fragment, round_no, attempt, waits_for,
+                                                    exclude)
         with self._lock:
             self._rounds[fragment] = (round_no, waits_for, None)
 
@@ -134,17 +137,38 @@ class Membership:
         me = GroupEntry(peer_id=self.dht.peer_id, run_id=self.run_id, data_addr=self.data_addr,
                         fragment=fragment, round=round_no, attempt=attempt,
                         bandwidth_mbps=self.net.bandwidth_mbps, settings=self.settings,
-                        chain=chain, tokens=tokens)
+                        chain=chain, tokens=tokens, grouped=is_grouped)
         group = form_group(self.dht, self.run_id, fragment, round_no, attempt, me,
                            self.net.matchmaking_window, self.net.matchmaking_timeout,
                            poll_interval=0.05, expected=expected, exclude=exclude,
-                           gone=self._hung_up)
+                           gone=self._hung_up, key_index=index,
+                           max_group_size=self.net.max_group_size)
         now = time.monotonic()
         with self._lock:
             self._seen.update({m: now for m in group.members})
             self._rounds[fragment] = (round_no, frozenset(), frozenset(group.members))
         return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
-                           group.digest(), group.diverged, group.outvoted)
+                           group.digest(), group.diverged, group.outvoted, group.mixing)
+
+    def _key_of(self, fragment: int, round_no: int, attempt: int, waits_for: frozenset[str],
+                exclude: set[str]) -> tuple[int, bool, frozenset[str]]:
+        """(our key, whether the swarm is grouped, whom to wait for there) for this attempt
+        (algo/groups.py): the keys follow the live count; we wait only for the peers our
+        view puts under our key, and on a retry only for our last group's members (the
+        other groups of our key succeeded and do not come back)."""
+        m = self.net.max_group_size
+        n = len(waits_for | {self.dht.peer_id})
+        if not grouped(n, m):
+            return 0, False, waits_for
+        keys = num_keys(n, m)
+        index = key_index(self.run_id, fragment, round_no, self.dht.peer_id, keys)
+        mine = frozenset(p for p in waits_for
+                         if key_index(self.run_id, fragment, round_no, p, keys) == index)
+        with self._lock:
+            last = self._rounds.get(fragment)
+        if attempt > 0 and last is not None and last[0] == round_no and last[2] is not None:
+            mine = mine & last[2] - exclude
+        return index, True, mine
 
     def counts(self, fragment: int, round_no: int, peer_id: str) -> bool:
         """Whether our `round_no` of `fragment` counts `peer_id`: it is in the group, or, while

@@ -215,6 +215,10 @@ class GroupEntry(Record):
     # one with most members (then most tokens, then lowest peer id) standing.
     chain: str = Field("", pattern=_CHAIN_PATTERN)
     tokens: int = Field(0, ge=0, lt=2**63)
+    # Bounded groups (algo/groups.py): the registrant counts more live peers than
+    # network.max_group_size; on a leader's closing entry, the key was split into groups
+    # (every member derives its own from the roster) and their states mix.
+    grouped: bool = False
 
     @field_validator("bandwidth_mbps")
     @classmethod
@@ -236,9 +240,11 @@ def peers_key(run_id: str) -> str:
     return f"{_KEY_PREFIX}/{run_id}/peers"
 
 
-def group_key(run_id: str, fragment: int, round: int, attempt: int) -> str:
-    """DHT key of one matchmaking attempt (subkey: peer id)."""
-    return f"{_KEY_PREFIX}/{run_id}/group/{fragment}/{round}/{attempt}"
+def group_key(run_id: str, fragment: int, round: int, attempt: int, index: int = 0) -> str:
+    """DHT key of one matchmaking attempt (subkey: peer id); `index` is the key of a
+    grouped swarm (`algo.groups.key_index`), 0 the one key of a swarm that is not."""
+    base = f"{_KEY_PREFIX}/{run_id}/group/{fragment}/{round}/{attempt}"
+    return base if index == 0 else f"{base}/k{index}"
 
 
 def clock_key(run_id: str) -> str:

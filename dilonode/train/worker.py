@@ -70,6 +70,7 @@ class WorkerStats:
     missed: int = 0  # rounds this worker's pacer jumped over (paused, or slower than H)
     diverged: int = 0  # rounds matchmaking left us out of: our outer state differed
     grouped: int = 0  # fragment rounds averaged with at least one peer
+    largest_group: int = 0  # the most members of a fragment round (bounded groups)
     late: int = 0  # rounds whose result was not there when the fragment's next was due
     # fragment (-1: DDP gradients) -> (rounds, total s, max s) from begin to result
     latency: dict[int, tuple[int, float, float]] = field(default_factory=dict)
@@ -93,6 +94,8 @@ class WorkerStats:
         self.alone += int(fragment >= 0 and result.group_size < 2 and not result.outvoted)
         self.diverged += int(bool(result.diverged))
         self.grouped += int(fragment >= 0 and result.group_size >= 2)
+        if fragment >= 0:
+            self.largest_group = max(self.largest_group, result.group_size)
         self.retried += int(result.attempts > 1)
         self.dropped = (self.dropped + list(result.dropped))[-self._MAX_DROPPED:]
         if fragment >= 0 and result.latency_s > 0:
