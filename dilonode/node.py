@@ -121,7 +121,9 @@ class Node:
         self.bans = (BanTracker(agg.ban_after, agg.ban_window, agg.ban_seconds)
                      if agg.ban_after else None)
         plane_options: dict[str, Any] = {"auth": self.dht.credentials,
-                                         "gate": self.admission.gate("data")}
+                                         "gate": self.admission.gate("data"),
+                                         # rotating groups: idle peers' connections close
+                                         "max_idle_inbound": 4 * net.max_group_size}
         if net.p2p_fallback:
             from dilonode.swarm.tunnel import Tunnel
 

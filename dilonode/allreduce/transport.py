@@ -36,6 +36,15 @@ expires is dropped with a log line. Inboxes are bounded too: above `max_queued_b
 undelivered frames the plane stops reading from its sockets until the rounds catch up.
 Counters (bytes, frames, rejections, drops) are in `stats`; `bytes_in_direct` counts the
 bytes the event loop read straight into the frame body their message keeps (`_Inbound`).
+
+Connections are persistent, and in a grouped swarm (`algo/groups.py`) a node meets new
+peers every round. With `max_idle_inbound` set, once more connections than that are open
+to us, the receiving side closes those idle for `idle_close_s` seconds whose peer has no
+round registered or pending here (oldest first): the receiver closing is what the sender
+already handles quietly (its next frame reconnects), whereas a sender closing would look
+to the receiver like a peer that died (`gone`). A sender's connection objects whose
+socket is gone are forgotten past the same bound. So open connections per node stay
+bounded by what the rounds in flight need plus that many, whatever the swarm's size.
 """
 
 from __future__ import annotations
@@ -238,6 +247,7 @@ class _Inbound(asyncio.BufferedProtocol):
         self.proven = False  # the plane has been told this peer is connected
         self._scratch: memoryview | None = None
         self._direct = False  # the last get_buffer handed out a frame body, not scratch
+        self.last_active = time.monotonic()  # the last bytes read (idle connections close)
 
     @property
     def peer_id(self) -> str | None:
@@ -281,6 +291,7 @@ class _Inbound(asyncio.BufferedProtocol):
             # Fed and consumed before the next read reuses the scratch buffer.
             self.data_received(self._scratch[:nbytes])
             return
+        self.last_active = time.monotonic()
         self.plane.stats["bytes_in"] += nbytes
         self.plane.stats["bytes_in_direct"] += nbytes
         try:
@@ -291,6 +302,7 @@ class _Inbound(asyncio.BufferedProtocol):
     def data_received(self, data: bytes | memoryview) -> None:
         if self.closed:
             return
+        self.last_active = time.monotonic()
         self.plane.stats["bytes_in"] += len(data)
         try:
             for msg, size in self.channel.feed(data):
@@ -303,6 +315,7 @@ class _Inbound(asyncio.BufferedProtocol):
                 self.plane.gone.pop(self.peer_id, None)
                 if self.ticket is not None:
                     self.plane.gate.established(self.ticket)
+                self.plane._close_idle()
         except RemoteProtocolError as exc:
             self._refuse(exc)
 
@@ -525,7 +538,8 @@ class DataPlane:
     `tune_malloc` lets `start()` call `tune_allocator()` (process-wide; off for a process
     that must return freed memory to the kernel at once). `gate` admits incoming
     connections (the node's `Admission.gate("data")`; None: a gate of its own with the
-    default limits).
+    default limits). `max_idle_inbound` and `idle_close_s` bound the connections kept
+    open for peers with no round here (module docstring; 0: no bound).
     """
 
     def __init__(self, peer_id: str, run_id: str, host: str = "127.0.0.1", port: int = 0, *,
@@ -535,7 +549,8 @@ class DataPlane:
                  max_queued_bytes: int = 512 << 20, socket_buffer_bytes: int = 4 << 20,
                  auth: Credentials | None = None,
                  fallback: StreamOpener | None = None, tune_malloc: bool = True,
-                 gate: Gate | None = None) -> None:
+                 gate: Gate | None = None, max_idle_inbound: int = 0,
+                 idle_close_s: float = 30.0) -> None:
         Hello(run_id=run_id, peer_id=peer_id)  # validates both ids (ValidationError)
         if auth is not None and (auth.peer_id, auth.run_id) != (peer_id, run_id):
             raise ValueError(f"DataPlane: credentials of {auth.peer_id}@{auth.run_id} for "
@@ -555,13 +570,15 @@ class DataPlane:
         self.max_pending_bytes = max_pending_bytes
         self.max_queued_bytes = max_queued_bytes
         self.socket_buffer_bytes = socket_buffer_bytes
+        self.max_idle_inbound = max_idle_inbound  # 0: never close idle connections
+        self.idle_close_s = idle_close_s
         self.gate = gate or Admission().gate("data")
         self.gate.log.logger = log  # its lines are this module's, as before
         self.stats: dict[str, int] = dict.fromkeys(
             ("bytes_in", "bytes_in_direct", "bytes_out", "frames_in", "frames_out",
              "connections_in", "connections_out", "rejected_connections", "rejected_hellos",
              "dropped_frames", "late_frames", "stray_frames", "send_failures", "unauthorized",
-             "fallback_connections", "fallback_accepts"), 0)
+             "fallback_connections", "fallback_accepts", "idle_closed"), 0)
         self._acceptor: Acceptor | None = None
         self._rounds: dict[RoundKey, Inbox] = {}
         self._pending: dict[RoundKey, _Pending] = {}
@@ -697,7 +714,36 @@ class DataPlane:
             if out is not None:
                 asyncio.get_running_loop().create_task(out.aclose(0.0))
             out = self._outbound[peer_id] = _Outbound(self, peer_id, address)
+            self._forget_closed_outbound()
         return out.submit((frame,) if isinstance(frame, bytes) else frame)
+
+    def _busy_peers(self) -> set[str]:
+        """Peers a registered round or frames waiting for one involve."""
+        busy = {p for inbox in self._rounds.values() for p in inbox.members}
+        return busy | {p for pending in self._pending.values() for p in pending.peers}
+
+    def _close_idle(self) -> None:
+        """Above `max_idle_inbound` open connections, close idle ones (module docstring)."""
+        if not self.max_idle_inbound or len(self._inbound) <= self.max_idle_inbound:
+            return
+        busy, now = self._busy_peers(), time.monotonic()
+        idle = sorted((c for c in self._inbound if c.peer_id is not None and not c.closed
+                       and c.peer_id not in busy and now - c.last_active >= self.idle_close_s),
+                      key=lambda c: c.last_active)
+        for conn in idle[:len(self._inbound) - self.max_idle_inbound]:
+            self.stats["idle_closed"] += 1
+            conn.close()
+
+    def _forget_closed_outbound(self) -> None:
+        """Above `max_idle_inbound` peers, drop connection objects with nothing queued
+        whose socket the peer closed (a later frame builds a new one)."""
+        if not self.max_idle_inbound or len(self._outbound) <= self.max_idle_inbound:
+            return
+        busy = self._busy_peers()
+        for peer, out in list(self._outbound.items()):
+            if out.writer is None and not out.queue and peer not in busy:
+                del self._outbound[peer]
+                asyncio.get_running_loop().create_task(out.aclose(0.0))
 
     # ------------------------------------------------------------------ routing
 

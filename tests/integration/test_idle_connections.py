@@ -1,0 +1,53 @@
+"""Rotating groups meet new peers every round: a data plane with `max_idle_inbound` closes
+idle connections of peers it has no round with (receiver side, so the sender neither fails
+anything nor looks dead), and the sender's next frame simply reconnects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dilonode.allreduce.transport import DataPlane
+from tests.integration.test_tcp_allreduce import IDS, RUN, _frames, _spec, _until
+
+
+@pytest.mark.timeout(30)
+def test_idle_connections_beyond_the_bound_close_and_reopen_on_demand() -> None:
+    spec = _spec(IDS)
+
+    async def main() -> tuple[dict[str, int], dict[str, float], int]:
+        async with DataPlane(IDS[0], RUN, pending_ttl=0.1, max_idle_inbound=1,
+                             idle_close_s=0.0) as a, \
+                DataPlane(IDS[1], RUN) as b, DataPlane(IDS[2], RUN) as c:
+            from_b = [s for s in _frames(spec, 1) if s.to == 0]
+            from_c = [s for s in _frames(spec, 2) if s.to == 0]
+            await b.send(IDS[0], a.address, from_b[0].frame)
+            await _until(lambda: a.stats["frames_in"] == 1)
+            await _until(lambda: a.stats["dropped_frames"] == 1)  # no round: b is idle now
+            await c.send(IDS[0], a.address, from_c[0].frame)  # a second peer connects
+            await _until(lambda: a.stats["idle_closed"] == 1)
+            await _until(lambda: len(a._inbound) == 1)
+            await b.send(IDS[0], a.address, from_b[1].frame)  # b reconnects quietly
+            await _until(lambda: a.stats["frames_in"] == 3)
+            return dict(a.stats), dict(a.gone), b.stats["send_failures"]
+
+    stats, gone, failures = asyncio.run(main())
+    assert stats["idle_closed"] == 1 and stats["connections_in"] == 3
+    assert gone == {} and failures == 0  # nobody was taken for dead, nothing was lost
+
+
+@pytest.mark.timeout(30)
+def test_peers_with_a_round_here_are_never_closed() -> None:
+    spec = _spec(IDS)
+
+    async def main() -> int:
+        async with DataPlane(IDS[0], RUN, max_idle_inbound=1, idle_close_s=0.0) as a, \
+                DataPlane(IDS[1], RUN) as b, DataPlane(IDS[2], RUN) as c:
+            a.register((0, 5, 0), spec.members)
+            await b.send(IDS[0], a.address, [s for s in _frames(spec, 1) if s.to == 0][0].frame)
+            await c.send(IDS[0], a.address, [s for s in _frames(spec, 2) if s.to == 0][0].frame)
+            await _until(lambda: a.stats["frames_in"] == 2)
+            return a.stats["idle_closed"]  # decided when c's connection was proven
+
+    assert asyncio.run(main()) == 0
