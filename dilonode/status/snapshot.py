@@ -214,7 +214,11 @@ def p90(values: list[float]) -> float | None:
 
 def state_chain(worker: Any) -> str:
     """Per fragment, '<rounds landed>:<first 12 hex of its chain>', ';'-joined: what the
-    swarm view compares (nodes that landed the same rounds must hold the same chains)."""
+    swarm view compares (nodes that landed the same rounds must hold the same chains).
+    Empty in a grouped swarm, whose replicas differ between groups by design (algo/
+    groups.py): the view then compares the final weights only."""
+    if getattr(worker, "grouped", False):
+        return ""
     return ";".join(f"{worker.next_round[p] - (p in worker.pending)}:{c[:12]}"
                     for p, c in enumerate(worker.chains))
 
