@@ -450,7 +450,8 @@ class Worker:
         if p in self._mixing:
             self._land_mix(p, r, result)
             return
-        self.grouped = result.grouped
+        if result.group_size > 1:  # a round alone says nothing about the swarm
+            self.grouped = result.grouped
         self.stats.record(p, result)
         if self.trace is not None:
             self.trace.append({"step": self.step, "event": "land", "fragment": p, "round": r,
