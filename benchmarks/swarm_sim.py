@@ -12,7 +12,9 @@ Scenarios (each with every seed in `--seeds`):
 * `churn`: 5% of the nodes leave and 5% join per simulated minute (30 s round periods),
   training as above; round latency against two timeouts, spread, bytes.
 * `scale`: 64, 250 and 1,000 nodes: bytes, data-plane peers and DHT registrations read
-  per node and round. Target: independent of the swarm size.
+  per node and round. Target: independent of the swarm size. `one-group`: 64 nodes in one
+  group (no bound), for reference. `payload`: 64 nodes, 65,536 values, mixing every round
+  against never: what a state round costs once frame headers do not count.
 
     python benchmarks/swarm_sim.py --seeds 0,1,2 --json runs/bench/swarm_sim.json
 """
@@ -35,7 +37,8 @@ def _row(scenario: str, cfg: SwarmSimConfig, seed: int, wall: float,
          stats: list[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"scenario": scenario, "seed": seed, "nodes": cfg.nodes,
                            "max_group_size": cfg.max_group_size, "mix_every": cfg.mix_every,
-                           "churn_per_min": cfg.churn_per_min, "wall_s": round(wall, 1)}
+                           "churn_per_min": cfg.churn_per_min, "numel": cfg.numel,
+                           "update_scale": cfg.update_scale, "wall_s": round(wall, 1)}
     out.update(summarize(stats))
     out["spread_by_round"] = [s.spread_max for s in stats]
     out["latency_max_by_round"] = [s.latency_max for s in stats]
@@ -69,6 +72,13 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, SwarmSimConfig]]:
     out.append(("churn", dataclasses.replace(base, rounds=args.rounds, churn_per_min=0.05)))
     for size in (64, 250):
         out.append(("scale", dataclasses.replace(base, nodes=size, rounds=4)))
+    # References: one group of 64 (no bound), and the payload of a mixing round against a
+    # pseudo-gradient round on a vector large enough for frame headers not to count.
+    out.append(("one-group", dataclasses.replace(base, nodes=64, max_group_size=64,
+                                                 rounds=4)))
+    for every in (1, 0):
+        out.append(("payload", dataclasses.replace(base, nodes=64, rounds=2, numel=65536,
+                                                   mix_every=every)))
     return [(name, cfg) for name, cfg in out if name in args.only]
 
 
@@ -76,15 +86,16 @@ def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one line per scenario and size (means over seeds; worst where it says)."""
     keys: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
-        keys.setdefault((r["scenario"], r["nodes"], r["mix_every"]), []).append(r)
-    lines = ["| scenario | nodes | mix every | seeds | spread after last round (worst) | "
-             "rounds to 1% | bytes/node/round | peers/node (max) | reads/node | "
-             "latency p50 / max (s) | failed attempts |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (name, nodes, every), rs in keys.items():
+        keys.setdefault((r["scenario"], r["nodes"], r["mix_every"], r["max_group_size"],
+                         r["numel"]), []).append(r)
+    lines = ["| scenario | nodes | max group | values | mix every | seeds | "
+             "spread after last round (worst) | rounds to 1% | bytes/node/round | "
+             "peers/node (max) | reads/node | latency p50 / max (s) | failed attempts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (name, nodes, every, group, numel), rs in keys.items():
         to1 = [r["rounds_to_1pct"] for r in rs]
         lines.append(
-            f"| {name} | {nodes} | {every or 'never'} | {len(rs)} | "
+            f"| {name} | {nodes} | {group} | {numel} | {every or 'never'} | {len(rs)} | "
             f"{max(r['spread_max_last'] for r in rs):.2e} | "
             f"{max(to1) if None not in to1 else '-'} | "
             f"{statistics.fmean(r['bytes_per_node_mean'] for r in rs):,.0f} | "
@@ -107,7 +118,7 @@ def main() -> None:
     ap.add_argument("--update-scale", type=float, default=1e-3)
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--only", default="mixing,training,churn,scale")
+    ap.add_argument("--only", default="mixing,training,churn,scale,one-group,payload")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     args.only = set(args.only.split(","))

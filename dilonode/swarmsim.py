@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dilonode.algo.groups import key_index, mixes, num_keys, split_members
+from dilonode.algo.groups import grouped, key_index, mixes, num_keys, split_members
 from dilonode.algo.mixing import pack_state, spread, unpack_state
 from dilonode.algo.outer import OuterState
 from dilonode.allreduce.memnet import Faults, MemNet
@@ -224,6 +224,9 @@ class _RoundRunner:
     def __init__(self, swarm: _Swarm, r: int, leaving: dict[str, float]) -> None:
         self.swarm, self.r, self.cfg = swarm, r, swarm.cfg
         self.leaving = leaving
+        # Only a swarm larger than M averages in groups and mixes states (else: as before).
+        self.mixing = grouped(len(swarm.live()), self.cfg.max_group_size) and \
+            mixes(r, self.cfg.mix_every)
         self.pgs: dict[str, torch.Tensor] = {}
         common = torch.randn(self.cfg.numel, generator=swarm.gen)
         for p in swarm.live():
@@ -294,7 +297,7 @@ class _RoundRunner:
         mean, secs, got = _run_rounds(spec, self.pgs, dead, c)
         _add(sent, got)
         t += secs
-        if mean is None or not mixes(self.r, c.mix_every):
+        if mean is None or not self.mixing:
             return mean, None, t
         states = {p: pack_state(self.swarm.nodes[p].outer.weights,
                                 self.swarm.nodes[p].outer.momentum_buf) for p in members}
@@ -338,7 +341,7 @@ def _one_round(swarm: _Swarm, r: int) -> RoundStats:
         float((swarm.nodes[p].outer.weights - w).norm() / w.norm()) for p, w in before.items())
     _advance(swarm, leaving, joining)
     stats.left, stats.joined = len(leaving), joining
-    stats.mixed = mixes(r, swarm.cfg.mix_every)
+    stats.mixed = runner.mixing
     return stats
 
 
