@@ -78,3 +78,32 @@ def test_a_grouped_key_is_its_own_dht_key() -> None:
     assert all(g.mixing for g in got.values())
     k = num_keys(40, 3)
     assert 0 <= key_index(RUN, 0, 9, IDS[0].peer_id, k) < k
+
+
+class _FakeDHT:
+    peer_id = IDS[0].peer_id
+    started = False
+
+
+def _membership(max_group_size: int):
+    from dilonode.config import NetworkConfig
+    from dilonode.swarm.membership import Membership
+
+    net = NetworkConfig(max_group_size=max_group_size)
+    return Membership(_FakeDHT(), RUN, net, "127.0.0.1:1")  # type: ignore[arg-type]
+
+
+def test_a_node_waits_only_for_the_peers_its_view_puts_under_its_key() -> None:
+    peers = frozenset(f"Qm{i:040d}" for i in range(40))
+    small = _membership(64)
+    assert small._key_of(0, 9, 0, peers, set()) == (0, False, peers)
+    m = _membership(4)
+    index, is_grouped, wait = m._key_of(0, 9, 0, peers, set())
+    keys = num_keys(41, 4)
+    assert is_grouped and keys == 4 and index == key_index(RUN, 0, 9, _FakeDHT.peer_id, keys)
+    assert wait == {p for p in peers if key_index(RUN, 0, 9, p, keys) == index}
+    # A retry waits only for the last group's members, minus those it leaves out.
+    last = frozenset(sorted(wait)[:3])
+    m._rounds[0] = (9, frozenset(), last)
+    _, _, retry = m._key_of(0, 9, 1, peers, {sorted(last)[0]})
+    assert retry == last - {sorted(last)[0]}
