@@ -159,17 +159,27 @@ def simulate(cfg: RunConfig, device: torch.device | None = None,
         report.worker_stats = run.worker_stats()
         report.virtual_s = max(r.t for r in run.runs)
         return report
+    workers, history = _lockstep(cfg, data, device, tamper, eval_batches, on_step, on_eval, t0)
+    report = _report(cfg, workers, history, time.perf_counter() - t0)
+    report.worker_stats = [_worker_stats(w, 0.0, float(cfg.total_steps)) for w in workers]
+    report.virtual_s = float(cfg.total_steps)
+    return report
+
+
+def _lockstep(cfg: RunConfig, data, device, tamper: Tamper | None, eval_batches,
+              on_step: Callable[[int, list[Worker]], None] | None,
+              on_eval: Callable[[EvalPoint], None] | None,
+              t0: float) -> tuple[list[Worker], list[EvalPoint]]:
+    """Equally fast workers: each phase of a step for all workers before the next phase
+    (every worker begins a round before anyone waits on it)."""
     clock = _Clock()
     workers, _ = _build_workers(cfg, data, device, tamper, [clock.now] * cfg.sim.workers)
     history: list[EvalPoint] = []
     for step in range(1, cfg.total_steps + 1):
         clock.t = float(step)
-        for w in workers:
-            w.train_step()
-        for w in workers:
-            w.launch()
-        for w in workers:
-            w.land()
+        for phase in (Worker.train_step, Worker.launch, Worker.land):
+            for w in workers:
+                phase(w)
         if step == cfg.total_steps:
             _finish_lockstep(workers)
         if on_step:
@@ -179,10 +189,7 @@ def simulate(cfg: RunConfig, device: torch.device | None = None,
                                   float(step)))
             if on_eval:
                 on_eval(history[-1])
-    report = _report(cfg, workers, history, time.perf_counter() - t0)
-    report.worker_stats = [_worker_stats(w, 0.0, float(cfg.total_steps)) for w in workers]
-    report.virtual_s = float(cfg.total_steps)
-    return report
+    return workers, history
 
 
 def _finish_lockstep(workers: list[Worker]) -> None:
