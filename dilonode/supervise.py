@@ -1,0 +1,267 @@
+"""Supervision of a node's long-lived parts: health checks with a deadline, one-for-one
+restarts with exponential backoff and a bound, then a loud exit (STYLE habit 13).
+
+A `Part` has a `name`, `health(timeout)` (returns when healthy, raises otherwise: the
+exception's text is the reason) and `restart(timeout)` (brings the part back in place, same
+identity and address). `Supervisor.check()` makes one pass over every part; `start()` makes a
+pass every `check_interval` seconds on a daemon thread, `close()` stops it. The clock and the
+way calls are bounded are injected, so the policy is tested with a fake clock and fake parts
+(tests/unit/test_supervise.py), with no sleeping.
+
+The policy, per part (one-for-one: restarting a part never touches the others):
+
+* healthy -> down: one ERROR line with the reason, then an immediate restart;
+* still down: another restart once its backoff has passed (`backoff_initial`, doubled after
+  each restart, at most `backoff_max`); a failed restart is one WARNING line;
+* healthy again: one INFO line saying how long it was down and how many restarts it took;
+* down for longer than `give_up_after`, or restarted more than `max_restarts` times within
+  `restart_window` (it keeps dying): `on_fatal(reason)`, once, with a one-line reason, and
+  the supervisor stops. The node then writes a checkpoint and exits non-zero, so that
+  systemd's Restart=on-failure starts it afresh.
+
+`tasks` are callables run after every pass (the DHT re-merge, `swarm/remerge.py`); what
+they raise is logged, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from dilonode.config import SuperviseConfig
+from dilonode.wire.errors import one_line
+
+__all__ = ["Backoff", "BoundedCall", "Part", "PartDown", "Supervisor", "bounded_call"]
+
+log = logging.getLogger(__name__)
+
+
+class PartDown(RuntimeError):
+    """A part is not healthy; the message says why, on one line."""
+
+
+class Part(Protocol):
+    """A supervised part: see the module docstring."""
+
+    name: str
+
+    def health(self, timeout: float) -> None:
+        """Return if healthy within `timeout` seconds; raise (any exception) if not."""
+        ...
+
+    def restart(self, timeout: float) -> None:
+        """Bring the part back in place within `timeout` seconds; raise if it failed."""
+        ...
+
+
+# How a part's call is bounded: (call, timeout) -> None, raising PartDown on overrun.
+BoundedCall = Callable[[Callable[[float], None], float], None]
+
+
+def bounded_call(fn: Callable[[float], None], timeout: float) -> None:
+    """Run `fn(timeout)` on a daemon thread and wait at most `timeout` plus a second.
+
+    Parts bound their own calls; this is the backstop for one that does not (a call stuck
+    in a C extension), so one wedged part cannot stop the supervisor from checking the
+    others or from giving up. The thread of a call that overran is left behind.
+    """
+    box: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn(timeout)
+        except BaseException as exc:  # handed to the caller's thread as is
+            box.append(exc)
+
+    thread = threading.Thread(target=target, name="dilonode-supervise-call", daemon=True)
+    thread.start()
+    thread.join(timeout + 1.0)
+    if thread.is_alive():
+        raise PartDown(f"no answer within {timeout:g}s")
+    if box:
+        raise box[0]
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff: `next()` gives the wait before the next try and doubles it."""
+
+    initial: float
+    maximum: float
+    _current: float = 0.0
+
+    def next(self) -> float:
+        self._current = (self.initial if self._current == 0.0
+                         else min(self._current * 2.0, self.maximum))
+        return self._current
+
+    def reset(self) -> None:
+        self._current = 0.0
+
+
+@dataclass
+class _PartState:
+    """What the supervisor knows about one part."""
+
+    backoff: Backoff
+    down_since: float | None = None  # None: healthy
+    reason: str = ""
+    next_restart: float = 0.0
+    restarts: int = 0  # in the current episode of being down
+    total_restarts: int = 0
+    restart_times: deque[float] = field(default_factory=deque)
+    last_heal_s: float | None = None  # how long the last episode lasted
+
+
+class Supervisor:
+    """Watches `parts`; see the module docstring for the policy."""
+
+    def __init__(self, parts: Sequence[Part], cfg: SuperviseConfig,
+                 on_fatal: Callable[[str], None], *,
+                 clock: Callable[[], float] = time.monotonic,
+                 call: BoundedCall = bounded_call,
+                 tasks: Sequence[Callable[[], None]] = ()) -> None:
+        names = [p.name for p in parts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"part names must be unique: {names}")
+        self.parts = list(parts)
+        self.cfg = cfg
+        self.on_fatal = on_fatal
+        self.clock = clock
+        self.call = call
+        self.tasks = list(tasks)
+        self.failure: str | None = None  # the reason given to on_fatal, once given
+        self._state = {p.name: _PartState(Backoff(cfg.backoff_initial, cfg.backoff_max))
+                       for p in parts}
+        self._lock = threading.Lock()  # snapshot() reads from other threads
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- life cycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Check every part every `check_interval` seconds on a daemon thread."""
+        self._thread = threading.Thread(target=self._loop, name="dilonode-supervisor",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop checking (idempotent); a restart under way is left to finish on its own."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.cfg.check_interval):
+            self.check()
+
+    # -- one pass --------------------------------------------------------------------------
+    def check(self) -> None:
+        """Check every part once, restart or give up as the policy says, then run tasks."""
+        for part in self.parts:
+            if self.failure is not None or self._stop.is_set():
+                return
+            self._check_part(part)
+        for task in self.tasks:
+            try:
+                task()
+            except Exception as exc:  # a task's trouble is its own; parts go on being checked
+                log.warning("supervisor task %s failed: %s", getattr(task, "__name__", task),
+                            one_line(str(exc)))
+
+    def _check_part(self, part: Part) -> None:
+        st = self._state[part.name]
+        try:
+            self.call(part.health, self.cfg.check_timeout)
+        except Exception as exc:
+            self._down(part, st, _reason(exc))
+            return
+        if st.down_since is not None:
+            self._healed(part, st)
+
+    def _down(self, part: Part, st: _PartState, reason: str) -> None:
+        now = self.clock()
+        with self._lock:
+            first = st.down_since is None
+            if first:
+                st.down_since, st.next_restart = now, now
+            st.reason = reason
+        if first:
+            log.error("%s is down: %s; restarting it", part.name, reason)
+        if (why := self._give_up_reason(part, st, now)) is not None:
+            self._fatal(why)
+        elif now >= st.next_restart:
+            self._restart(part, st, now)
+
+    def _give_up_reason(self, part: Part, st: _PartState, now: float) -> str | None:
+        assert st.down_since is not None
+        down_for = now - st.down_since
+        if down_for > self.cfg.give_up_after:
+            return (f"{part.name} down for {down_for:.0f}s after {st.restarts} restart(s) "
+                    f"(supervise.give_up_after = {self.cfg.give_up_after:g}): {st.reason}")
+        while st.restart_times and now - st.restart_times[0] > self.cfg.restart_window:
+            st.restart_times.popleft()
+        if len(st.restart_times) >= self.cfg.max_restarts:
+            return (f"{part.name} restarted {len(st.restart_times)} times within "
+                    f"{self.cfg.restart_window:g}s (supervise.max_restarts = "
+                    f"{self.cfg.max_restarts}) and is down again: {st.reason}")
+        return None
+
+    def _restart(self, part: Part, st: _PartState, now: float) -> None:
+        with self._lock:
+            st.restarts += 1
+            st.total_restarts += 1
+            st.restart_times.append(now)
+            st.next_restart = now + st.backoff.next()
+        t0 = self.clock()
+        try:
+            self.call(part.restart, self.cfg.restart_timeout)
+        except Exception as exc:
+            log.warning("restart %d of %s failed after %.1fs: %s (next try in %.0fs)",
+                        st.restarts, part.name, self.clock() - t0, _reason(exc),
+                        max(st.next_restart - self.clock(), 0.0))
+            return
+        log.info("restarted %s in %.1fs (restart %d)", part.name, self.clock() - t0,
+                 st.restarts)
+
+    def _healed(self, part: Part, st: _PartState) -> None:
+        assert st.down_since is not None
+        took = self.clock() - st.down_since
+        log.info("%s is healthy again after %.1fs down (%d restart(s))", part.name, took,
+                 st.restarts)
+        with self._lock:
+            st.down_since, st.reason, st.restarts = None, "", 0
+            st.last_heal_s = took
+            st.backoff.reset()
+
+    def _fatal(self, reason: str) -> None:
+        with self._lock:
+            self.failure = reason
+        self._stop.set()
+        log.error("giving up: %s", reason)
+        self.on_fatal(reason)
+
+    # -- readers ---------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Per part: "ok" or "down", why, restarts, how long the last outage lasted; plus
+        the reason the node gave up, if it did. JSON-ready, for the status endpoint."""
+        now = self.clock()
+        with self._lock:
+            parts = {name: {"state": "ok" if st.down_since is None else "down",
+                            "down_s": None if st.down_since is None
+                            else round(now - st.down_since, 1),
+                            "reason": st.reason or None, "restarts": st.total_restarts,
+                            "last_outage_s": None if st.last_heal_s is None
+                            else round(st.last_heal_s, 1)}
+                     for name, st in self._state.items()}
+            return {"parts": parts, "failure": self.failure}
+
+
+def _reason(exc: BaseException) -> str:
+    """One line naming what went wrong (the exception's text, else its type)."""
+    text = str(exc).strip()
+    return one_line(text if text else type(exc).__name__)
