@@ -31,6 +31,15 @@ The node's libp2p identity is ours, not p2pd's: `start()` loads the key at `iden
 the file to p2pd and keeps the key in `credentials` to sign records and data-plane
 handshakes. The peer id the DHT reports is checked against the key's.
 
+Supervision (`dilonode/supervise.py`): `health(timeout)` raises `DHTUnavailable` naming what
+is wrong (the DHT process exited or is stopped, its p2pd is gone, or a no-op call through
+p2pd got no answer in time); `restart()` replaces the process and its p2pd in place (same
+identity, same port, the initial peers plus the peers remembered) and fails the calls in
+flight at once. While the process is gone every call raises `DHTUnavailable` at once,
+instead of writing into a pipe nobody reads. `remember_peers()` keeps the DHT addresses of
+the peers p2pd is connected to, and `reconnect(peers)` dials and pings them again (the
+re-merge after a partition, `swarm/remerge.py`).
+
 `import hivemind` costs seconds, so it happens in `start()`, never at module import.
 """
 
@@ -38,13 +47,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import fcntl
+import functools
 import logging
+import math
 import multiprocessing as mp
 import os
 import re
 import shutil
 import signal
+import struct
 import tempfile
+import termios
 import threading
 import time
 from collections.abc import Sequence
@@ -64,7 +78,8 @@ from dilonode.swarm.records import (
     peers_key,
 )
 
-__all__ = ["RawEntry", "SwarmDHT", "decode_entries", "owner_subkey", "plain_subkey"]
+__all__ = ["DHTUnavailable", "RawEntry", "SwarmDHT", "decode_entries", "owner_subkey",
+           "plain_subkey", "split_maddr"]
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +87,27 @@ log = logging.getLogger(__name__)
 _MAX_REMEMBERED_REJECTIONS = 1024
 _hivemind_ready = False
 _hivemind_lock = threading.Lock()
+# Bytes of requests waiting in the pipe to the DHT process. A stopped process reads nothing:
+# past this, calls fail at once rather than fill the pipe (64 KiB) and block forever.
+_MAX_PIPE_BACKLOG = 16 << 10
 # hivemind's marker, `RSASignatureValidator.PUBLIC_KEY_FORMAT`, at the end of the subkey.
 _OWNER_SUBKEY = re.compile(r"(?P<plain>[^\[\]]*)\[owner:(?P<key>[^\[\]]+)\]", re.ASCII)
 
 
 R = TypeVar("R", bound=Record)
+
+
+class DHTUnavailable(RuntimeError):
+    """The DHT process (or its p2pd) is gone, stopped, restarting or not answering."""
+
+
+def split_maddr(maddr: str) -> tuple[str, str]:
+    """(peer id, address without `/p2p/<peer id>`) of a multiaddr that names its peer;
+    ValueError if it does not."""
+    addr, sep, peer = maddr.rpartition("/p2p/")
+    if not sep or not peer or "/" in peer:
+        raise ValueError(f"multiaddr {maddr!r} does not end with /p2p/<peer id>")
+    return peer, addr
 
 
 def decode_entries(board: Any, key: str, raw: dict[str, RawEntry], kind: type[R],
@@ -163,8 +194,24 @@ def _import_hivemind() -> Any:
             logging.addLevelName(logging.WARNING, "WARNING")
             use_hivemind_log_handler("nowhere")
             logging.getLogger("hivemind").setLevel(logging.WARNING)
+            _use_fd_sharing()
             _hivemind_ready = True
         return hivemind
+
+
+def _use_fd_sharing() -> None:
+    """Share hivemind's MPFuture state through file descriptors, not torch_shm_manager.
+
+    hivemind switches torch to the "file_system" strategy, where every process registers its
+    shared tensors with one torch_shm_manager process over a socket. A DHT process killed
+    in the middle of such a registration crashed the manager ("terminate called after
+    throwing an instance of 'std::system_error'"), and from then on every DHT call of the
+    node raised "Broken pipe" (issue 20). With file descriptors there is no manager to
+    crash; a call costs about 2 ms more (a descriptor is handed over per request).
+    """
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
 def _ensure_fork_start_method() -> None:
@@ -186,6 +233,71 @@ async def _node_daemon_maddr(_dht: Any, node: Any) -> Any:
 
 async def _node_visible_maddrs(_dht: Any, node: Any) -> list[str]:
     return [str(m) for m in await node.get_visible_maddrs()]
+
+
+async def _node_p2pd_pid(_dht: Any, node: Any) -> int | None:
+    child = getattr(node.p2p, "_child", None)  # hivemind's asyncio subprocess of p2pd
+    return getattr(child, "pid", None)
+
+
+async def _node_ping_p2pd(_dht: Any, node: Any) -> None:
+    # identify() is a round trip to p2pd over its control socket: a dead daemon refuses
+    # it, a stopped one never answers.
+    await node.p2p.get_visible_maddrs(latest=True)
+
+
+async def _node_peer_addrs(_dht: Any, node: Any) -> dict[str, list[str]]:
+    return {info.peer_id.to_base58(): [str(a) for a in info.addrs]
+            for info in await node.p2p.list_peers() if info.addrs}
+
+
+async def _node_reconnect(_dht: Any, node: Any, peers: dict[str, list[str]],
+                          timeout: float) -> list[str]:
+    """Dial and ping `peers` (peer id -> addresses); those that answer are in our routing
+    table again, and we in theirs (a ping carries our node id). Then look up our own
+    neighbourhood, as a bootstrap does, so the two halves of a healed partition meet."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from multiaddr import Multiaddr
+
+    async def one(peer_id: str, addrs: list[str]) -> str | None:
+        try:
+            peer = PeerID.from_base58(peer_id)
+            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(a) for a in addrs]),
+                                   timeout)
+            answered = await asyncio.wait_for(node.protocol.call_ping(peer), timeout)
+        except Exception:  # unreachable, refused, not a valid address: try again later
+            return None
+        return peer_id if answered is not None else None
+
+    found = [p for p in await asyncio.gather(*(one(p, a) for p, a in peers.items())) if p]
+    if found:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout)
+    return found
+
+
+def _proc_state(pid: int) -> str | None:
+    """The state letter of process `pid` (R, S, T for stopped, Z for a zombie...), or None
+    when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _kill_p2pd(pid: int | None) -> None:
+    """SIGKILL the p2pd at `pid` if it still runs (it outlives a SIGKILLed DHT process)."""
+    if pid is None or _proc_state(pid) in (None, "Z", "X"):
+        return
+    try:
+        if b"p2pd" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return  # the pid was reused by another program
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ProcessLookupError):
+        pass
 
 
 def _host_maddr(host: str, port: int) -> str:
@@ -256,6 +368,11 @@ class SwarmDHT:
         self._owner_subkey = ""
         self._dht: Any = None
         self._peer_id: str | None = None
+        self._p2pd_pid: int | None = None
+        self._bound_maddr = self.host_maddr  # with the port p2pd got, once started
+        self._closed = False
+        # Peers p2pd was connected to: peer id -> (addresses, when last seen connected).
+        self._known: dict[str, tuple[list[str], float]] = {}
         # A multiprocessing Connection is not safe for concurrent sends from several threads.
         self._send_lock = threading.Lock()
         # Calls waiting for the DHT process; close() fails them, since a process that is
@@ -270,32 +387,13 @@ class SwarmDHT:
         """Start the DHT process and join `initial_peers`; raises if it is not ready in time."""
         if self._dht is not None:
             raise RuntimeError("SwarmDHT already started")
-        hivemind = _import_hivemind()
+        _import_hivemind()
         _ensure_fork_start_method()
         identity, key_path, fresh = self._identity()
-        dht = _orphan_safe(hivemind.DHT)(
-            initial_peers=self.initial_peers or None,
-            start=False,
-            host_maddrs=[self.host_maddr],
-            identity_path=str(key_path),
-            # A key made just now is nobody else's: skip hivemind's slow check of the swarm.
-            check_if_identity_free=not fresh,
-            record_validators=[_owner_validator(identity)],
-            shutdown_timeout=self.shutdown_timeout,
-            startup_timeout=self.start_timeout,
-        )
         t0 = time.monotonic()
         try:
-            dht.run_in_background(await_ready=True, timeout=self.start_timeout)
-            self._dht = dht
-            self._peer_id = self._call(dht.run_coroutine, _node_peer_id, timeout=self.op_timeout)
-            if self._peer_id != identity.peer_id:
-                raise RuntimeError(f"DHT runs as {self._peer_id}, but the key at {key_path} "
-                                   f"is {identity.peer_id}")
-        except BaseException:
-            self._dht = None
-            self._stop_process(dht)
-            raise
+            self._spawn(identity, key_path, self.initial_peers, self.host_maddr,
+                        check_free=not fresh, strict=True, timeout=self.start_timeout)
         finally:
             if self.identity_path is None:  # p2pd has read the throwaway key file by now
                 shutil.rmtree(key_path.parent, ignore_errors=True)
@@ -307,6 +405,48 @@ class SwarmDHT:
         log.info("DHT up in %.2fs as %s (%d initial peers)", time.monotonic() - t0,
                  self._peer_id, len(self.initial_peers))
         return self
+
+    def _spawn(self, identity: Identity, key_path: Path, initial_peers: Sequence[str],
+               host_maddr: str, *, check_free: bool, strict: bool, timeout: float) -> None:
+        """Fork a DHT process (and its p2pd) as `identity`; on success it is `self._dht`."""
+        hivemind = _import_hivemind()
+        dht = _orphan_safe(hivemind.DHT)(
+            initial_peers=list(initial_peers) or None,
+            start=False,
+            host_maddrs=[host_maddr],
+            identity_path=str(key_path),
+            # A key made just now is nobody else's: skip hivemind's slow check of the swarm.
+            # A restart is the same node: its old self may still be in peers' tables.
+            check_if_identity_free=check_free,
+            # A restart comes up even if no initial peer answers (a partition): the
+            # re-merge keeps calling them, rather than the node giving up.
+            ensure_bootstrap_success=strict,
+            record_validators=[_owner_validator(identity)],
+            shutdown_timeout=self.shutdown_timeout,
+            startup_timeout=timeout,
+        )
+        try:
+            dht.run_in_background(await_ready=True, timeout=timeout)
+            if self._closed:
+                raise RuntimeError("SwarmDHT closed while the DHT process was starting")
+            # Only the child reads this end: closed here, a write to a dead child fails
+            # with EPIPE instead of filling the pipe and blocking.
+            dht._inner_pipe.close()
+            self._dht = dht
+            peer_id = self._call(dht.run_coroutine, _node_peer_id, timeout=self.op_timeout)
+            if peer_id != identity.peer_id:
+                raise RuntimeError(f"DHT runs as {peer_id}, but the key at {key_path} is "
+                                   f"{identity.peer_id}")
+            self._peer_id = peer_id
+            self._p2pd_pid = self._call(dht.run_coroutine, _node_p2pd_pid,
+                                        timeout=self.op_timeout)
+            maddrs = self._call(dht.run_coroutine, _node_visible_maddrs,
+                                timeout=self.op_timeout)
+        except BaseException:
+            self._dht = None
+            self._stop_process(dht)
+            raise
+        self._bound_maddr = _bound_maddr(host_maddr, maddrs)
 
     def _identity(self) -> tuple[Identity, Path, bool]:
         """(key, file for p2pd, whether the key is new): ours at `identity_path`, created
@@ -322,16 +462,26 @@ class SwarmDHT:
     def close(self) -> None:
         """Shut the DHT process down; idempotent, returns within a few seconds. Calls still
         waiting for an answer then raise RuntimeError."""
+        self._closed = True  # a restart still under way must not leave a process behind
         dht, self._dht = self._dht, None
         if dht is not None:
             self._stop_process(dht)
+        self._fail_in_flight(RuntimeError("SwarmDHT closed during the call"))
+
+    def _fail_in_flight(self, exc: BaseException) -> None:
         with self._send_lock:
             pending, self._in_flight = self._in_flight, set()
         for future in pending:
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # answered since
-                future.set_exception(RuntimeError("SwarmDHT closed during the call"))
+                future.set_exception(exc)
 
     def _stop_process(self, dht: Any) -> None:
+        try:
+            self._stop_dht(dht)
+        finally:
+            _kill_p2pd(self._p2pd_pid)
+
+    def _stop_dht(self, dht: Any) -> None:
         if not dht.is_alive():
             return
         # shutdown() asks the node to stop p2pd cleanly, waits shutdown_timeout, then SIGTERMs.
@@ -345,6 +495,107 @@ class SwarmDHT:
             log.warning("DHT process %s ignored SIGTERM; killing it", dht.pid)
             dht.kill()
             dht.join(1.0)
+
+    # -- supervision -----------------------------------------------------------------------
+
+    def health(self, timeout: float | None = None) -> None:
+        """Return if the DHT process and its p2pd are up and answer a no-op call through
+        p2pd within `timeout` (default `op_timeout`); else raise `DHTUnavailable` saying
+        which of them is wrong."""
+        dht = self._dht
+        if dht is None:
+            raise DHTUnavailable("DHT not running (not started, closed or restarting)")
+        if not dht.is_alive():
+            raise DHTUnavailable(f"DHT process {dht.pid} {_exit_text(dht.exitcode)}")
+        if _proc_state(dht.pid) == "T":
+            raise DHTUnavailable(f"DHT process {dht.pid} is stopped")
+        pid = self._p2pd_pid
+        if pid is not None and (state := _proc_state(pid)) in (None, "Z", "X", "T"):
+            raise DHTUnavailable(f"p2pd (pid {pid}) is {'stopped' if state == 'T' else 'gone'}")
+        limit = self.op_timeout if timeout is None else timeout
+        try:
+            self._call(dht.run_coroutine, _node_ping_p2pd, timeout=limit)
+        except TimeoutError:
+            raise DHTUnavailable(f"DHT process {dht.pid} did not answer a call through p2pd "
+                                 f"within {limit:g}s") from None
+        except DHTUnavailable:
+            raise
+        except Exception as exc:
+            raise DHTUnavailable(f"p2pd (pid {pid}) did not answer: {exc or type(exc)}") \
+                from None
+
+    def restart(self, timeout: float | None = None) -> None:
+        """Replace the DHT process and its p2pd: same identity and port, joined through the
+        initial peers and every peer remembered. Calls in flight fail at once; calls made
+        meanwhile raise `DHTUnavailable`. Raises if the new process is not up in `timeout`
+        (default `start_timeout`), leaving no process behind (a later restart tries again)."""
+        if self._credentials is None:
+            raise RuntimeError("SwarmDHT.restart: start() first")
+        old = self._dht
+        if old is not None:
+            # Killed before taking the lock: a sender blocked on the old pipe holds it, and
+            # only the process's death (EPIPE) frees it.
+            self._kill(old)
+        with self._send_lock:
+            self._dht = None
+        self._fail_in_flight(DHTUnavailable("the DHT process was restarted during the call"))
+        identity = self._credentials.identity
+        key_dir = Path(tempfile.mkdtemp(prefix="dilonode-id-"))
+        key_path = key_dir / "identity.key"
+        try:
+            key_path.write_bytes(identity.to_bytes())
+            t0 = time.monotonic()
+            peers = self.initial_peers + self._remembered_maddrs()
+            self._spawn(identity, key_path, peers, self._bound_maddr, check_free=False,
+                        strict=False, timeout=self.start_timeout if timeout is None else timeout)
+        finally:
+            shutil.rmtree(key_dir, ignore_errors=True)
+        log.info("DHT restarted in %.2fs as %s on %s (%d peers to join through)",
+                 time.monotonic() - t0, self._peer_id, self._bound_maddr, len(peers))
+
+    def _kill(self, dht: Any) -> None:
+        """SIGKILL a DHT process (a stopped one too) and its p2pd, and reap it."""
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            dht.kill()
+        dht.join(5.0)
+        _kill_p2pd(self._p2pd_pid)
+
+    def remember_peers(self, timeout: float | None = None) -> dict[str, list[str]]:
+        """Note the DHT addresses of the peers p2pd is connected to now; returns them."""
+        now = time.monotonic()
+        found = self._call(self._running().run_coroutine, _node_peer_addrs, timeout=timeout)
+        with self._count_lock:
+            for peer, addrs in found.items():
+                if peer != self._peer_id:
+                    self._known[peer] = (addrs, now)
+        return found
+
+    def known_peers(self, max_age: float = math.inf) -> dict[str, list[str]]:
+        """Remembered peers (peer id -> DHT addresses) seen connected within `max_age` s,
+        plus the initial peers."""
+        now = time.monotonic()
+        with self._count_lock:
+            out = {p: a for p, (a, t) in self._known.items() if now - t <= max_age}
+        for maddr in self.initial_peers:
+            with contextlib.suppress(ValueError):
+                peer, addr = split_maddr(maddr)
+                out.setdefault(peer, [])
+                if addr not in out[peer]:
+                    out[peer] = [*out[peer], addr]
+        out.pop(self._peer_id or "", None)
+        return out
+
+    def reconnect(self, peers: dict[str, list[str]], timeout: float | None = None) -> list[str]:
+        """Dial and ping `peers` (peer id -> DHT addresses); returns those that answered."""
+        limit = self.op_timeout if timeout is None else timeout
+        call = functools.partial(_node_reconnect, peers=peers, timeout=limit)
+        # Dials run concurrently; the neighbourhood lookup after them takes one more limit.
+        return list(self._call(self._running().run_coroutine, call, timeout=3 * limit))
+
+    def _remembered_maddrs(self) -> list[str]:
+        with self._count_lock:
+            known = dict(self._known)
+        return [f"{addr}/p2p/{peer}" for peer, (addrs, _) in known.items() for addr in addrs]
 
     def __enter__(self) -> SwarmDHT:
         return self.start()
@@ -468,15 +719,21 @@ class SwarmDHT:
 
     def _running(self) -> Any:
         if self._dht is None:
-            raise RuntimeError("SwarmDHT not started (or closed)")
+            raise DHTUnavailable("SwarmDHT not started (or closed, or restarting)")
         return self._dht
 
     def _call(self, method: Any, *args: Any, timeout: float | None, **kwargs: Any) -> Any:
         """Send one request to the DHT process and wait at most `timeout` for its answer."""
         limit = self.op_timeout if timeout is None else timeout
         with self._send_lock:
-            if self._dht is None:  # closed while this call waited for the lock
-                raise RuntimeError("SwarmDHT not started (or closed)")
+            dht = self._dht
+            if dht is None:  # closed while this call waited for the lock
+                raise DHTUnavailable("SwarmDHT not started (or closed, or restarting)")
+            if not dht.is_alive():
+                raise DHTUnavailable(f"DHT process {dht.pid} {_exit_text(dht.exitcode)}")
+            if (backlog := _pipe_backlog(dht)) > _MAX_PIPE_BACKLOG:
+                raise DHTUnavailable(f"DHT process {dht.pid} is not reading its requests "
+                                     f"({backlog} bytes waiting)")
             future = method(*args, return_future=True, **kwargs)
             self._in_flight.add(future)
         try:
@@ -489,3 +746,29 @@ class SwarmDHT:
         finally:
             with self._send_lock:
                 self._in_flight.discard(future)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "is running"
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
+def _bound_maddr(host_maddr: str, visible: list[str]) -> str:
+    """`host_maddr` with the port p2pd actually listens on (for a restart on the same port)."""
+    prefix = host_maddr.rsplit("/", 1)[0] + "/"
+    for maddr in visible:
+        if maddr.startswith(prefix):
+            port = maddr[len(prefix):].split("/", 1)[0]
+            if port.isdigit():
+                return prefix + port
+    return host_maddr
+
+
+def _pipe_backlog(dht: Any) -> int:
+    """Bytes written to the DHT process's request pipe that it has not read yet."""
+    try:
+        raw = fcntl.ioctl(dht._outer_pipe.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError, AttributeError):
+        return 0  # not a pipe we can ask (another platform): no early refusal
+    return int(struct.unpack("i", raw)[0])
