@@ -15,12 +15,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dilonode.config import RunConfig
 
-__all__ = ["UserError", "bootstrap", "identity", "prepare_data", "run_config_from_args",
-           "run_node", "simulate", "status", "swarm"]
+__all__ = ["NodeFailure", "UserError", "bootstrap", "identity", "prepare_data",
+           "run_config_from_args", "run_node", "simulate", "status", "swarm"]
 
 
 class UserError(Exception):
     """A problem the user can fix; printed as one line, exit status 2."""
+
+
+class NodeFailure(Exception):
+    """The node gave up on a part it could not restart (dilonode/supervise.py); printed as
+    one line, exit status 1, so that a service manager restarts it."""
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -188,6 +193,8 @@ def run_node(args: argparse.Namespace) -> int:
             print(_table([(k, f"{v:.4g}" if isinstance(v, float) else str(v))
                           for k, v in json.loads(summary_json(summary)).items()
                           if k != "event"]), flush=True)
+        if node.failure is not None:
+            raise NodeFailure(node.failure)
     except (ValueError, TimeoutError, RecoveryError) as exc:
         raise UserError(str(exc)) from None
     finally:

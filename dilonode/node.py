@@ -8,6 +8,12 @@ and/or recover the run's state from live peers, publishes this node's peer recor
 until `total_steps` or until `stop` is set, then lands in-flight syncs (abandoning those not
 done within `network.leave_timeout` when stopped). `close()` stops serving state, withdraws
 the peer record and shuts everything down within seconds.
+
+Once started, a `Supervisor` (dilonode/supervise.py, parts in dilonode/parts.py) watches the
+DHT process and p2pd, the data plane, state and status listeners and restarts them in place;
+a `Remerger` (swarm/remerge.py) finds the swarm again after a partition. If a part cannot be
+brought back, the node stops training, writes its exit checkpoint and `failure` holds the
+one-line reason (the CLI then exits non-zero).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +33,7 @@ from dilonode.algo.robust import BanTracker
 from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolicy
 from dilonode.config import RunConfig
 from dilonode.statesync.keeper import StateKeeper
+from dilonode.status.alone import AloneWatch
 from dilonode.status.snapshot import NodeStatus, ObservedCollective
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
@@ -77,9 +86,17 @@ class Node:
         self.membership: Membership | None = None
         self.tunnel: Any = None  # libp2p-stream fallback of the data plane (swarm.tunnel)
         self.bans: BanTracker | None = None  # peers left out for repeated rejections
+        sup = cfg.supervise
         self.status = NodeStatus(cfg.run_id, cfg.total_steps, history=cfg.status.history,
-                                 peers=self._peers_seen, trust=self._trust_counters)
+                                 peers=self._peers_seen, trust=self._trust_counters,
+                                 alone=AloneWatch(sup.alone_warn_rounds, sup.alone_log_every),
+                                 live_others=self._live_others, health=self._health)
         self.status_server: Any = None
+        self.supervisor: Any = None  # dilonode.supervise.Supervisor, once started
+        self.remerger: Any = None  # dilonode.swarm.remerge.Remerger, once started
+        self.failure: str | None = None  # why the node gave up, if it did
+        self._stop: threading.Event | None = None  # run()'s stop event
+        self._hard_exit: threading.Timer | None = None
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -125,6 +142,44 @@ class Node:
         self.membership.wait_for_peers(net.min_peers, net.start_timeout)
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())
+        self._supervise()
+
+    def _supervise(self) -> None:
+        """Watch our parts (supervise.enabled) and re-merge after partitions (.remerge)."""
+        from dilonode.parts import node_parts
+        from dilonode.supervise import Supervisor
+        from dilonode.swarm.remerge import Remerger
+
+        sup = self.cfg.supervise
+        if sup.enabled:
+            self.supervisor = Supervisor(node_parts(self), sup, self._give_up)
+            self.supervisor.start()
+        if sup.remerge:
+            assert self.dht is not None
+            self.remerger = Remerger(self.dht, sup)
+            self.remerger.start()
+
+    def _give_up(self, reason: str) -> None:
+        """The supervisor's loud exit: stop training (the exit checkpoint is written as on
+        any stop), and exit hard if that does not happen within supervise.exit_grace."""
+        self.failure = reason
+        self.status.set_state("failed")
+        if self._stop is not None:
+            self._stop.set()
+        grace = self.cfg.supervise.exit_grace
+        self._hard_exit = threading.Timer(grace, _exit_hard, args=(reason, grace))
+        self._hard_exit.daemon = True
+        self._hard_exit.start()
+
+    def _health(self) -> dict[str, Any]:
+        return self.supervisor.snapshot() if self.supervisor is not None else {}
+
+    def _live_others(self) -> int:
+        """Other peers with a live record, from membership's last read (no DHT call)."""
+        if self.membership is None or self.dht is None:
+            return 0
+        me = self.dht.peer_id
+        return sum(r.peer_id != me for r in self.membership.live_peers(max_age=math.inf))
 
     async def _form(self, fragment: int, round_no: int, attempt: int,
                     exclude: set[str]) -> FormedGroup:
@@ -187,6 +242,11 @@ class Node:
 
     def close(self) -> None:
         """Withdraw the peer record, stop the data plane and the DHT (idempotent)."""
+        for watcher in (self.supervisor, self.remerger):  # nothing restarts behind our back
+            if watcher is not None:
+                watcher.close()
+        if self._hard_exit is not None:
+            self._hard_exit.cancel()
         if self.collective is not None:
             self.keeper.close(self.collective.thread)
         if self.membership is not None:
@@ -215,6 +275,9 @@ class Node:
         from dilonode.train.loop import train_loop
 
         steps = self.cfg.total_steps if total_steps == -1 else total_steps
+        self._stop = stop  # the supervisor sets it when it gives up
+        if self.failure is not None:
+            stop.set()
         batches = self.data.eval_batches(self.cfg.data.seq_len, self.cfg.data.batch_size,
                                          self.cfg.data.eval_batches)
         self.status.total_steps = steps
@@ -263,6 +326,13 @@ class Node:
 
 def summary_json(summary: NodeSummary) -> str:
     return json.dumps({"event": "summary", **asdict(summary)})
+
+
+def _exit_hard(reason: str, grace: float) -> None:
+    """The node gave up and did not stop within `grace` s: say why on one line and exit 1."""
+    log.error("did not stop within %.0fs of giving up; exiting now", grace)
+    print(f"dilonode: {reason}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _serves_replays(cfg: RunConfig) -> bool:

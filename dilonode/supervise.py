@@ -18,9 +18,6 @@ The policy, per part (one-for-one: restarting a part never touches the others):
   `restart_window` (it keeps dying): `on_fatal(reason)`, once, with a one-line reason, and
   the supervisor stops. The node then writes a checkpoint and exits non-zero, so that
   systemd's Restart=on-failure starts it afresh.
-
-`tasks` are callables run after every pass (the DHT re-merge, `swarm/remerge.py`); what
-they raise is logged, never fatal.
 """
 
 from __future__ import annotations
@@ -124,8 +121,7 @@ class Supervisor:
     def __init__(self, parts: Sequence[Part], cfg: SuperviseConfig,
                  on_fatal: Callable[[str], None], *,
                  clock: Callable[[], float] = time.monotonic,
-                 call: BoundedCall = bounded_call,
-                 tasks: Sequence[Callable[[], None]] = ()) -> None:
+                 call: BoundedCall = bounded_call) -> None:
         names = [p.name for p in parts]
         if len(set(names)) != len(names):
             raise ValueError(f"part names must be unique: {names}")
@@ -134,7 +130,6 @@ class Supervisor:
         self.on_fatal = on_fatal
         self.clock = clock
         self.call = call
-        self.tasks = list(tasks)
         self.failure: str | None = None  # the reason given to on_fatal, once given
         self._state = {p.name: _PartState(Backoff(cfg.backoff_initial, cfg.backoff_max))
                        for p in parts}
@@ -161,17 +156,11 @@ class Supervisor:
 
     # -- one pass --------------------------------------------------------------------------
     def check(self) -> None:
-        """Check every part once, restart or give up as the policy says, then run tasks."""
+        """Check every part once; restart or give up as the policy says."""
         for part in self.parts:
             if self.failure is not None or self._stop.is_set():
                 return
             self._check_part(part)
-        for task in self.tasks:
-            try:
-                task()
-            except Exception as exc:  # a task's trouble is its own; parts go on being checked
-                log.warning("supervisor task %s failed: %s", getattr(task, "__name__", task),
-                            one_line(str(exc)))
 
     def _check_part(self, part: Part) -> None:
         st = self._state[part.name]

@@ -568,6 +568,10 @@ class DataPlane:
             tune_allocator()
         if self._server is not None:
             raise RuntimeError("DataPlane.start: already started")
+        await self._listen()
+        log.debug("data plane %s listening on %s", self.peer_id, self.address)
+
+    async def _listen(self) -> None:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -582,7 +586,17 @@ class DataPlane:
             sock.close()
             raise
         self.port = sock.getsockname()[1]
-        log.debug("data plane %s listening on %s", self.peer_id, self.address)
+
+    async def relisten(self) -> None:
+        """Replace the listening socket by a new one on the same address (the node's
+        supervisor, when the listener stopped accepting). Connections already accepted
+        and outgoing ones are kept."""
+        if self._closed:
+            raise RuntimeError("DataPlane.relisten: closed")
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        await self._listen()
 
     async def aclose(self, grace: float = 1.0) -> None:
         """Stop listening, flush outgoing frames for up to `grace` s, close everything."""

@@ -197,7 +197,11 @@ class StateKeeper:
                 or worker.stats.alone == self._alone_seen):
             return
         self._alone_seen = worker.stats.alone
-        peers = _serving_peers(dht)
+        try:
+            peers = _serving_peers(dht)
+        except (RuntimeError, TimeoutError) as exc:  # the DHT is down or restarting
+            log.warning("went on alone; cannot read the peers now: %s", exc)
+            return
         if not peers:
             return
 

@@ -155,22 +155,6 @@ def test_a_health_check_that_hangs_counts_as_down():
     bounded_call(lambda t: None, 1.0)
 
 
-def test_tasks_run_after_each_pass_and_their_errors_are_not_fatal(caplog):
-    calls = []
-
-    def task():
-        calls.append(1)
-        raise RuntimeError("dht gone")
-
-    sup = Supervisor([], CFG, lambda r: pytest.fail(r), clock=Clock(), call=direct,
-                     tasks=[task])
-    with caplog.at_level(logging.WARNING, logger="dilonode.supervise"):
-        sup.check()
-        sup.check()
-    assert len(calls) == 2
-    assert "dht gone" in caplog.text
-
-
 def test_backoff_doubles_and_resets():
     b = Backoff(0.5, 3.0)
     assert [b.next() for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
