@@ -259,7 +259,7 @@ async def _node_reconnect(_dht: Any, node: Any, peers: dict[str, list[str]],
     import asyncio
 
     from hivemind.p2p import PeerID
-    from multiaddr import Multiaddr
+    from hivemind.utils.multiaddr import Multiaddr
 
     async def one(peer_id: str, addrs: list[str]) -> str | None:
         try:
@@ -305,18 +305,33 @@ def _host_maddr(host: str, port: int) -> str:
     return f"/{family}/{host}/tcp/{port}"
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """In a forked child: get SIGKILL when the parent dies (Linux), so a SIGKILLed node
-    leaves no DHT process behind still answering for its peer id."""
-    try:
-        import ctypes
+def _die_with_parent(parent_pid: int, forked_by_main: bool) -> None:
+    """In a forked child: die when the parent dies, so a SIGKILLed node leaves no DHT
+    process behind still answering for its peer id.
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux: the parent's close() is the only way down
+    PR_SET_PDEATHSIG fires when the *thread* that forked us ends, so it is used only for a
+    fork made by the main thread; a DHT restarted by the supervisor (from a short-lived
+    thread) instead checks every half second whether its parent is still there.
+    """
+    if forked_by_main:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass  # not Linux: the poll below still works
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+    if not forked_by_main:
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
+                         name="dilonode-orphan-watch").start()
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _orphan_safe(dht_class: Any) -> Any:
@@ -324,11 +339,12 @@ def _orphan_safe(dht_class: Any) -> Any:
 
     class OrphanSafeDHT(dht_class):  # type: ignore[misc, valid-type]
         def run(self) -> None:
-            _die_with_parent(self._dilonode_parent)
+            _die_with_parent(self._dilonode_parent, self._dilonode_by_main)
             super().run()
 
         def run_in_background(self, *args: Any, **kwargs: Any) -> Any:
             self._dilonode_parent = os.getpid()
+            self._dilonode_by_main = threading.current_thread() is threading.main_thread()
             return super().run_in_background(*args, **kwargs)
 
     return OrphanSafeDHT
@@ -375,6 +391,8 @@ class SwarmDHT:
         self._known: dict[str, tuple[list[str], float]] = {}
         # A multiprocessing Connection is not safe for concurrent sends from several threads.
         self._send_lock = threading.Lock()
+        # Notified when a new DHT process takes over (or the DHT closes): calls wait on it.
+        self._replaced = threading.Condition(self._send_lock)
         # Calls waiting for the DHT process; close() fails them, since a process that is
         # gone never answers and their callers would wait out their whole timeout.
         self._in_flight: set[Any] = set()
@@ -432,21 +450,28 @@ class SwarmDHT:
             # Only the child reads this end: closed here, a write to a dead child fails
             # with EPIPE instead of filling the pipe and blocking.
             dht._inner_pipe.close()
-            self._dht = dht
-            peer_id = self._call(dht.run_coroutine, _node_peer_id, timeout=self.op_timeout)
+            peer_id = self._call("run_coroutine", _node_peer_id, timeout=self.op_timeout,
+                                 dht=dht)
             if peer_id != identity.peer_id:
                 raise RuntimeError(f"DHT runs as {peer_id}, but the key at {key_path} is "
                                    f"{identity.peer_id}")
             self._peer_id = peer_id
-            self._p2pd_pid = self._call(dht.run_coroutine, _node_p2pd_pid,
-                                        timeout=self.op_timeout)
-            maddrs = self._call(dht.run_coroutine, _node_visible_maddrs,
-                                timeout=self.op_timeout)
+            self._p2pd_pid = self._call("run_coroutine", _node_p2pd_pid,
+                                        timeout=self.op_timeout, dht=dht)
+            maddrs = self._call("run_coroutine", _node_visible_maddrs,
+                                timeout=self.op_timeout, dht=dht)
         except BaseException:
-            self._dht = None
             self._stop_process(dht)
             raise
         self._bound_maddr = _bound_maddr(host_maddr, maddrs)
+        with self._send_lock:
+            closed = self._closed
+            if not closed:
+                self._dht = dht
+                self._replaced.notify_all()
+        if closed:
+            self._stop_process(dht)
+            raise RuntimeError("SwarmDHT closed while the DHT process was starting")
 
     def _identity(self) -> tuple[Identity, Path, bool]:
         """(key, file for p2pd, whether the key is new): ours at `identity_path`, created
@@ -462,8 +487,10 @@ class SwarmDHT:
     def close(self) -> None:
         """Shut the DHT process down; idempotent, returns within a few seconds. Calls still
         waiting for an answer then raise RuntimeError."""
-        self._closed = True  # a restart still under way must not leave a process behind
-        dht, self._dht = self._dht, None
+        with self._send_lock:
+            self._closed = True  # a restart under way must not leave a process behind
+            dht, self._dht = self._dht, None
+            self._replaced.notify_all()
         if dht is not None:
             self._stop_process(dht)
         self._fail_in_flight(RuntimeError("SwarmDHT closed during the call"))
@@ -514,7 +541,7 @@ class SwarmDHT:
             raise DHTUnavailable(f"p2pd (pid {pid}) is {'stopped' if state == 'T' else 'gone'}")
         limit = self.op_timeout if timeout is None else timeout
         try:
-            self._call(dht.run_coroutine, _node_ping_p2pd, timeout=limit)
+            self._call("run_coroutine", _node_ping_p2pd, timeout=limit, dht=dht)
         except TimeoutError:
             raise DHTUnavailable(f"DHT process {dht.pid} did not answer a call through p2pd "
                                  f"within {limit:g}s") from None
@@ -563,7 +590,7 @@ class SwarmDHT:
     def remember_peers(self, timeout: float | None = None) -> dict[str, list[str]]:
         """Note the DHT addresses of the peers p2pd is connected to now; returns them."""
         now = time.monotonic()
-        found = self._call(self._running().run_coroutine, _node_peer_addrs, timeout=timeout)
+        found = self._call("run_coroutine", _node_peer_addrs, timeout=timeout)
         with self._count_lock:
             for peer, addrs in found.items():
                 if peer != self._peer_id:
@@ -590,7 +617,7 @@ class SwarmDHT:
         limit = self.op_timeout if timeout is None else timeout
         call = functools.partial(_node_reconnect, peers=peers, timeout=limit)
         # Dials run concurrently; the neighbourhood lookup after them takes one more limit.
-        return list(self._call(self._running().run_coroutine, call, timeout=3 * limit))
+        return list(self._call("run_coroutine", call, timeout=3 * limit))
 
     def _remembered_maddrs(self) -> list[str]:
         with self._count_lock:
@@ -626,11 +653,11 @@ class SwarmDHT:
 
     def p2p_daemon_maddr(self, timeout: float | None = None) -> Any:
         """Where the DHT's p2pd listens for clients (`dilonode.swarm.tunnel` attaches there)."""
-        return self._call(self._running().run_coroutine, _node_daemon_maddr, timeout=timeout)
+        return self._call("run_coroutine", _node_daemon_maddr, timeout=timeout)
 
     def visible_maddrs(self, timeout: float | None = None) -> list[str]:
         """Multiaddrs (with /p2p/<peer id>) other nodes can pass as `initial_peers`."""
-        return self._call(self._running().run_coroutine, _node_visible_maddrs, timeout=timeout)
+        return self._call("run_coroutine", _node_visible_maddrs, timeout=timeout)
 
     # -- raw access (also the matchmaking board) -------------------------------------------
 
@@ -651,14 +678,13 @@ class SwarmDHT:
         return self._store(key, value, get_dht_time() + ttl, timeout)
 
     def _store(self, key: str, value: bytes, expires_at: float, timeout: float | None) -> bool:
-        dht = self._running()
-        return bool(self._call(dht.store, key, value, expires_at, subkey=self._owner_subkey,
+        return bool(self._call("store", key, value, expires_at, subkey=self._owner_subkey,
                                timeout=timeout))
 
     def get_raw(self, key: str, timeout: float | None = None) -> dict[str, RawEntry]:
         """The latest unexpired values of every subkey of `key` (empty if none), by plain
         subkey (the peer id); entries that are not owner-protected are dropped."""
-        found = self._call(self._running().get, key, latest=True, timeout=timeout)
+        found = self._call("get", key, latest=True, timeout=timeout)
         if found is None:
             return {}
         if not isinstance(found.value, dict):
@@ -717,35 +743,54 @@ class SwarmDHT:
 
     # -- plumbing --------------------------------------------------------------------------
 
-    def _running(self) -> Any:
-        if self._dht is None:
-            raise DHTUnavailable("SwarmDHT not started (or closed, or restarting)")
-        return self._dht
-
-    def _call(self, method: Any, *args: Any, timeout: float | None, **kwargs: Any) -> Any:
-        """Send one request to the DHT process and wait at most `timeout` for its answer."""
+    def _call(self, method: str, *args: Any, timeout: float | None, dht: Any = None,
+              **kwargs: Any) -> Any:
+        """Send one request (`method` of hivemind's DHT) and wait at most `timeout` for its
+        answer. Without `dht`, to the current process; while there is none that can take it
+        (restarting, dead, stopped), wait for one within the same `timeout`, so a round or
+        a heartbeat rides out a restart instead of failing. With `dht`, to that process
+        only, never waiting (start, health checks)."""
         limit = self.op_timeout if timeout is None else timeout
+        deadline = time.monotonic() + max(limit, 0.0)
         with self._send_lock:
-            dht = self._dht
-            if dht is None:  # closed while this call waited for the lock
-                raise DHTUnavailable("SwarmDHT not started (or closed, or restarting)")
-            if not dht.is_alive():
-                raise DHTUnavailable(f"DHT process {dht.pid} {_exit_text(dht.exitcode)}")
-            if (backlog := _pipe_backlog(dht)) > _MAX_PIPE_BACKLOG:
-                raise DHTUnavailable(f"DHT process {dht.pid} is not reading its requests "
-                                     f"({backlog} bytes waiting)")
-            future = method(*args, return_future=True, **kwargs)
+            target = dht if dht is not None else self._usable(deadline)
+            if (why := _unusable(target)) is not None:
+                raise DHTUnavailable(why)
+            future = getattr(target, method)(*args, return_future=True, **kwargs)
             self._in_flight.add(future)
         try:
-            return future.result(timeout=max(limit, 0.0))
+            return future.result(timeout=max(deadline - time.monotonic(), 0.0))
         # Distinct classes on Python 3.10, aliases from 3.11 on.
         except (TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
-            name = getattr(method, "__name__", "call")
-            raise TimeoutError(f"DHT {name} got no answer within {limit:.1f}s") from None
+            raise TimeoutError(f"DHT {method} got no answer within {limit:.1f}s") from None
         finally:
             with self._send_lock:
                 self._in_flight.discard(future)
+
+    def _usable(self, deadline: float) -> Any:
+        """The current DHT process once it can take a request (send lock held), waiting
+        until `deadline` for a restart; raises DHTUnavailable when closed or out of time."""
+        while True:
+            if self._closed:
+                raise DHTUnavailable("SwarmDHT closed")
+            why = ("SwarmDHT not started (or restarting)" if self._dht is None
+                   else _unusable(self._dht))
+            if why is None:
+                return self._dht
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DHTUnavailable(why)
+            self._replaced.wait(min(left, 0.5))  # a dead process is noticed by polling
+
+
+def _unusable(dht: Any) -> str | None:
+    """Why DHT process `dht` cannot take a request now (None: it can)."""
+    if not dht.is_alive():
+        return f"DHT process {dht.pid} {_exit_text(dht.exitcode)}"
+    if (backlog := _pipe_backlog(dht)) > _MAX_PIPE_BACKLOG:
+        return f"DHT process {dht.pid} is not reading its requests ({backlog} bytes waiting)"
+    return None
 
 
 def _exit_text(code: int | None) -> str:
