@@ -334,10 +334,35 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     os._exit(1)
 
 
+def _fresh_mpfuture_locks() -> None:
+    """New objects for hivemind's class-wide MPFuture locks (multiprocessing locks, shared
+    with every process forked while they are set).
+
+    A DHT process SIGKILLed (or SIGSTOPped) while it held one, sending a result or making
+    its shared state, left it held for good: the next DHT process hung at start-up, and a
+    parent thread creating an MPFuture could hang too. Called around each fork, a child gets
+    locks of its own and the parent keeps locks no child holds. Nothing needs them shared:
+    each process takes them for its own pipe writes and allocations.
+    """
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    MPFuture._initialization_lock = mp.Lock()
+    MPFuture._update_lock = mp.Lock()
+    SharedBytes._lock = mp.Lock()
+
+
 def _orphan_safe(dht_class: Any) -> Any:
-    """hivemind.DHT subclass whose process dies with the process that started it."""
+    """hivemind.DHT subclass whose process dies with the process that started it and
+    shares no lock with it (`_fresh_mpfuture_locks`)."""
 
     class OrphanSafeDHT(dht_class):  # type: ignore[misc, valid-type]
+        def start(self) -> None:
+            _fresh_mpfuture_locks()  # the child's
+            try:
+                super().start()  # forks
+            finally:
+                _fresh_mpfuture_locks()  # the parent's from now on
+
         def run(self) -> None:
             _die_with_parent(self._dilonode_parent, self._dilonode_by_main)
             super().run()
@@ -405,6 +430,7 @@ class SwarmDHT:
         """Start the DHT process and join `initial_peers`; raises if it is not ready in time."""
         if self._dht is not None:
             raise RuntimeError("SwarmDHT already started")
+        self._closed = False  # a close() before start() closed nothing
         _import_hivemind()
         _ensure_fork_start_method()
         identity, key_path, fresh = self._identity()
