@@ -101,6 +101,10 @@ class DHTUnavailable(RuntimeError):
     """The DHT process (or its p2pd) is gone, stopped, restarting or not answering."""
 
 
+class _Restarted(DHTUnavailable):
+    """The process a request went to was replaced before it answered: send it again."""
+
+
 def split_maddr(maddr: str) -> tuple[str, str]:
     """(peer id, address without `/p2p/<peer id>`) of a multiaddr that names its peer;
     ValueError if it does not."""
@@ -591,7 +595,7 @@ class SwarmDHT:
             self._kill(old)
         with self._send_lock:
             self._dht = None
-        self._fail_in_flight(DHTUnavailable("the DHT process was restarted during the call"))
+        self._fail_in_flight(_Restarted("the DHT process was restarted during the call"))
         identity = self._credentials.identity
         key_dir = Path(tempfile.mkdtemp(prefix="dilonode-id-"))
         key_path = key_dir / "identity.key"
@@ -778,6 +782,19 @@ class SwarmDHT:
         only, never waiting (start, health checks)."""
         limit = self.op_timeout if timeout is None else timeout
         deadline = time.monotonic() + max(limit, 0.0)
+        while True:
+            try:
+                return self._send(method, args, kwargs, deadline, dht)
+            except _Restarted:
+                # Every request we send is safe to repeat (reads, stores of our own
+                # records, our own coroutines): send it to the new process.
+                if dht is not None or time.monotonic() >= deadline:
+                    raise
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                raise TimeoutError(f"DHT {method} got no answer within {limit:.1f}s") from None
+
+    def _send(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              deadline: float, dht: Any) -> Any:
         with self._send_lock:
             target = dht if dht is not None else self._usable(deadline)
             if (why := _unusable(target)) is not None:
@@ -786,10 +803,9 @@ class SwarmDHT:
             self._in_flight.add(future)
         try:
             return future.result(timeout=max(deadline - time.monotonic(), 0.0))
-        # Distinct classes on Python 3.10, aliases from 3.11 on.
         except (TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
-            raise TimeoutError(f"DHT {method} got no answer within {limit:.1f}s") from None
+            raise
         finally:
             with self._send_lock:
                 self._in_flight.discard(future)
