@@ -294,10 +294,10 @@ class SuperviseConfig(_Frozen):
     server, status server) and re-finds its swarm after a partition (dilonode/supervise.py).
 
     A part that fails its health check is restarted in place, one part at a time, with
-    exponential backoff; one that stays down longer than `give_up_after`, or is restarted
-    more than `max_restarts` times within `restart_window`, makes the node write a
-    checkpoint and exit non-zero with a one-line reason (systemd's Restart=on-failure then
-    starts it afresh)."""
+    exponential backoff; one that stays down longer than `give_up_after`, or goes down more
+    than `max_outages` times within `outage_window`, makes the node write a checkpoint and
+    exit non-zero with a one-line reason (systemd's Restart=on-failure then starts it
+    afresh)."""
 
     enabled: bool = Field(True, description="supervise the node's parts (off: a dead part "
                           "goes unnoticed, as before)")
@@ -315,10 +315,10 @@ class SuperviseConfig(_Frozen):
     give_up_after: float = Field(
         120.0, gt=0.0, description="seconds a part may stay down before the node gives up: "
         "checkpoint, then exit non-zero with the reason")
-    max_restarts: int = Field(
-        5, ge=1, description="restarts of one part within restart_window before the node "
-        "gives up (a part that keeps dying is not healing)")
-    restart_window: float = Field(300.0, gt=0.0, description="seconds max_restarts counts over")
+    max_outages: int = Field(
+        5, ge=1, description="outages of one part within outage_window the node rides out; "
+        "one more and it gives up (a part that keeps dying is not healing)")
+    outage_window: float = Field(300.0, gt=0.0, description="seconds max_outages counts over")
     exit_grace: float = Field(
         60.0, gt=0.0, description="seconds the node has to stop cleanly after giving up "
         "before it exits hard (exit code 1)")

@@ -14,8 +14,8 @@ The policy, per part (one-for-one: restarting a part never touches the others):
 * still down: another restart once its backoff has passed (`backoff_initial`, doubled after
   each restart, at most `backoff_max`); a failed restart is one WARNING line;
 * healthy again: one INFO line saying how long it was down and how many restarts it took;
-* down for longer than `give_up_after`, or restarted more than `max_restarts` times within
-  `restart_window` (it keeps dying): `on_fatal(reason)`, once, with a one-line reason, and
+* down for longer than `give_up_after`, or down for the (`max_outages` + 1)-th time within
+  `outage_window` (it keeps dying): `on_fatal(reason)`, once, with a one-line reason, and
   the supervisor stops. The node then writes a checkpoint and exits non-zero, so that
   systemd's Restart=on-failure starts it afresh.
 """
@@ -111,7 +111,7 @@ class _PartState:
     next_restart: float = 0.0
     restarts: int = 0  # in the current episode of being down
     total_restarts: int = 0
-    restart_times: deque[float] = field(default_factory=deque)
+    outages: deque[float] = field(default_factory=deque)  # when each began
     last_heal_s: float | None = None  # how long the last episode lasted
 
 
@@ -178,6 +178,7 @@ class Supervisor:
             first = st.down_since is None
             if first:
                 st.down_since, st.next_restart = now, now
+                st.outages.append(now)
             st.reason = reason
         if first:
             log.error("%s is down: %s; restarting it", part.name, reason)
@@ -192,19 +193,18 @@ class Supervisor:
         if down_for > self.cfg.give_up_after:
             return (f"{part.name} down for {down_for:.0f}s after {st.restarts} restart(s) "
                     f"(supervise.give_up_after = {self.cfg.give_up_after:g}): {st.reason}")
-        while st.restart_times and now - st.restart_times[0] > self.cfg.restart_window:
-            st.restart_times.popleft()
-        if len(st.restart_times) >= self.cfg.max_restarts:
-            return (f"{part.name} restarted {len(st.restart_times)} times within "
-                    f"{self.cfg.restart_window:g}s (supervise.max_restarts = "
-                    f"{self.cfg.max_restarts}) and is down again: {st.reason}")
+        while st.outages and now - st.outages[0] > self.cfg.outage_window:
+            st.outages.popleft()
+        if len(st.outages) > self.cfg.max_outages:
+            return (f"{part.name} went down {len(st.outages)} times within "
+                    f"{self.cfg.outage_window:g}s (supervise.max_outages = "
+                    f"{self.cfg.max_outages}): {st.reason}")
         return None
 
     def _restart(self, part: Part, st: _PartState, now: float) -> None:
         with self._lock:
             st.restarts += 1
             st.total_restarts += 1
-            st.restart_times.append(now)
             st.next_restart = now + st.backoff.next()
         t0 = self.clock()
         try:

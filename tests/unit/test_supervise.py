@@ -47,8 +47,8 @@ def direct(fn, timeout):
 
 
 CFG = SuperviseConfig(check_interval=1.0, check_timeout=2.0, backoff_initial=1.0,
-                      backoff_max=8.0, give_up_after=60.0, max_restarts=5,
-                      restart_window=300.0)
+                      backoff_max=8.0, give_up_after=60.0, max_outages=5,
+                      outage_window=300.0)
 
 
 def make(*names: str, cfg: SuperviseConfig = CFG):
@@ -88,7 +88,7 @@ def test_one_error_line_an_immediate_restart_and_a_heal_line(caplog):
 
 
 def test_failed_restarts_back_off_exponentially_up_to_the_maximum():
-    sup, clock, (a,), fatal = make("a", cfg=CFG.model_copy(update={"max_restarts": 100}))
+    sup, clock, (a,), fatal = make("a")
     a.broken, a.restart_fails = True, True
     for _ in range(50):
         sup.check()
@@ -101,8 +101,7 @@ def test_failed_restarts_back_off_exponentially_up_to_the_maximum():
 
 
 def test_a_part_down_too_long_gives_up_once_with_a_one_line_reason():
-    sup, clock, (a, b), fatal = make("a", "b", cfg=CFG.model_copy(
-        update={"max_restarts": 100}))
+    sup, clock, (a, b), fatal = make("a", "b")
     a.broken, a.restart_fails = True, True
     for _ in range(200):
         sup.check()
@@ -118,7 +117,7 @@ def test_a_part_down_too_long_gives_up_once_with_a_one_line_reason():
     assert len(a.restarts) == restarts and len(fatal) == 1
 
 
-def test_a_part_that_keeps_dying_gives_up_on_the_restart_rate():
+def test_a_part_that_keeps_dying_gives_up_on_the_outage_rate():
     sup, clock, (a,), fatal = make("a")
     for _ in range(20):
         a.broken = True  # dies again after every heal
@@ -128,11 +127,12 @@ def test_a_part_that_keeps_dying_gives_up_on_the_restart_rate():
         clock.t += 1
         if fatal:
             break
-    assert len(a.restarts) == CFG.max_restarts
-    assert len(fatal) == 1 and "restarted 5 times within 300s" in fatal[0]
+    assert len(a.restarts) == CFG.max_outages  # the sixth outage is not ridden out
+    assert len(fatal) == 1 and "went down 6 times within 300s" in fatal[0]
+    assert "supervise.max_outages = 5" in fatal[0]
 
 
-def test_restarts_outside_the_window_do_not_count():
+def test_outages_outside_the_window_do_not_count():
     sup, clock, (a,), fatal = make("a")
     for _ in range(12):
         a.broken = True
