@@ -306,6 +306,9 @@ class SuperviseConfig(_Frozen):
     check_timeout: float = Field(
         5.0, gt=0.0, description="seconds a part has to answer its health check before it "
         "counts as down (a stopped process, a wedged loop)")
+    unanswered_checks: int = Field(
+        2, ge=1, description="health checks in a row that must run out of time before a part "
+        "counts as down (a dead process or a refused connection counts at once)")
     restart_timeout: float = Field(
         45.0, gt=0.0, description="seconds one restart may take (a DHT restart re-bootstraps)")
     backoff_initial: float = Field(

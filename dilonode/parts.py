@@ -91,7 +91,7 @@ class ListenerPart:
             self.thread.run(probe_address(addr, timeout), timeout=timeout + 0.5)
         except (TimeoutError, concurrent.futures.TimeoutError):
             raise PartDown(f"{self.name} listener {addr}: no connection within "
-                           f"{timeout:g}s") from None
+                           f"{timeout:g}s", certain=False) from None
         except OSError as exc:
             raise PartDown(f"{self.name} listener {addr}: {exc.strerror or exc}") from None
 

@@ -10,7 +10,9 @@ way calls are bounded are injected, so the policy is tested with a fake clock an
 
 The policy, per part (one-for-one: restarting a part never touches the others):
 
-* healthy -> down: one ERROR line with the reason, then an immediate restart;
+* healthy -> down: one ERROR line with the reason, then an immediate restart. A check that
+  only ran out of time (`PartDown(certain=False)`) counts after `unanswered_checks` in a
+  row, so a slow moment is not taken for a wedged part;
 * still down: another restart once its backoff has passed (`backoff_initial`, doubled after
   each restart, at most `backoff_max`); a failed restart is one WARNING line;
 * healthy again: one INFO line saying how long it was down and how many restarts it took;
@@ -39,7 +41,16 @@ log = logging.getLogger(__name__)
 
 
 class PartDown(RuntimeError):
-    """A part is not healthy; the message says why, on one line."""
+    """A part is not healthy; the message says why, on one line.
+
+    `certain=False` marks a check that only ran out of time (a loaded machine can do that
+    to a healthy part): such failures count only after `supervise.unanswered_checks` in a
+    row. Any other exception from a health check is certain.
+    """
+
+    def __init__(self, reason: str, *, certain: bool = True) -> None:
+        super().__init__(reason)
+        self.certain = certain
 
 
 class Part(Protocol):
@@ -79,7 +90,7 @@ def bounded_call(fn: Callable[[float], None], timeout: float) -> None:
     thread.start()
     thread.join(timeout + 1.0)
     if thread.is_alive():
-        raise PartDown(f"no answer within {timeout:g}s")
+        raise PartDown(f"no answer within {timeout:g}s", certain=False)
     if box:
         raise box[0]
 
@@ -107,6 +118,7 @@ class _PartState:
 
     backoff: Backoff
     down_since: float | None = None  # None: healthy
+    strikes: int = 0  # uncertain failed checks in a row while healthy
     reason: str = ""
     next_restart: float = 0.0
     restarts: int = 0  # in the current episode of being down
@@ -167,8 +179,14 @@ class Supervisor:
         try:
             self.call(part.health, self.cfg.check_timeout)
         except Exception as exc:
-            self._down(part, st, _reason(exc))
+            st.strikes += 1
+            if (st.down_since is not None or getattr(exc, "certain", True)
+                    or st.strikes >= self.cfg.unanswered_checks):
+                self._down(part, st, _reason(exc))
+            else:
+                log.warning("%s did not answer its health check: %s", part.name, _reason(exc))
             return
+        st.strikes = 0
         if st.down_since is not None:
             self._healed(part, st)
 

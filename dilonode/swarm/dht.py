@@ -98,7 +98,12 @@ R = TypeVar("R", bound=Record)
 
 
 class DHTUnavailable(RuntimeError):
-    """The DHT process (or its p2pd) is gone, stopped, restarting or not answering."""
+    """The DHT process (or its p2pd) is gone, stopped, restarting or not answering.
+    `certain` is False when it only did not answer in time (see `supervise.PartDown`)."""
+
+    def __init__(self, reason: str, *, certain: bool = True) -> None:
+        super().__init__(reason)
+        self.certain = certain
 
 
 class _Restarted(DHTUnavailable):
@@ -574,7 +579,7 @@ class SwarmDHT:
             self._call("run_coroutine", _node_ping_p2pd, timeout=limit, dht=dht)
         except TimeoutError:
             raise DHTUnavailable(f"DHT process {dht.pid} did not answer a call through p2pd "
-                                 f"within {limit:g}s") from None
+                                 f"within {limit:g}s", certain=False) from None
         except DHTUnavailable:
             raise
         except Exception as exc:
@@ -582,10 +587,12 @@ class SwarmDHT:
                 from None
 
     def restart(self, timeout: float | None = None) -> None:
-        """Replace the DHT process and its p2pd: same identity and port, joined through the
-        initial peers and every peer remembered. Calls in flight fail at once; calls made
-        meanwhile raise `DHTUnavailable`. Raises if the new process is not up in `timeout`
-        (default `start_timeout`), leaving no process behind (a later restart tries again)."""
+        """Replace the DHT process and its p2pd (same identity and port), then dial and ping
+        the initial peers and every peer remembered. Calls in flight are sent again to the
+        new process; calls made meanwhile wait for it within their timeout. Raises if the
+        new process is not up in `timeout` (default `start_timeout`), leaving no process
+        behind (a later restart tries again). Comes up even when no peer answers (a
+        partition): the re-merge keeps calling them."""
         if self._credentials is None:
             raise RuntimeError("SwarmDHT.restart: start() first")
         old = self._dht
@@ -599,16 +606,23 @@ class SwarmDHT:
         identity = self._credentials.identity
         key_dir = Path(tempfile.mkdtemp(prefix="dilonode-id-"))
         key_path = key_dir / "identity.key"
+        t0 = time.monotonic()
         try:
             key_path.write_bytes(identity.to_bytes())
-            t0 = time.monotonic()
-            peers = self.initial_peers + self._remembered_maddrs()
-            self._spawn(identity, key_path, peers, self._bound_maddr, check_free=False,
+            # No bootstrap peers for p2pd and hivemind: p2pd refuses to start when none of
+            # them can be reached, and hivemind waits for them. We dial them ourselves below.
+            self._spawn(identity, key_path, [], self._bound_maddr, check_free=False,
                         strict=False, timeout=self.start_timeout if timeout is None else timeout)
         finally:
             shutil.rmtree(key_dir, ignore_errors=True)
-        log.info("DHT restarted in %.2fs as %s on %s (%d peers to join through)",
-                 time.monotonic() - t0, self._peer_id, self._bound_maddr, len(peers))
+        peers = self.known_peers()
+        try:
+            found = self.reconnect(peers, timeout=5.0)
+        except (TimeoutError, DHTUnavailable) as exc:
+            found = []
+            log.warning("DHT restarted, but dialling its peers failed: %s", exc)
+        log.info("DHT restarted in %.2fs as %s on %s; %d of %d known peers answered",
+                 time.monotonic() - t0, self._peer_id, self._bound_maddr, len(found), len(peers))
 
     def _kill(self, dht: Any) -> None:
         """SIGKILL a DHT process (a stopped one too) and its p2pd, and reap it."""

@@ -171,3 +171,25 @@ def test_config_is_validated_in_one_line_per_problem():
         load_config(overrides={"supervise": {"check_interval": 0}})
     with pytest.raises(ValueError, match="unique"):
         Supervisor([FakePart("a"), FakePart("a")], CFG, print)
+
+
+def test_a_check_that_only_ran_out_of_time_counts_after_unanswered_checks(caplog):
+    sup, clock, (a,), fatal = make("a", cfg=CFG.model_copy(update={"unanswered_checks": 2}))
+    slow = {"on": True}
+
+    def health(timeout: float) -> None:
+        if slow["on"]:
+            raise PartDown("a did not answer within 2s", certain=False)
+
+    a.health = health
+    with caplog.at_level(logging.WARNING, logger="dilonode.supervise"):
+        sup.check()  # one slow answer: a warning, no restart
+        assert a.restarts == [] and "did not answer its health check" in caplog.text
+        slow["on"] = False
+        sup.check()  # answered again: the strikes start over
+        slow["on"] = True
+        sup.check()
+        assert a.restarts == []
+        sup.check()  # two in a row: down, restarted
+    assert len(a.restarts) == 1
+    assert [r.levelno for r in caplog.records].count(logging.ERROR) == 1
