@@ -6,8 +6,9 @@ listener, state-sync server, status server) a kill -9 and a 30 s stop mid-run, i
 Per case: time to heal, rounds lost (rounds not averaged by all nodes, from the injection to
 the next case), the other nodes' extra waiting on the network, and the invariant (every node
 either ends with exit 0 and the same outer weights as the others that did, or exits non-zero
-with a one-line reason). Faults of one kind share a swarm, one at a time, spaced so that
-each has healed before the next. Needs root (ss -K, iptables, network namespaces).
+with a one-line reason). Faults of one kind share a swarm, one at a time: the next is
+injected `--gap` seconds after the previous one ended. Needs root (ss -K, iptables, network
+namespaces).
 
     sudo .venv/bin/python benchmarks/chaos.py --json runs/bench/chaos.json
 """
@@ -57,7 +58,8 @@ def loopback_run(args: argparse.Namespace, kind: str) -> list[dict[str, Any]]:
     spacing = args.kill_spacing if kind == "kill" else args.stop_spacing
     faults = cases(kind, spacing, args.stop_s)
     cfg = run_config(args, kind, faults[-1].at_step + spacing)
-    res = run_chaos(cfg, 3, faults, args.out / kind, deadline_s=args.deadline)
+    res = run_chaos(cfg, 3, faults, args.out / kind, deadline_s=args.deadline,
+                    gap_s=args.gap)
     return rows_of(kind, res)
 
 
@@ -101,8 +103,10 @@ def main() -> None:
     ap.add_argument("--runs", default="kill,stop,partition,partition-no-remerge",
                     help="comma-separated: kill, stop, partition, partition-no-remerge")
     ap.add_argument("--stop-s", type=float, default=30.0, help="length of a stop/partition")
-    ap.add_argument("--kill-spacing", type=int, default=30, help="steps between kills")
-    ap.add_argument("--stop-spacing", type=int, default=150, help="steps between stops")
+    ap.add_argument("--kill-spacing", type=int, default=40, help="steps between kills (at least)")
+    ap.add_argument("--stop-spacing", type=int, default=450, help="steps between stops (at least)")
+    ap.add_argument("--gap", type=float, default=10.0,
+                    help="seconds from the end of one fault to the next")
     ap.add_argument("--partition-step", type=int, default=100)
     ap.add_argument("--after-partition", type=int, default=200,
                     help="steps after the partition starts")

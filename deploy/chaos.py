@@ -293,10 +293,11 @@ def _cmdline(pid: int) -> str:
 
 
 def run_chaos(cfg: RunConfig, nodes: int, faults: Sequence[Fault], out: Path, *,
-              bed: Any = None, deadline_s: float = 900.0) -> ChaosResult:
-    """Run a bootstrap and `nodes` nodes to `cfg.total_steps`, injecting `faults` as the
-    nodes reach their steps; `bed` (a started `Testbed` with hosts bootstrap, node-0..)
-    places them in its namespaces, else everything runs on 127.0.0.1."""
+              bed: Any = None, deadline_s: float = 900.0, gap_s: float = 0.0) -> ChaosResult:
+    """Run a bootstrap and `nodes` nodes to `cfg.total_steps`, injecting `faults` in order,
+    each once its node reached its step and at least `gap_s` seconds after the previous
+    one ended (a stop lasts its `seconds`); `bed` (a started `Testbed` with hosts bootstrap,
+    node-0..) places them in its namespaces, else everything runs on 127.0.0.1."""
     from deploy.testbed import SwarmHosts
 
     cfg = cfg.model_copy(update={"paths": cfg.paths.model_copy(update={"out_dir": out})})
@@ -311,7 +312,8 @@ def run_chaos(cfg: RunConfig, nodes: int, faults: Sequence[Fault], out: Path, *,
         for i in range(nodes):
             swarm.start_node(i, [a for part, key in LISTENERS.items()
                                  for a in ("--set", f"{key}={ports[i][part]}")])
-        seen, progress = _follow(swarm, _Injector(swarm, ports, bed), list(faults), deadline_s)
+        seen, progress = _follow(swarm, _Injector(swarm, ports, bed), list(faults), deadline_s,
+                                 gap_s)
     finally:
         swarm.stop()
     ends = {f"node-{i}": _end(swarm, i, out, seen["summaries"]) for i in range(nodes)}
@@ -319,35 +321,43 @@ def run_chaos(cfg: RunConfig, nodes: int, faults: Sequence[Fault], out: Path, *,
                        time.monotonic() - t0, progress)
 
 
-def _follow(swarm: LocalSwarm, inject: _Injector, pending: list[Fault],
-            deadline_s: float) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    """Consume the nodes' events until all ended; inject each fault (on a thread of its
-    own, a stop lasts) when its node reports its step."""
+def _follow(swarm: LocalSwarm, inject: _Injector, pending: list[Fault], deadline_s: float,
+            gap_s: float) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """Consume the nodes' events until all ended; inject the faults one after the other
+    (each on a thread of its own: a stop lasts) as their nodes report their steps."""
     seen: dict[str, Any] = {"summaries": {}, "faults": []}
     progress: dict[str, list[Any]] = {}
-    threads = []
+    steps: dict[str, int] = {}
+    current: threading.Thread | None = None
     open_nodes = {f"node-{i}" for i in range(swarm.n)}
     end = time.monotonic() + deadline_s
     while open_nodes and time.monotonic() < end:
         try:
-            name, ev = swarm.events.get(timeout=1.0)
-        except Exception:  # queue.Empty: keep waiting until the deadline
-            continue
+            name, ev = swarm.events.get(timeout=0.5)
+        except Exception:  # queue.Empty: look at the pending faults again
+            name, ev = "", {}
         kind = ev.get("event")
         if kind == "summary":
             seen["summaries"][name] = ev
         elif kind == "eof":
             open_nodes.discard(name)
         elif kind == "progress":
+            steps[name] = ev["step"]
             progress.setdefault(name, []).append((time.time(), ev["step"],
                                                   ev.get("utilization", 1.0)))
-            for fault in [f for f in pending if name == f"node-{f.node}"
-                          and ev["step"] >= f.at_step]:
-                pending.remove(fault)
-                threads.append(_start_fault(inject, fault, seen["faults"]))
-    for t in threads:
-        t.join(timeout=120)
+        if pending and _due(pending[0], steps, current, seen["faults"], gap_s):
+            current = _start_fault(inject, pending.pop(0), seen["faults"])
+    if current is not None:
+        current.join(timeout=120)
     return seen, progress
+
+
+def _due(fault: Fault, steps: dict[str, int], current: threading.Thread | None,
+         done: list[Any], gap_s: float) -> bool:
+    """Whether `fault` may go now: its node is at its step, the previous one is over."""
+    if current is not None and (current.is_alive() or time.time() - done[-1][2] < gap_s):
+        return False
+    return steps.get(f"node-{fault.node}", -1) >= fault.at_step
 
 
 def _start_fault(inject: _Injector, fault: Fault, log: list[Any]) -> threading.Thread:

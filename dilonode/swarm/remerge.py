@@ -36,7 +36,7 @@ __all__ = ["Remerger"]
 
 log = logging.getLogger(__name__)
 
-_DIAL_TIMEOUT = 5.0  # seconds for one dial and ping (they run concurrently in the DHT process)
+_DIAL_TIMEOUT = 3.0  # seconds for one dial and ping (they run concurrently in the DHT process)
 # A record can be missing from one DHT read: a peer counts as missing only after this long.
 _MISSING_AFTER = 5.0
 
