@@ -193,7 +193,10 @@ class ChaosResult:
                                                         strict=True)):
             others = [n for n in self.nodes if n != f"node-{fault.node}"
                       or fault.part == "partition"]
+            last = [t for t, _, _ in self.progress.get(f"node-{fault.node}", [])]
             rows.append({"fault": fault.label, "heal_s": heal,
+                         # how long its node ran on after it (a heal needs time to show)
+                         "ran_on_s": round(max(last) - t0, 1) if last else None,
                          "rounds_lost": self.rounds_lost(t0, starts[i + 1]),
                          "others_excess_wait_s": max(
                              (self.excess_wait_s(n, t0, starts[i + 1]) for n in others),

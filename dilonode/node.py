@@ -152,7 +152,8 @@ class Node:
 
         sup = self.cfg.supervise
         if sup.enabled:
-            self.supervisor = Supervisor(node_parts(self), sup, self._give_up)
+            self.supervisor = Supervisor(node_parts(self), sup, self._give_up,
+                                         on_change=self._part_changed)
             self.supervisor.start()
         if sup.remerge:
             assert self.dht is not None
@@ -171,6 +172,18 @@ class Node:
         self._hard_exit.daemon = True
         self._hard_exit.start()
 
+    def _part_changed(self, part: str, down: bool) -> None:
+        """A node whose data listener is down cannot take part in rounds: say so in our
+        record at once (and again when it is back), so peers stop waiting for us meanwhile."""
+        if part == "data" and self.membership is not None:
+            self.membership.publish()
+
+    def _away(self) -> str | None:
+        """Why we are sitting rounds out (our data listener is down), or None."""
+        if self.supervisor is not None and self.supervisor.is_down("data"):
+            return "data listener down"
+        return None
+
     def _health(self) -> dict[str, Any]:
         return self.supervisor.snapshot() if self.supervisor is not None else {}
 
@@ -185,12 +198,17 @@ class Node:
                     exclude: set[str]) -> FormedGroup:
         # The collective is created before membership (membership needs its address).
         assert self.membership is not None
+        if (away := self._away()) is not None:  # peers could not reach us: do not register
+            raise ConnectionError(f"sitting this round out: {away}")
         return await self.membership.form(fragment, round_no, attempt, exclude)
 
     def _status(self) -> dict[str, Any]:
         w = self.worker
+        away = self._away()
+        # Peers leave a "leaving" record out of their groups: while we cannot be reached
+        # for rounds we are as good as gone to them, and they should not wait for us.
         return {"step": w.step if w is not None else 0, "worker": self.worker_id,
-                **self.status.summary()}
+                **self.status.summary(), **({"leaving": True, "away": away} if away else {})}
 
     def _trust_counters(self) -> dict[str, int]:
         # Data-plane and state-sync handshakes refused, in one counter.

@@ -133,7 +133,8 @@ class Supervisor:
     def __init__(self, parts: Sequence[Part], cfg: SuperviseConfig,
                  on_fatal: Callable[[str], None], *,
                  clock: Callable[[], float] = time.monotonic,
-                 call: BoundedCall = bounded_call) -> None:
+                 call: BoundedCall = bounded_call,
+                 on_change: Callable[[str, bool], None] | None = None) -> None:
         names = [p.name for p in parts]
         if len(set(names)) != len(names):
             raise ValueError(f"part names must be unique: {names}")
@@ -142,6 +143,7 @@ class Supervisor:
         self.on_fatal = on_fatal
         self.clock = clock
         self.call = call
+        self.on_change = on_change  # (part, down) when a part goes down or heals
         self.failure: str | None = None  # the reason given to on_fatal, once given
         self._state = {p.name: _PartState(Backoff(cfg.backoff_initial, cfg.backoff_max))
                        for p in parts}
@@ -200,6 +202,7 @@ class Supervisor:
             st.reason = reason
         if first:
             log.error("%s is down: %s; restarting it", part.name, reason)
+            self._changed(part.name, True)
         if (why := self._give_up_reason(part, st, now)) is not None:
             self._fatal(why)
         elif now >= st.next_restart:
@@ -244,6 +247,21 @@ class Supervisor:
             st.down_since, st.reason, st.restarts = None, "", 0
             st.last_heal_s = took
             st.backoff.reset()
+        self._changed(part.name, False)
+
+    def _changed(self, name: str, down: bool) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(name, down)
+        except Exception as exc:  # the node's reaction must not stop the supervision
+            log.warning("reacting to %s %s failed: %s", name, "down" if down else "healthy",
+                        _reason(exc))
+
+    def is_down(self, name: str) -> bool:
+        """Whether part `name` is in an outage now (False for an unknown name)."""
+        st = self._state.get(name)
+        return st is not None and st.down_since is not None
 
     def _fatal(self, reason: str) -> None:
         with self._lock:

@@ -193,3 +193,20 @@ def test_a_check_that_only_ran_out_of_time_counts_after_unanswered_checks(caplog
         sup.check()  # two in a row: down, restarted
     assert len(a.restarts) == 1
     assert [r.levelno for r in caplog.records].count(logging.ERROR) == 1
+
+
+def test_on_change_hears_of_each_outage_once_and_of_its_end():
+    clock = Clock()
+    part = FakePart("data", clock)
+    changes = []
+    sup = Supervisor([part], CFG, print, clock=clock, call=direct,
+                     on_change=lambda name, down: changes.append((name, down)))
+    part.broken, part.restart_fails = True, True
+    for _ in range(3):
+        sup.check()
+        clock.t += 2
+        assert sup.is_down("data")
+    part.broken = False
+    sup.check()
+    assert changes == [("data", True), ("data", False)]
+    assert not sup.is_down("data") and not sup.is_down("nothing")
