@@ -169,20 +169,22 @@ class ChaosResult:
         return out
 
     def excess_wait_s(self, node: str, since: float, until: float) -> float:
-        """Seconds `node`'s trainer waited on the network in [since, until) beyond its
-        usual share (its waiting rate before the first fault), from its progress events."""
+        """Seconds `node`'s trainer waited on the network in [since, until) beyond its usual
+        share: the median waiting rate between two of its progress events over the run
+        (faults are short next to a run, so the median is a fault-free interval)."""
         pts = self.progress.get(node, [])
-        if len(pts) < 3 or not self.faults:
+        if len(pts) < 3:
             return 0.0
         t0 = pts[0][0]
-        waited = [(t, (1.0 - u) * (t - t0)) for t, _, u in pts]  # cumulative wait
-        before = [(t, w) for t, w in waited if t <= self.faults[0][1]]
-        rate = before[-1][1] / (before[-1][0] - t0) if len(before) > 1 else 0.0
+        waited = [(t, (1.0 - u) * (t - t0)) for t, _, u in pts]  # cumulative wait, approx.
+        rates = sorted((w1 - w0) / (t1 - t0_) for (t0_, w0), (t1, w1)
+                       in zip(waited, waited[1:], strict=False) if t1 > t0_)
+        normal = rates[len(rates) // 2]
         inside = [(t, w) for t, w in waited if since <= t < until]
         if len(inside) < 2:
             return 0.0
         (ta, wa), (tb, wb) = inside[0], inside[-1]
-        return max(wb - wa - rate * (tb - ta), 0.0)
+        return max(wb - wa - normal * (tb - ta), 0.0)
 
     def per_fault(self) -> list[dict[str, Any]]:
         """Per fault: heal time, rounds lost and the other nodes' extra waiting in its

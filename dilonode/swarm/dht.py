@@ -360,11 +360,45 @@ def _fresh_mpfuture_locks() -> None:
     SharedBytes._lock = mp.Lock()
 
 
+# In the DHT process: the request tasks in flight (see `_hold_current_task`).
+_REQUESTS: set[Any] = set()
+
+
+def _hold_current_task() -> None:
+    """Keep a strong reference to the running task until it is done.
+
+    hivemind's DHT process runs each request as `asyncio.create_task(...)` and keeps no
+    reference to it; asyncio holds tasks weakly, so a request waiting on p2pd could be
+    garbage-collected mid-call ("Task was destroyed but it is pending!", GeneratorExit) and
+    its caller waited out its whole timeout. Seen under load as health checks and
+    matchmaking reads that got no answer.
+    """
+    import asyncio
+
+    task = asyncio.current_task()
+    if task is not None:
+        _REQUESTS.add(task)
+        task.add_done_callback(_REQUESTS.discard)
+
+
 def _orphan_safe(dht_class: Any) -> Any:
-    """hivemind.DHT subclass whose process dies with the process that started it and
-    shares no lock with it (`_fresh_mpfuture_locks`)."""
+    """hivemind.DHT subclass whose process dies with the process that started it, shares no
+    lock with it (`_fresh_mpfuture_locks`) and keeps its requests alive until answered
+    (`_hold_current_task`)."""
 
     class OrphanSafeDHT(dht_class):  # type: ignore[misc, valid-type]
+        async def _get(self, *args: Any, **kwargs: Any) -> Any:
+            _hold_current_task()
+            return await super()._get(*args, **kwargs)
+
+        async def _store(self, *args: Any, **kwargs: Any) -> Any:
+            _hold_current_task()
+            return await super()._store(*args, **kwargs)
+
+        async def _run_coroutine(self, *args: Any, **kwargs: Any) -> Any:
+            _hold_current_task()
+            return await super()._run_coroutine(*args, **kwargs)
+
         def start(self) -> None:
             _fresh_mpfuture_locks()  # the child's
             try:
