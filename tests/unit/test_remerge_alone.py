@@ -215,3 +215,20 @@ def test_dht_part_runs_its_hooks_after_a_restart_and_stays_down_until_they_succe
     part.restart(1.0)  # the DHT is fine: only the hook that failed runs again
     assert calls == ["tunnel", "publish", "tunnel"] and dht.restarts == 1
     part.health(1.0)
+
+
+def test_the_status_table_shows_the_warning_and_parts_down():
+    from dilonode.status.table import format_node
+
+    st = NodeStatus("r", 10, alone=AloneWatch(warn_after=1), live_others=lambda: 2,
+                    health=lambda: {"parts": {"data": {"state": "down", "down_s": 4.0,
+                                                       "reason": "refused", "restarts": 2,
+                                                       "last_outage_s": None}},
+                                    "failure": None})
+    key = SimpleNamespace(kind="fragment", fragment=0, round=0)
+    st.on_sync(key, SimpleNamespace(group_size=1, members=("me",), dropped=(), attempts=1,
+                                    skipped=False, payload_bytes_sent=0,
+                                    payload_bytes_received=0), step=1)
+    text = format_node(st.snapshot())
+    assert "WARNING     alone for 1 rounds while 2 peers are live" in text
+    assert "data for 4.0 s: refused" in text
