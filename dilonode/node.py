@@ -173,15 +173,19 @@ class Node:
         self._hard_exit.start()
 
     def _part_changed(self, part: str, down: bool) -> None:
-        """A node whose data listener is down cannot take part in rounds: say so in our
-        record at once (and again when it is back), so peers stop waiting for us meanwhile."""
-        if part == "data" and self.membership is not None:
+        """Our data listener is back: publish our record at once, so that peers that left
+        us out while we sat rounds out (`_away`, carried by the heartbeat) expect us again."""
+        if part == "data" and not down and self.membership is not None:
             self.membership.publish()
 
     def _away(self) -> str | None:
-        """Why we are sitting rounds out (our data listener is down), or None."""
-        if self.supervisor is not None and self.supervisor.is_down("data"):
-            return "data listener down"
+        """Why we are sitting rounds out, or None: our data listener has been down for
+        longer than a restart takes (a destroyed listener is back within a check; one that
+        peers cannot reach stays down, and every round with us would cost them a timeout).
+        A round we sit out is a lone round: we re-sync after it, as after any other."""
+        down = self.supervisor.down_for("data") if self.supervisor is not None else None
+        if down is not None and down >= 2 * self.cfg.supervise.check_interval:
+            return f"data listener down for {down:.0f}s"
         return None
 
     def _health(self) -> dict[str, Any]:

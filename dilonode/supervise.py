@@ -260,8 +260,13 @@ class Supervisor:
 
     def is_down(self, name: str) -> bool:
         """Whether part `name` is in an outage now (False for an unknown name)."""
+        return self.down_for(name) is not None
+
+    def down_for(self, name: str) -> float | None:
+        """Seconds part `name` has been down, or None while it is healthy (or unknown)."""
         st = self._state.get(name)
-        return st is not None and st.down_since is not None
+        since = st.down_since if st is not None else None
+        return None if since is None else self.clock() - since
 
     def _fatal(self, reason: str) -> None:
         with self._lock:

@@ -210,3 +210,4 @@ def test_on_change_hears_of_each_outage_once_and_of_its_end():
     sup.check()
     assert changes == [("data", True), ("data", False)]
     assert not sup.is_down("data") and not sup.is_down("nothing")
+    assert sup.down_for("data") is None
