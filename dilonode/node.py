@@ -173,10 +173,23 @@ class Node:
         self._hard_exit.start()
 
     def _part_changed(self, part: str, down: bool) -> None:
-        """Our data listener is back: publish our record at once, so that peers that left
-        us out while we sat rounds out (`_away`, carried by the heartbeat) expect us again."""
-        if part == "data" and not down and self.membership is not None:
-            self.membership.publish()
+        """Our data listener is back: reset the connections peers had open to it (they may
+        sit in TCP retransmission backoff after an outage, and would cost the next round a
+        timeout) and publish our record at once, so that peers that left us out while we
+        sat rounds out (`_away`, carried by the heartbeat) expect us again."""
+        if part != "data" or down or self.membership is None or self.collective is None:
+            return
+        outage = self._health()["parts"]["data"]["last_outage_s"] or 0.0
+        if outage < 2 * self.cfg.supervise.check_interval:
+            return  # back within a restart (a destroyed listener): nothing went stale
+        plane = self.collective.plane
+
+        async def reset() -> int:
+            return plane.reset_inbound()
+
+        dropped = self.collective.thread.run(reset(), timeout=5.0)
+        log.info("data listener back: reset %d connection(s) peers had open to it", dropped)
+        self.membership.publish()
 
     def _away(self) -> str | None:
         """Why we are sitting rounds out, or None: our data listener has been down for

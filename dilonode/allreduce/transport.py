@@ -587,6 +587,16 @@ class DataPlane:
             raise
         self.port = sock.getsockname()[1]
 
+    def reset_inbound(self) -> int:
+        """Abort every accepted connection; returns how many (on the loop). After our
+        listener was unreachable for a while, peers' connections to it sit in TCP
+        retransmission backoff long after the path is back; reset, they connect afresh
+        with their next frame."""
+        conns = list(self._inbound)
+        for conn in conns:
+            conn.close()
+        return len(conns)
+
     async def relisten(self) -> None:
         """Replace the listening socket by a new one on the same address (the node's
         supervisor, when the listener stopped accepting). Connections already accepted
