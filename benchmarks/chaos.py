@@ -91,6 +91,8 @@ def table(rows: list[dict[str, Any]]) -> str:
            "ran on | exits | one model | invariant |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         heal = "never" if r["heal_s"] is None else f"{r['heal_s']:.1f} s"
+        if r.get("dht_merge_s") is not None:
+            heal += f" (DHT: {r['dht_merge_s']:.1f} s)"
         wait = r["others_excess_wait_s"]
         out.append(f"| {r['run']} | {r['fault']} | {heal} | {r['rounds_lost']} | "
                    f"{wait:.1f} s ({'ok' if wait <= r['timeout_s'] else 'OVER'}) | "

@@ -121,8 +121,22 @@ class ChaosResult:
         the heal until every node was grouped with all others again."""
         return [self._heal_time(f, t0, t1) for f, t0, t1 in self.faults]
 
+    def dht_merge_s(self) -> list[float | None]:
+        """Per fault, for partitions: seconds from the heal until every node that missed
+        peers read all of them live again (its re-merge line); None otherwise or never."""
+        out: list[float | None] = []
+        for fault, _, t1 in self.faults:
+            times = []
+            for name in self.nodes if fault.part == "partition" else ():
+                back = [ev["ts"] for ev in self.log_events(name)
+                        if ev["ts"] >= t1 and ev["msg"].startswith("every peer seen recently")]
+                times.append(min(back) - t1 if back else None)
+            seen = [t for t in times if t is not None]
+            out.append(max(seen) if seen and len(seen) == len(times) else None)
+        return out
+
     def _heal_time(self, fault: Fault, t0: float, t1: float) -> float | None:
-        if fault.part == "partition":
+        if fault.part == "partition":  # the swarm averages as one group again
             full = [t for t, k in self._groups() if t >= t1 and k == len(self.nodes)]
             return min(full) - t1 if full else None
         part = "dht" if fault.part == "p2pd" else fault.part
@@ -191,12 +205,13 @@ class ChaosResult:
         window (from its injection to the next fault's, or the end)."""
         starts = [t for _, t, _ in self.faults] + [float("inf")]
         rows = []
+        merged = self.dht_merge_s()
         for i, ((fault, t0, _), heal) in enumerate(zip(self.faults, self.heal_times(),
                                                         strict=True)):
             others = [n for n in self.nodes if n != f"node-{fault.node}"
                       or fault.part == "partition"]
             last = [t for t, _, _ in self.progress.get(f"node-{fault.node}", [])]
-            rows.append({"fault": fault.label, "heal_s": heal,
+            rows.append({"fault": fault.label, "heal_s": heal, "dht_merge_s": merged[i],
                          # how long its node ran on after it (a heal needs time to show)
                          "ran_on_s": round(max(last) - t0, 1) if last else None,
                          "rounds_lost": self.rounds_lost(t0, starts[i + 1]),
