@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -136,10 +137,25 @@ async def _relisten_state(server: Any) -> None:
     port = int(server.address.rsplit(":", 1)[1])
     await server.aclose()
     server.cfg = server.cfg.model_copy(update={"port": port})
-    await server.start()
+    await _rebind(server.start)
 
 
 async def _relisten_status(server: Any) -> None:
     """The status server again on the same port (`StatusServer.start` keeps it)."""
     await server.aclose()
-    await server.start()
+    await _rebind(server.start)
+
+
+async def _rebind(start: Callable[[], Awaitable[Any]], tries: int = 20) -> None:
+    """`start()` again while the old listening socket is still closing: uvloop closes it on
+    a later loop iteration, and until then binding the port fails (EADDRINUSE; the status
+    server reports that as a ValueError naming the port)."""
+    for _ in range(tries - 1):
+        try:
+            await start()
+            return
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, OSError) and exc.errno != errno.EADDRINUSE:
+                raise
+            await asyncio.sleep(0.05)
+    await start()

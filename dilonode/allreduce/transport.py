@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import logging
 import socket
 import sys
@@ -606,6 +607,16 @@ class DataPlane:
         server, self._server = self._server, None
         if server is not None:
             server.close()
+        # uvloop closes the old socket on a later loop iteration: until then the port is
+        # still taken (EADDRINUSE), so try again for a second.
+        for _ in range(20):
+            try:
+                await self._listen()
+                return
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                await asyncio.sleep(0.05)
         await self._listen()
 
     async def aclose(self, grace: float = 1.0) -> None:

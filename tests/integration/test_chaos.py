@@ -8,7 +8,7 @@ a one-line reason, a checkpoint) while the others train on. The swarm-level inva
 asserted from outside (exit codes, the summaries' `outer_digest`, the last stderr line).
 
 Needs `ss` (to destroy a socket) and root with iptables (to filter a port); about two
-minutes on an idle 2-core box.
+minutes on an idle 2-core box, up to seven on one shared with other swarms.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ GIVE_UP = Fault(2, "data", "stop", at_step=160, seconds=30.0)  # > give_up_after
 HEAL_BOUND_S = 15.0  # check_interval + a restart, or the stop's length + a check
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(720)
 def test_three_nodes_heal_every_broken_part_and_end_with_one_model(tmp_path):
     cfg = load_config(overrides=CFG)
-    res = run_chaos(cfg, 3, [*FAULTS, GIVE_UP], tmp_path, deadline_s=420)
+    res = run_chaos(cfg, 3, [*FAULTS, GIVE_UP], tmp_path, deadline_s=660)
     rows = res.per_fault()
     for row in rows:
         print(row)
