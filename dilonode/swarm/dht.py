@@ -337,6 +337,45 @@ def _die_with_parent(parent_pid: int, forked_by_main: bool) -> None:
                          name="dilonode-orphan-watch").start()
 
 
+def _release_parent_sockets() -> None:
+    """In a forked child: let go of the parent's TCP sockets (listeners, connections).
+
+    A DHT process forked by a running node (a restart) inherits every socket the node has
+    open. Its copy kept the node's listening ports taken (a listener restarted in place got
+    EADDRINUSE, and the kernel went on queueing connections nobody accepted) and kept
+    closed connections open (peers saw no hang-up). Each such descriptor is pointed at
+    /dev/null instead of closed, so that a socket object of the parent's that this child
+    garbage-collects later closes that copy, never an unrelated descriptor of the child.
+    """
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return  # not Linux
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in fds:
+            if fd != devnull and _is_tcp_socket(fd):
+                os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _is_tcp_socket(fd: int) -> bool:
+    import socket
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return False
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        return sock.family in (socket.AF_INET, socket.AF_INET6)
+    finally:
+        sock.detach()  # the descriptor stays open: only asked
+
+
 def _exit_when_orphaned(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
@@ -408,6 +447,7 @@ def _orphan_safe(dht_class: Any) -> Any:
 
         def run(self) -> None:
             _die_with_parent(self._dilonode_parent, self._dilonode_by_main)
+            _release_parent_sockets()
             super().run()
 
         def run_in_background(self, *args: Any, **kwargs: Any) -> Any:

@@ -259,3 +259,31 @@ def test_a_wedged_loop_fails_the_check_within_its_deadline(loop):
     t0 = time.monotonic()
     assert "no connection within 0.3s" in (_down_in(part, 0.3) or "")
     assert time.monotonic() - t0 < 1.5
+
+
+def test_a_restarted_dht_process_holds_none_of_the_nodes_sockets(pair):
+    """A DHT process forked by a running node must not keep the node's listening ports (or
+    connections) open: the listeners could not be restarted in place, peers saw no hang-up."""
+    import socket
+
+    boot, node = pair
+    listener = socket.create_server((HOST, 0))
+    try:
+        node.restart(30.0)
+        link = f"socket:[{os.fstat(listener.fileno()).st_ino}]"
+        child = node._dht.pid
+        held = [fd for fd in os.listdir(f"/proc/{child}/fd")
+                if _readlink(f"/proc/{child}/fd/{fd}") == link]
+        assert held == [], f"the DHT process {child} holds the node's listener as fd {held}"
+        port = listener.getsockname()[1]
+        listener.close()
+        socket.create_server((HOST, port)).close()  # the port is free again
+    finally:
+        listener.close()
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
