@@ -18,6 +18,7 @@ one-line reason (the CLI then exits non-zero).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -25,6 +26,7 @@ import math
 import os
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,9 +217,20 @@ class Node:
                     exclude: set[str]) -> FormedGroup:
         # The collective is created before membership (membership needs its address).
         assert self.membership is not None
-        if (away := self._away()) is not None:  # peers could not reach us: do not register
-            raise ConnectionError(f"sitting this round out: {away}")
+        if self._away() is not None and (away := await self._wait_back(attempt)) is not None:
+            raise ConnectionError(f"sitting this round out: {away}")  # do not register
         return await self.membership.form(fragment, round_no, attempt, exclude)
+
+    async def _wait_back(self, attempt: int) -> str | None:
+        """While we sit rounds out, a round's first attempt waits as long as forming a
+        group may take for our data listener to come back; None if it did. Going on at
+        once instead made a node train ahead of its swarm through lone rounds, and a node
+        ahead of its peers finds no newer state to re-sync to."""
+        deadline = time.monotonic() + (self.cfg.network.matchmaking_timeout if attempt == 0
+                                       else 0.0)
+        while (away := self._away()) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+        return away
 
     def _status(self) -> dict[str, Any]:
         w = self.worker
