@@ -64,8 +64,10 @@ class Fault:
 
     @property
     def label(self) -> str:
-        what = f"{self.kind} {self.part}" if self.part != "partition" else "partition"
-        return f"{what} node-{self.node}" + (f" {self.seconds:g}s" if self.kind == "stop" else "")
+        if self.part == "partition":
+            return f"partition {'|'.join(str(len(s)) for s in self.sides)} {self.seconds:g}s"
+        return (f"{self.kind} {self.part} node-{self.node}"
+                + (f" {self.seconds:g}s" if self.kind == "stop" else ""))
 
 
 @dataclass
