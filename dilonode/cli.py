@@ -101,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"dilonode: {exc}", file=sys.stderr)
         return 2
+    except commands.NodeFailure as exc:
+        print(f"dilonode: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -28,7 +28,13 @@ from dilonode.progress import (
     summary_text,
 )
 
-__all__ = ["bootstrap", "identity", "prepare_data", "run_node", "simulate", "status", "swarm"]
+__all__ = ["NodeFailure", "bootstrap", "identity", "prepare_data", "run_node", "simulate",
+           "status", "swarm"]
+
+
+class NodeFailure(Exception):
+    """The node gave up on a part it could not restart (dilonode/supervise.py); printed as
+    one line, exit status 1, so that a service manager restarts it."""
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -143,6 +149,8 @@ def run_node(args: argparse.Namespace) -> int:
             print(summary_json(summary), flush=True)
         else:
             print(summary_text(json.loads(summary_json(summary))), flush=True)
+        if node.failure is not None:
+            raise NodeFailure(node.failure)
     except (ValueError, TimeoutError, RecoveryError) as exc:
         raise UserError(str(exc)) from None
     finally:

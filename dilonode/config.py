@@ -42,6 +42,7 @@ __all__ = [
     "SimConfig",
     "StateSyncConfig",
     "StatusConfig",
+    "SuperviseConfig",
     "load_config",
     "parse_overrides",
 ]
@@ -371,6 +372,66 @@ class AdmissionConfig(_Frozen):
         "events (the first of each address is logged in full)")
 
 
+class SuperviseConfig(_Frozen):
+    """How a node watches its own parts (DHT process and p2pd, data plane listener, state
+    server, status server) and re-finds its swarm after a partition (dilonode/supervise.py).
+
+    A part that fails its health check is restarted in place, one part at a time, with
+    exponential backoff; one that stays down longer than `give_up_after`, or goes down more
+    than `max_outages` times within `outage_window`, makes the node write a checkpoint and
+    exit non-zero with a one-line reason (systemd's Restart=on-failure then starts it
+    afresh)."""
+
+    enabled: bool = Field(True, description="supervise the node's parts (off: a dead part "
+                          "goes unnoticed, as before)")
+    check_interval: float = Field(
+        2.0, gt=0.0, description="seconds between two health checks of every part")
+    check_timeout: float = Field(
+        5.0, gt=0.0, description="seconds a part has to answer its health check before it "
+        "counts as down (a stopped process, a wedged loop)")
+    unanswered_checks: int = Field(
+        2, ge=1, description="health checks in a row that must run out of time before a part "
+        "counts as down (a dead process or a refused connection counts at once)")
+    restart_timeout: float = Field(
+        45.0, gt=0.0, description="seconds one restart may take (a DHT restart re-bootstraps)")
+    backoff_initial: float = Field(
+        1.0, gt=0.0, description="seconds before the second restart of a part that stays "
+        "down (the first is immediate); doubled after each failed one")
+    backoff_max: float = Field(30.0, gt=0.0, description="longest wait between restarts")
+    give_up_after: float = Field(
+        120.0, gt=0.0, description="seconds a part may stay down before the node gives up: "
+        "checkpoint, then exit non-zero with the reason")
+    max_outages: int = Field(
+        5, ge=1, description="outages of one part within outage_window the node rides out; "
+        "one more and it gives up (a part that keeps dying is not healing)")
+    outage_window: float = Field(300.0, gt=0.0, description="seconds max_outages counts over")
+    exit_grace: float = Field(
+        60.0, gt=0.0, description="seconds the node has to stop cleanly after giving up "
+        "before it exits hard (exit code 1)")
+    remerge: bool = Field(
+        True, description="when fewer peers are live than were seen recently, re-contact the "
+        "initial peers and the remembered ones (DHT re-merge after a partition)")
+    remember_for: float = Field(
+        600.0, gt=0.0, description="seconds a peer not seen live is still looked for")
+    remerge_backoff_max: float = Field(
+        30.0, gt=0.0, description="longest wait between two re-contact attempts")
+    alone_warn_rounds: int = Field(
+        3, ge=1, description="consecutive rounds alone while other peers are live before "
+        "the node warns (log, status endpoint, dashboard)")
+    alone_log_every: float = Field(
+        60.0, gt=0.0, description="seconds between two repeats of the 'alone' warning log")
+
+    @model_validator(mode="after")
+    def _check(self) -> SuperviseConfig:
+        if self.backoff_max < self.backoff_initial:
+            raise ValueError(f"supervise.backoff_max = {self.backoff_max}: must be >= "
+                             f"supervise.backoff_initial = {self.backoff_initial}")
+        if self.give_up_after <= self.check_timeout:
+            raise ValueError(f"supervise.give_up_after = {self.give_up_after}: must be > "
+                             f"supervise.check_timeout = {self.check_timeout}")
+        return self
+
+
 class CheckpointConfig(_Frozen):
     """Periodic local checkpoints of the outer state (dilonode/train/checkpoint.py)."""
 
@@ -470,6 +531,7 @@ class RunConfig(_Frozen):
     statesync: StateSyncConfig = StateSyncConfig()
     status: StatusConfig = StatusConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    supervise: SuperviseConfig = SuperviseConfig()
     paths: PathsConfig = PathsConfig()
     sim: SimConfig = SimConfig()
 

@@ -8,15 +8,25 @@ and/or recover the run's state from live peers, publishes this node's peer recor
 until `total_steps` or until `stop` is set, then lands in-flight syncs (abandoning those not
 done within `network.leave_timeout` when stopped). `close()` stops serving state, withdraws
 the peer record and shuts everything down within seconds.
+
+Once started, a `Supervisor` (dilonode/supervise.py, parts in dilonode/parts.py) watches the
+DHT process and p2pd, the data plane, state and status listeners and restarts them in place;
+a `Remerger` (swarm/remerge.py) finds the swarm again after a partition. If a part cannot be
+brought back, the node stops training, writes its exit checkpoint and `failure` holds the
+one-line reason (the CLI then exits non-zero).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import math
+import os
+import sys
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +36,7 @@ from dilonode.algo.robust import BanTracker
 from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolicy
 from dilonode.config import RunConfig
 from dilonode.statesync.keeper import StateKeeper
+from dilonode.status.alone import AloneWatch
 from dilonode.status.snapshot import NodeStatus, ObservedCollective
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
@@ -91,13 +102,21 @@ class Node:
         self.bans: BanTracker | None = None  # peers left out for repeated rejections
         # Caps on incoming connections and peer-caused log lines, per listening port.
         self.admission = Admission(interval=cfg.admission.log_interval)
+        sup = cfg.supervise
         self.status = NodeStatus(cfg.run_id, cfg.total_steps, history=cfg.status.history,
                                  peers=self._peers_seen, trust=self._trust_counters,
                                  admission=self.admission.snapshot,
-                                 checkpoint_age=self.keeper.checkpointer.age_s)
+                                 checkpoint_age=self.keeper.checkpointer.age_s,
+                                 alone=AloneWatch(sup.alone_warn_rounds, sup.alone_log_every),
+                                 live_others=self._live_others, health=self._health)
         self.status_server: Any = None
         self.clock: Any = None  # ClockKeeper: the swarm clock (pacing = "time")
         self.verdict: Any = None  # the end-of-run agreement Verdict
+        self.supervisor: Any = None  # dilonode.supervise.Supervisor, once started
+        self.remerger: Any = None  # dilonode.swarm.remerge.Remerger, once started
+        self.failure: str | None = None  # why the node gave up, if it did
+        self._stop: threading.Event | None = None  # run()'s stop event
+        self._hard_exit: threading.Timer | None = None
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -147,6 +166,74 @@ class Node:
         self.membership.wait_for_peers(net.min_peers, net.start_timeout)
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())
+        self._supervise()
+
+    def _supervise(self) -> None:
+        """Watch our parts (supervise.enabled) and re-merge after partitions (.remerge)."""
+        from dilonode.parts import node_parts
+        from dilonode.supervise import Supervisor
+        from dilonode.swarm.remerge import Remerger
+
+        sup = self.cfg.supervise
+        if sup.enabled:
+            self.supervisor = Supervisor(node_parts(self), sup, self._give_up,
+                                         on_change=self._part_changed)
+            self.supervisor.start()
+        if sup.remerge:
+            assert self.dht is not None
+            self.remerger = Remerger(self.dht, sup)
+            self.remerger.start()
+
+    def _give_up(self, reason: str) -> None:
+        """The supervisor's loud exit: stop training (the exit checkpoint is written as on
+        any stop), and exit hard if that does not happen within supervise.exit_grace."""
+        self.failure = reason
+        self.status.set_state("failed")
+        if self._stop is not None:
+            self._stop.set()
+        grace = self.cfg.supervise.exit_grace
+        self._hard_exit = threading.Timer(grace, _exit_hard, args=(reason, grace))
+        self._hard_exit.daemon = True
+        self._hard_exit.start()
+
+    def _part_changed(self, part: str, down: bool) -> None:
+        """Our data listener is back: reset the connections peers had open to it (they may
+        sit in TCP retransmission backoff after an outage, and would cost the next round a
+        timeout) and publish our record at once, so that peers that left us out while we
+        sat rounds out (`_away`, carried by the heartbeat) expect us again."""
+        if part != "data" or down or self.membership is None or self.collective is None:
+            return
+        outage = self._health()["parts"]["data"]["last_outage_s"] or 0.0
+        if outage < 2 * self.cfg.supervise.check_interval:
+            return  # back within a restart (a destroyed listener): nothing went stale
+        plane = self.collective.plane
+
+        async def reset() -> int:
+            return plane.reset_inbound()
+
+        dropped = self.collective.thread.run(reset(), timeout=5.0)
+        log.info("data listener back: reset %d connection(s) peers had open to it", dropped)
+        self.membership.publish()
+
+    def _away(self) -> str | None:
+        """Why we are sitting rounds out, or None: our data listener has been down for
+        longer than a restart takes (a destroyed listener is back within a check; one that
+        peers cannot reach stays down, and every round with us would cost them a timeout).
+        A round we sit out is a lone round: we re-sync after it, as after any other."""
+        down = self.supervisor.down_for("data") if self.supervisor is not None else None
+        if down is not None and down >= 2 * self.cfg.supervise.check_interval:
+            return f"data listener down for {down:.0f}s"
+        return None
+
+    def _health(self) -> dict[str, Any]:
+        return self.supervisor.snapshot() if self.supervisor is not None else {}
+
+    def _live_others(self) -> int:
+        """Other peers with a live record, from membership's last read (no DHT call)."""
+        if self.membership is None or self.dht is None:
+            return 0
+        me = self.dht.peer_id
+        return sum(r.peer_id != me for r in self.membership.live_peers(max_age=math.inf))
 
     def _local_state(self, fragment: int) -> tuple[str, int]:
         """(chain of the fragment's outer state, tokens trained) for matchmaking; the chain
@@ -222,12 +309,28 @@ class Node:
                     exclude: set[str]) -> FormedGroup:
         # The collective is created before membership (membership needs its address).
         assert self.membership is not None
+        if self._away() is not None and (away := await self._wait_back(attempt)) is not None:
+            raise ConnectionError(f"sitting this round out: {away}")  # do not register
         return await self.membership.form(fragment, round_no, attempt, exclude)
+
+    async def _wait_back(self, attempt: int) -> str | None:
+        """While we sit rounds out, a round's first attempt waits as long as forming a
+        group may take for our data listener to come back; None if it did. Going on at
+        once instead made a node train ahead of its swarm through lone rounds, and a node
+        ahead of its peers finds no newer state to re-sync to."""
+        deadline = time.monotonic() + (self.cfg.network.matchmaking_timeout if attempt == 0
+                                       else 0.0)
+        while (away := self._away()) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+        return away
 
     def _status(self) -> dict[str, Any]:
         w = self.worker
+        away = self._away()
+        # Peers leave a "leaving" record out of their groups: while we cannot be reached
+        # for rounds we are as good as gone to them, and they should not wait for us.
         return {"step": w.step if w is not None else 0, "worker": self.worker_id,
-                **self.status.summary()}
+                **self.status.summary(), **({"leaving": True, "away": away} if away else {})}
 
     def _trust_counters(self) -> dict[str, int]:
         # Data-plane and state-sync handshakes refused, in one counter.
@@ -286,8 +389,11 @@ class Node:
 
     def close(self) -> None:
         """Withdraw the peer record, stop the data plane and the DHT (idempotent)."""
-        if self.clock is not None:
-            self.clock.close()
+        for watcher in (self.supervisor, self.remerger, self.clock):
+            if watcher is not None:  # nothing restarts or re-times behind our back
+                watcher.close()
+        if self._hard_exit is not None:
+            self._hard_exit.cancel()
         if self.collective is not None:
             self.keeper.close(self.collective.thread)
         if self.membership is not None:
@@ -316,6 +422,9 @@ class Node:
         from dilonode.train.loop import train_loop
 
         steps = self.cfg.total_steps if total_steps == -1 else total_steps
+        self._stop = stop  # the supervisor sets it when it gives up
+        if self.failure is not None:
+            stop.set()
         batches = self.data.eval_batches(self.cfg.data.seq_len, self.cfg.data.batch_size,
                                          self.cfg.data.eval_batches)
         self.status.total_steps = steps
@@ -420,6 +529,13 @@ class Node:
 
 def summary_json(summary: NodeSummary) -> str:
     return json.dumps({"event": "summary", **asdict(summary)})
+
+
+def _exit_hard(reason: str, grace: float) -> None:
+    """The node gave up and did not stop within `grace` s: say why on one line and exit 1."""
+    log.error("did not stop within %.0fs of giving up; exiting now", grace)
+    print(f"dilonode: {reason}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _serves_replays(cfg: RunConfig) -> bool:

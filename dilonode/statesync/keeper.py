@@ -211,8 +211,14 @@ class StateKeeper:
     def adopt(self, worker: Any, thread: Any, dht: Any, prefer: tuple[str, ...] = ()) -> bool:
         """Take the state the live peers agree on (or, with `prefer`, the state of those
         peers) if it differs from ours; True if ours was replaced. Nothing may be in flight."""
-        peers = _serving_peers(dht)
-        if not peers or not (self.active and self.cfg.statesync.enabled):
+        if not (self.active and self.cfg.statesync.enabled):
+            return False
+        try:
+            peers = _serving_peers(dht)
+        except (RuntimeError, TimeoutError) as exc:  # the DHT is down or restarting
+            log.warning("cannot read the peers now to re-sync: %s", exc)
+            return False
+        if not peers:
             return False
 
         async def already_visible() -> None:

@@ -7,6 +7,10 @@ the group that averaged it. Readers on other threads call `snapshot()`, `history
 `summary()`; each takes the lock only long enough to copy plain values, so a reader never
 stalls training and never sees a half-updated step. Nothing here does I/O.
 
+An `AloneWatch` (status/alone.py) sees every landed round with the number of other live
+peers, and the node's supervisor (dilonode/supervise.py) reports its parts: both show in
+`snapshot()` as `alone` and `supervision`.
+
 The history is a ring buffer of samples taken at most every `sample_every` seconds (not every
 step: a fast model would fill it in seconds), columnar so the dashboard can draw it directly.
 """
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dilonode import PROTOCOL_VERSION, __version__
+from dilonode.status.alone import AloneWatch
 
 if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no torch
     import torch
@@ -66,7 +71,9 @@ class NodeStatus:
                  trust: Callable[[], dict[str, int]] | None = None,
                  admission: Callable[[], dict[str, Any]] | None = None,
                  checkpoint_age: Callable[[], float | None] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, alone: AloneWatch | None = None,
+                 live_others: Callable[[], int] | None = None,
+                 health: Callable[[], dict[str, Any]] | None = None) -> None:
         self.run_id = run_id
         self.total_steps = total_steps
         self.peer_id = ""
@@ -79,6 +86,9 @@ class NodeStatus:
         self._admission = admission or dict  # refused/closed connections per port and reason
         self._checkpoint_age = checkpoint_age or (lambda: None)
         self._clock = clock
+        self.alone = alone  # rounds alone while peers are live (None: not watched)
+        self._live_others = live_others or (lambda: max(self._peers() - 1, 0))
+        self._health = health  # the supervisor's view of the node's parts
         self._lock = threading.Lock()
         self._started = clock()
         self._cur: dict[str, Any] = {"step": 0, "tokens": 0, "train_loss": None,
@@ -136,6 +146,8 @@ class NodeStatus:
             self._rounds[label] = self._rounds.get(label, 0) + 1
             self._skipped += int(result.skipped)
             self._retried += int(result.attempts > 1)
+        if self.alone is not None:
+            self.alone.on_round(result.group_size, self._live_others())
 
     def set_state(self, state: str) -> None:
         with self._lock:
@@ -184,6 +196,10 @@ class NodeStatus:
                                   "skipped": r.skipped, "bytes_sent": r.bytes_sent,
                                   "bytes_received": r.bytes_received}}
                         for label, r in sorted(syncs.items(), key=lambda kv: _label_order(kv[0]))]
+        if self.alone is not None:
+            out["alone"] = self.alone.snapshot()
+        if self._health is not None:
+            out["supervision"] = self._health()
         return out
 
     def history(self) -> dict[str, Any]:
