@@ -470,7 +470,15 @@ class Node:
         assert self.dht is not None and self.collective is not None
         net = self.cfg.network
         board = FinalBoard(self.dht, self.cfg.run_id)
-        expected = {m for ms in self.worker.stats.members.values() for m in ms} - {self.peer_id}
+        # The peers of our last rounds, and every other live one: a node left alone at the
+        # end must still find out that the others hold other weights.
+        expected = {m for ms in self.worker.stats.members.values() for m in ms}
+        if self.membership is not None:
+            try:
+                expected |= {r.peer_id for r in self.membership.live_peers(max_age=1.0)}
+            except (TimeoutError, RuntimeError) as exc:
+                log.warning("end of run: cannot read the live peers: %s", exc)
+        expected -= {self.peer_id}
         wait = net.matchmaking_timeout + net.allreduce_timeout
         mine = self._final_record()
         try:

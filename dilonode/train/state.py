@@ -170,6 +170,11 @@ class WorkerState:
                                      f"{tuple(src.shape)} does not fit {dst.dtype} "
                                      f"{tuple(dst.shape)} (a different model?)")
         for p, st in enumerate(outer):
-            st.weights.copy_(self.tensors[f"outer.{p}.weights"])
-            st.momentum_buf.copy_(self.tensors[f"outer.{p}.momentum"])
-            st.steps = self.outer_steps[p]
+            self.apply_fragment(p, st)
+
+    def apply_fragment(self, p: int, st: OuterState) -> None:
+        """Copy fragment p's outer weights, momentum and step count into `st` (checked to
+        fit by `apply_to`, or by the caller)."""
+        st.weights.copy_(self.tensors[f"outer.{p}.weights"])
+        st.momentum_buf.copy_(self.tensors[f"outer.{p}.momentum"])
+        st.steps = self.outer_steps[p]

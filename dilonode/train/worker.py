@@ -515,6 +515,24 @@ class Worker:
         if isinstance(self.pacer, TimePacer):
             self.pacer.restart()  # the fetch was no step: keep it out of the step time
 
+    def import_fragments(self, state: WorkerState, fragments: list[int]) -> None:
+        """Adopt `state` for `fragments` only (paced by the clock, a re-syncing worker has
+        rounds of other fragments in flight nearly all the time): their outer state, round
+        counters and chains, local weights set to the outer weights; AdamW moments kept."""
+        if any(p in self.pending for p in fragments) or self.plan is None:
+            raise RuntimeError(f"import_fragments: fragments {fragments} must not be in flight")
+        if len(state.rounds) != len(self.outer):
+            raise ValueError(f"state has {len(state.rounds)} fragments, this worker "
+                             f"{len(self.outer)} (diloco.num_fragments differs)")
+        for p in fragments:
+            state.apply_fragment(p, self.outer[p])
+            unflatten_into(self.outer[p].weights, self._frag_params(self.fragments[p]))
+            self.next_round[p] = state.rounds[p]
+            self.tokens_since[p] = 0
+            self.replays.pop(p, None)
+            if state.chains:
+                self.chains[p] = state.chains[p]
+
     # -- evaluation ----------------------------------------------------------------------
     def outer_model(self) -> nn.Module:
         """A copy of the model holding the outer (global) weights; DDP: the weights."""
