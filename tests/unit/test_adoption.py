@@ -80,3 +80,19 @@ def test_a_resyncing_worker_keeps_its_moments_and_does_not_spike(swarm_state):
     assert lrs[0] == cfg.inner.lr  # no re-warm needed: its moments are kept
     assert max(old) > old[0] + 0.03, old
     assert max(new) <= new[0] + 0.02, new
+
+
+def test_a_worker_adopts_the_fragments_not_in_flight_and_keeps_the_others(swarm_state):
+    cfg, state = swarm_state
+    w = Worker(cfg, load_data(cfg.data), LocalGroup(2, get_codec("int4")).view(0), identity=3)
+    for _ in range(5):
+        w.train_step()
+    w.start_round(0, 0)  # fragment 0's round in flight (its peer never contributes)
+    before = w.outer[0].weights.clone()
+    with pytest.raises(RuntimeError, match="in flight"):
+        w.import_fragments(state, [0, 1])
+    w.import_fragments(state, [1, 2])
+    for p in (1, 2):
+        assert torch.equal(w.outer[p].weights, state.tensors[f"outer.{p}.weights"])
+        assert w.next_round[p] == state.rounds[p] and w.chains[p] == state.chains[p]
+    assert torch.equal(w.outer[0].weights, before) and w.next_round[0] == 1
