@@ -49,8 +49,11 @@ mkdir -p "$RESULTS"
 BIN_WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
 typing-inspection==0.4.5 typing-extensions==4.16.0 blake3==1.0.11 cryptography==50.0.2
 cffi==2.1.1 pycparser==3.12 hivemind==1.1.12 base58==2.1.1 py-multihash==3.0.0 mmh3==5.3.1
-protobuf==7.36.2"
-SDIST_WHEELS="varint==1.0.2 prefetch_generator==1.0.3"
+protobuf==7.36.2 netaddr==1.3.0 py-cid==0.5.0 py-multibase==2.0.0 six==1.17.0"
+# hivemind's multiaddr codecs import netaddr and cid (py-cid and its needs) only when a
+# DHT address is parsed: without them the bootstrap's DHT never comes up.
+SDIST_WHEELS="varint==1.0.2 prefetch_generator==1.0.3 py-multicodec==1.0.0 morphys==1.0
+python-baseconv==1.2.2"
 
 log() { echo "$*" | tee -a "$SUMMARY"; }
 
@@ -66,7 +69,7 @@ need_gpu() {  # stage name: 0 when the stage should run here
 ensure_env() {
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   [ -d /tmp/site ] && export PYTHONPATH="/tmp/site:$PYTHONPATH"
-  if ! "$PY" -c "import pydantic, blake3, cryptography, hivemind" 2>/dev/null; then
+  if ! "$PY" -c "import pydantic, blake3, cryptography, hivemind, netaddr, cid" 2>/dev/null; then
     if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site "$WHEELS"/*.whl
@@ -115,7 +118,11 @@ stage_prepare() {
   # shellcheck disable=SC2086
   "$PY" -m pip wheel -q --no-deps -w "$WHEELS" $SDIST_WHEELS
   [ -f "$CORPUS/meta.json" ] || "$PY" benchmarks/corpus.py build "$CORPUS"
-  "$PY" benchmarks/corpus.py pack "$CORPUS" "$CORPUS_PACK" | tee -a "$SUMMARY"
+  if cmp -s "$CORPUS/meta.json" "$CORPUS_PACK/meta.json"; then
+    log "corpus pack $CORPUS_PACK is up to date"
+  else
+    "$PY" benchmarks/corpus.py pack "$CORPUS" "$CORPUS_PACK" | tee -a "$SUMMARY"
+  fi
   log "carry runs/carry: $(du -sh runs/carry | cut -f1)"
 }
 

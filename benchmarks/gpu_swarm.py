@@ -241,6 +241,8 @@ def collect_md(res: dict[str, Any]) -> str:
                      f"{v['final_eval_loss']:.4f} |")
     for name, err in res["errors"].items():
         lines.append(f"| {name} | no summary: {err[-200:]} |" + " |" * 8)
+    if len(res["nodes"]) < res["expected_nodes"]:
+        lines.append(f"\nswarm log: {res['swarm_log_tail'][-300:]}")
     g = res.get("gpu") or {}
     lines.append(f"\n{len(res['nodes'])}/{res['expected_nodes']} nodes reported; run "
                  f"{res['run_s'] or 0:.0f} s; {res['total_tokens_per_s']:,.0f} tokens/s in all; "
