@@ -6,8 +6,8 @@
 #
 #   prepare         (the host that has the network, not the GPU one) wheels for an offline
 #                   Python 3.12 GPU host in runs/carry/whl, the corpus built and packed in
-#                   runs/carry/pysrc-pack: carry runs/carry (about 30 MB)
-#   setup           carried wheels installed into /tmp/site when dilonode's imports fail, the
+#                   runs/carry/pysrc-pack: carry runs/carry (about 32 MB)
+#   setup           carried wheels installed into /tmp/site-py3XX when imports fail, the
 #                   corpus unpacked from its pack and checked (every invocation does this)
 #   codecs          issue 16: device codecs bit for bit on the GPU, 4 peers all-reducing 50M
 #                   and 500M values against gloo float32 and ideal 1/10 Gbit/s links
@@ -25,7 +25,8 @@
 # Env: PYTHON (default .venv/bin/python, else python3), RESULTS (runs/gpu), PACK_TO (after
 # every stage, RESULTS is also packed there as gpu-results.tar.gz with summary.txt: the
 # device tool's $OUT), CORPUS (runs/corpus/pysrc), CORPUS_PACK (runs/carry/pysrc-pack),
-# WHEELS (runs/carry/whl), SMOKE=1 (every stage at toy sizes on the CPU: the tests),
+# WHEELS (runs/carry/whl), SITE (/tmp/site-py3XX: where they are installed), SMOKE=1 (every
+# stage at toy sizes on the CPU: the tests),
 # QUALITY_ARGS (more gpu_quality.py arguments, e.g. "--batch-size 8": use the same for every
 # method), QUALITY_MAX_S (540: a quality run projected to last longer stops at step 50),
 # SWARM_MINUTES (11), SWARM_WAIT_S (480), SWARM_COLLECT_WAIT_S (540),
@@ -67,13 +68,16 @@ need_gpu() {  # stage name: 0 when the stage should run here
 }
 
 ensure_env() {
+  # One folder per Python version: the carried wheels are built for one.
+  local site
+  site=${SITE:-/tmp/site-$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])')}
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  [ -d /tmp/site ] && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  [ -d "$site" ] && export PYTHONPATH="$site:$PYTHONPATH"
   if ! "$PY" -c "import pydantic, blake3, cryptography, hivemind, netaddr, cid" 2>/dev/null; then
     if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "$WHEELS"/*.whl
-      export PYTHONPATH="/tmp/site:$PYTHONPATH"
+        --target "$site" "$WHEELS"/*.whl
+      export PYTHONPATH="$site:$PYTHONPATH"
     else
       echo "gpu.sh: dilonode's packages are missing and $WHEELS has no wheels" \
         "(bash benchmarks/gpu.sh prepare makes them on a host with the network)" >&2

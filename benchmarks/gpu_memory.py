@@ -258,7 +258,8 @@ def time_device_average(n: int, codec: str, workers: int = 4) -> float:
     xs = [torch.randn(n, device="cuda") * 1e-3 for _ in range(workers)]
     best = float("inf")
     for r in range(3):
-        group = DeviceGroup(workers, get_codec(codec, 64), chunk_numel=1 << 24, align=64)
+        group = DeviceGroup(workers, get_codec(codec, 64), chunk_numel=1 << 24, align=64,
+                            device="cuda")
         torch.cuda.synchronize()
         t = time.perf_counter()
         handles = [group.view(i).begin(SyncKey("grad", 0, r), xs[i]) for i in range(workers)]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -114,7 +115,8 @@ class DeviceGroup(LocalGroup):
         slot = self._slots.setdefault(key, _Slot())
         if worker in slot.contributions:
             raise RuntimeError(f"worker {worker} contributed twice to {key}")
-        slot.contributions[worker] = flat.detach().to(torch.float32)
+        slot.contributions[worker] = flat.detach().to(self.device or flat.device,
+                                                      torch.float32)
         slot.tokens[worker] = float(weight)
         self._kinds[id(slot)] = key.kind
         if self.now is not None:
@@ -128,8 +130,12 @@ class DeviceGroup(LocalGroup):
                 self._complete(other)
         return slot
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, device: torch.device | str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # Where contributions are averaged; None: where each arrives. The pseudo-gradients
+        # of an outer state kept on the CPU arrive there.
+        self.device = None if device is None else torch.device(device)
         self._kinds: dict[int, str] = {}  # id(slot) -> what it averages
 
     def _reduce(self, slot: _Slot) -> None:
@@ -162,9 +168,11 @@ class DeviceGroup(LocalGroup):
 
 
 @contextlib.contextmanager
-def device_group() -> Iterator[None]:
-    """Within: `simulate` averages through `DeviceGroup` instead of `LocalGroup`."""
-    with mock.patch.object(dilonode.sim, "LocalGroup", DeviceGroup):
+def device_group(device: torch.device | None = None) -> Iterator[None]:
+    """Within: `simulate` averages through `DeviceGroup` (on `device`) instead of
+    `LocalGroup`."""
+    with mock.patch.object(dilonode.sim, "LocalGroup",
+                           functools.partial(DeviceGroup, device=device)):
         yield
 
 
@@ -217,13 +225,14 @@ def machine() -> dict[str, Any]:
 def run_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """Train one method; returns its report (SimReport fields) plus throughput and memory."""
     cfg = method_config(args, method)
-    cuda = torch.device(args.device if args.device != "auto" else
-                        ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
+    device = torch.device(args.device if args.device != "auto" else
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     progress = _progress(args, method)
-    group = device_group() if (cuda or args.group == "device") and args.group != "local" \
-        else contextlib.nullcontext()
+    group = device_group(device) if (cuda or args.group == "device") and \
+        args.group != "local" else contextlib.nullcontext()
     with group:
         report = simulate(cfg, on_eval=progress, on_step=Pace(args.steps, args.max_s, method))
     if not report.workers_agree:

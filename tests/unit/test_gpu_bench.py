@@ -176,11 +176,13 @@ def test_device_group_on_the_gpu_matches_the_cpu() -> None:
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(5000, generator=gen) * 1e-2 for _ in range(4)]
     means = []
-    for dev in ("cpu", "cuda"):
-        group = gpu_quality.DeviceGroup(4, get_codec("int4", 64), chunk_numel=1024, align=64)
-        handles = [group.view(i).begin(SyncKey("grad", 0, 0), x.to(dev))
-                   for i, x in enumerate(xs)]
-        means.append(handles[0].wait().mean.cpu())
+    for dev in ("cpu", "cuda"):  # CPU inputs, averaged on `dev`
+        group = gpu_quality.DeviceGroup(4, get_codec("int4", 64), chunk_numel=1024, align=64,
+                                        device=dev)
+        handles = [group.view(i).begin(SyncKey("grad", 0, 0), x) for i, x in enumerate(xs)]
+        mean = handles[0].wait().mean
+        assert mean.device.type == dev
+        means.append(mean.cpu())
     assert torch.equal(*means)
 
 
