@@ -18,14 +18,12 @@ device group runs the same butterfly arithmetic (parts, chunks, member order, to
 weights, quantize the owner's result and decode it) with the device codecs
 (`dilonode/algo/torch_codecs.py`, bit-identical to the CPU codecs) on the tensors' device,
 and counts the same payload bytes; `tests/unit/test_gpu_bench.py` checks that it ends on the
-same outer weights as `LocalGroup`. It is swapped in for the run only (`device_group`), so
-nothing in dilonode changes.
+same outer weights as `LocalGroup`. `simulate(group_factory=...)` takes it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -34,16 +32,13 @@ import resource
 import shlex
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import blake3
 import torch
 
-import dilonode.sim
 from dilonode.algo.butterfly import part_bounds
 from dilonode.algo.codecs import Codec, CodecMeta
 from dilonode.algo.robust import aggregate
@@ -167,15 +162,6 @@ class DeviceGroup(LocalGroup):
         slot.tokens.clear()
 
 
-@contextlib.contextmanager
-def device_group(device: torch.device | None = None) -> Iterator[None]:
-    """Within: `simulate` averages through `DeviceGroup` (on `device`) instead of
-    `LocalGroup`."""
-    with mock.patch.object(dilonode.sim, "LocalGroup",
-                           functools.partial(DeviceGroup, device=device)):
-        yield
-
-
 # ------------------------------------------------------------------ configs and runs
 
 
@@ -231,10 +217,10 @@ def run_method(args: argparse.Namespace, method: str) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     progress = _progress(args, method)
-    group = device_group(device) if (cuda or args.group == "device") and \
-        args.group != "local" else contextlib.nullcontext()
-    with group:
-        report = simulate(cfg, on_eval=progress, on_step=Pace(args.steps, args.max_s, method))
+    on_device = (cuda or args.group == "device") and args.group != "local"
+    factory = functools.partial(DeviceGroup, device=device) if on_device else LocalGroup
+    report = simulate(cfg, on_eval=progress, on_step=Pace(args.steps, args.max_s, method),
+                      group_factory=factory)
     if not report.workers_agree:
         raise SystemExit(f"{method}: workers ended with different outer weights")
     return _result(args, method, report, cuda)
