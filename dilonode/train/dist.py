@@ -35,7 +35,7 @@ import math
 import os
 import platform
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -47,6 +47,7 @@ from torch import nn
 from dilonode.algo.fragments import flatten, unflatten_into
 from dilonode.algo.outer import OuterState, merge
 from dilonode.config import RunConfig
+from dilonode.launch import RankEnv
 from dilonode.train.ranks import Plan, choose_strategy, exchange_plan, fsdp_segments, slice_bounds
 
 __all__ = ["NodeRanks", "RankEnv", "RankFailure", "SingleRank", "device_info", "follow",
@@ -59,27 +60,6 @@ _CONTROL_TIMEOUT = timedelta(days=1)  # followers wait between ops as long as th
 
 class RankFailure(RuntimeError):
     """A collective inside the node failed (a rank died or hung): the node stops."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RankEnv:
-    """Where this process stands in its node, as torchrun (or `dilonode run --nproc`) says."""
-
-    rank: int
-    world: int
-    local_rank: int
-    master: str  # "host:port" of the rendezvous
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> RankEnv | None:
-        """The torchrun variables, or None outside a launched node (or with one rank)."""
-        world = int(environ.get("WORLD_SIZE", "1") or 1)
-        if world <= 1:
-            return None
-        rank = int(environ["RANK"])
-        local = int(environ.get("LOCAL_RANK", rank))
-        master = f"{environ.get('MASTER_ADDR', '127.0.0.1')}:{environ['MASTER_PORT']}"
-        return cls(rank, world, local, master)
 
 
 def device_info(device: torch.device) -> dict[str, Any]:

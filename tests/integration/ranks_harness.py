@@ -74,7 +74,8 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any,
 def train_node(env: Any, overrides: dict[str, Any], steps: int,
                ckpt: str | None = None, resume: str | None = None) -> Any:
     """One node of `env.world` ranks (None: a single process) trains `steps` lockstep steps
-    alone in its swarm; the leader returns (outer weights, losses, eval loss)."""
+    alone in its swarm, after resuming from the checkpoints in `resume` and before saving
+    one to `ckpt` when given; the leader returns what it ended with (a dict)."""
     import torch
 
     from dilonode.algo.codecs import get_codec
@@ -96,8 +97,10 @@ def train_node(env: Any, overrides: dict[str, Any], steps: int,
         group = LocalGroup(1, get_codec(cfg.codec.name, cfg.codec.block_size))
         w = Worker(cfg, data, group.view(0), identity, device=torch.device("cpu"), ranks=ranks)
         w.end_step = cfg.total_steps
+        imported = None
         if resume:
             _resume(w, cfg, resume)
+            imported = w.outer_flat()
         losses = []
         for _ in range(steps):
             losses.append(w.train_step())
@@ -107,7 +110,9 @@ def train_node(env: Any, overrides: dict[str, Any], steps: int,
         if ckpt:
             _save(w, cfg, ckpt)
         ev = w.evaluate(data.eval_batches(cfg.data.seq_len, cfg.data.batch_size, 2))
-        result = (w.outer_flat(), losses, ev, w.outer_digest(), w.outer_state_dict())
+        result = {"outer": w.outer_flat(), "losses": losses, "eval": ev,
+                  "digest": w.outer_digest(), "state": w.outer_state_dict(),
+                  "imported": imported, "strategy": ranks.strategy}
         ranks.stop()
         return result
     finally:
