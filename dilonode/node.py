@@ -29,7 +29,7 @@ from dilonode.algo.robust import BanTracker
 from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolicy
 from dilonode.config import RunConfig
 from dilonode.statesync.keeper import StateKeeper
-from dilonode.status.snapshot import NodeStatus, ObservedCollective
+from dilonode.status.snapshot import NodeStatus, ObservedCollective, device_summary
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
 
@@ -75,6 +75,7 @@ class NodeSummary:
     # The end-of-run check (swarm/agreement.py): {"agrees": bool | None, ...}; {} if the
     # node stopped before the end.
     agreement: dict[str, Any] = field(default_factory=dict)
+    devices: str = ""  # the node's devices, one per rank ("2 x cpu ...")
 
 
 class Node:
@@ -386,7 +387,8 @@ class Node:
             rounds_with_peers=st.grouped, missed_rounds=st.missed,
             late_rounds=st.late, diverged_rounds=st.diverged,
             agreement=self.verdict.as_dict() if self.verdict is not None else {},
-            checkpoint_age_s=self.keeper.checkpointer.age_s())
+            checkpoint_age_s=self.keeper.checkpointer.age_s(),
+            devices=device_summary(self.status.devices))
 
     def save_outer(self, path: Path) -> None:
         """Write the outer weights (state dict) for comparisons and evaluation."""
