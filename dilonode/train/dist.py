@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import math
 import os
@@ -269,7 +270,11 @@ class NodeRanks:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
-            return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+            # Buffers (rotary tables) are alike on every rank: no sync at each forward.
+            named = inspect.signature(DistributedDataParallel).parameters
+            opt = "forward_sync_buffers" if "forward_sync_buffers" in named \
+                else "broadcast_buffers"
+            return DistributedDataParallel(model, device_ids=ids, **{opt: False})
         from torch.distributed.fsdp import fully_shard
 
         for block in transformer_blocks(model):
