@@ -23,8 +23,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from dilonode.train.ranks import RankEnv, rank_environ
 
 __all__ = ["EXIT_RANK_FAILED", "RankEnv", "launch_ranks", "rank_environ"]
 
@@ -32,35 +33,6 @@ log = logging.getLogger(__name__)
 
 EXIT_RANK_FAILED = 4  # a rank of the node died or a collective inside it failed
 _POLL_S = 0.1
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """Where this process stands in its node, as torchrun (or `--nproc`) says."""
-
-    rank: int
-    world: int
-    local_rank: int
-    master: str  # "host:port" of the node's rendezvous
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> RankEnv | None:
-        """The torchrun variables; None outside a launched node or with one rank."""
-        world = int(environ.get("WORLD_SIZE", "1") or 1)
-        if world <= 1:
-            return None
-        rank = int(environ["RANK"])
-        local = int(environ.get("LOCAL_RANK", rank))
-        master = f"{environ.get('MASTER_ADDR', '127.0.0.1')}:{environ['MASTER_PORT']}"
-        return cls(rank, world, local, master)
-
-
-def rank_environ(base: Mapping[str, str], rank: int, world: int,
-                 port: int) -> dict[str, str]:
-    """`base` plus torchrun's variables for local rank `rank` of `world`."""
-    return {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port)}
 
 
 def _free_port() -> int:

@@ -48,8 +48,14 @@ from torch import nn
 from dilonode.algo.fragments import flatten, unflatten_into
 from dilonode.algo.outer import OuterState, merge
 from dilonode.config import RunConfig
-from dilonode.launch import RankEnv
-from dilonode.train.ranks import Plan, choose_strategy, exchange_plan, fsdp_segments, slice_bounds
+from dilonode.train.ranks import (
+    Plan,
+    RankEnv,
+    choose_strategy,
+    exchange_plan,
+    fsdp_segments,
+    slice_bounds,
+)
 
 __all__ = ["NodeRanks", "RankEnv", "RankFailure", "SingleRank", "device_info", "follow",
            "init_node_ranks", "rank_device"]

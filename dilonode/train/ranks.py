@@ -16,17 +16,18 @@ server. Inside the node:
 * `exchange_plan` says which values move from each rank's local layout to each rank's
   outer slice (and back): an all-to-all whose pieces are all contiguous ranges.
 
-`choose_strategy` picks DDP or FSDP2 from the model size and the device memory.
+`choose_strategy` picks DDP or FSDP2 from the model size and the device memory;
+`RankEnv` is where a process stands in its node (torchrun's variables).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Piece", "Plan", "choose_strategy", "exchange_plan", "fsdp_segments",
-           "shard_rows", "slice_bounds", "train_bytes_per_param"]
+__all__ = ["Piece", "Plan", "RankEnv", "choose_strategy", "exchange_plan", "fsdp_segments",
+           "rank_environ", "shard_rows", "slice_bounds", "train_bytes_per_param"]
 
 # Bytes per parameter while training with AdamW in float32: weights, gradient, two moments.
 _TRAIN_BYTES = 16
@@ -123,3 +124,32 @@ def choose_strategy(params: int, device_bytes: int | None, world: int,
     if world <= 1 or device_bytes is None:
         return "ddp"
     return "ddp" if params * _TRAIN_BYTES <= headroom * device_bytes else "fsdp"
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Where this process stands in its node, as torchrun (or `--nproc`) says."""
+
+    rank: int
+    world: int
+    local_rank: int
+    master: str  # "host:port" of the node's rendezvous
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> RankEnv | None:
+        """The torchrun variables; None outside a launched node or with one rank."""
+        world = int(environ.get("WORLD_SIZE", "1") or 1)
+        if world <= 1:
+            return None
+        rank = int(environ["RANK"])
+        local = int(environ.get("LOCAL_RANK", rank))
+        master = f"{environ.get('MASTER_ADDR', '127.0.0.1')}:{environ['MASTER_PORT']}"
+        return cls(rank, world, local, master)
+
+
+def rank_environ(base: Mapping[str, str], rank: int, world: int,
+                 port: int) -> dict[str, str]:
+    """`base` plus torchrun's variables for local rank `rank` of `world`."""
+    return {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
