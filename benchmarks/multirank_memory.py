@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -135,10 +134,19 @@ def measure_rank(env: Any, preset: str, strategy: str) -> dict[str, Any]:
     else:
         w = follow_and_keep(cfg, ranks, follow)
         out.update(_tensor_bytes(w))
-    out["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["max_rss"] = _peak_rss()
     if env:
         ranks.close()
     return out
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set (VmHWM: its own, unlike ru_maxrss, which a
+    spawned child inherits from its parent)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def follow_and_keep(cfg: Any, ranks: Any, follow: Any) -> Any:

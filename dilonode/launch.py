@@ -10,7 +10,8 @@ the launcher asks the leader to stop (SIGTERM: it leaves the swarm, so its peers
 peer leave) and kills every rank still running `grace` seconds later; when the leader
 ends, the others (told to stop, or failing on their next collective) get the same grace.
 The first SIGINT/SIGTERM to the launcher goes to the leader (a clean stop), a second one
-kills every rank. Standard library only.
+kills every rank; the ranks run in their own session (a terminal's Ctrl+C reaches the
+launcher alone) and die with the launcher. Standard library only.
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ log = logging.getLogger(__name__)
 
 EXIT_RANK_FAILED = 4  # a rank of the node died or a collective inside it failed
 _POLL_S = 0.1
+
+
+def _die_with_parent() -> None:
+    """In a rank, before exec: SIGKILL when the launcher dies (Linux), so no rank outlives
+    a killed launcher."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _free_port() -> int:
@@ -101,8 +113,11 @@ def launch_ranks(argv: Sequence[str], nproc: int, environ: Mapping[str, str],
     """Run `dilonode <argv>` as ranks 0..nproc-1 of one node; their exit status: the
     leader's, or `EXIT_RANK_FAILED` when another rank failed."""
     port = _free_port()
+    # Their own session: a terminal's Ctrl+C reaches the launcher alone, which forwards it
+    # once (rank 0 would otherwise count it twice and abort); and they die with us.
     procs = [subprocess.Popen([python, "-m", "dilonode.cli", *argv],
-                              env=rank_environ(environ, r, nproc, port))
+                              env=rank_environ(environ, r, nproc, port),
+                              start_new_session=True, preexec_fn=_die_with_parent)
              for r in range(nproc)]
     sup = _Supervisor(procs, grace)
     previous = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
