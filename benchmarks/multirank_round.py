@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PHASES = ("pseudo_gradient", "gather", "codec", "scatter", "outer_step", "merge")
+PHASES = ("pseudo_gradient", "gather", "average", "scatter", "outer_step", "merge")
 
 
 def _rank(env: Any, numel: int, codec: str, rounds: int, threads: int) -> dict[str, Any]:
