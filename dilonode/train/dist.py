@@ -119,8 +119,8 @@ class SingleRank:
     def op(self, name: str, args: tuple[Any, ...]) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return model
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        return model.to(device)
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -263,8 +263,10 @@ class NodeRanks:
             log.warning("could not tell the other ranks to stop: %s", exc)
 
     # -- the inner model -----------------------------------------------------------------
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """DDP or FSDP2 (`dist.strategy`; auto: by size against the smallest device)."""
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """DDP or FSDP2 (`dist.strategy`; auto: by size against the smallest device), on
+        `device`. FSDP2 shards the CPU-built model block by block, moving each block's
+        shards to the device as it goes, so the whole model is never on one GPU."""
         from dilonode.train.model import param_count, transformer_blocks
 
         if self.strategy == "auto":
@@ -275,7 +277,8 @@ class NodeRanks:
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            ids = [self.device.index] if self.device.type == "cuda" else None
+            model.to(device)
+            ids = [device.index] if device.type == "cuda" else None
             # Buffers (rotary tables) are alike on every rank: no sync at each forward.
             named = inspect.signature(DistributedDataParallel).parameters
             opt = "forward_sync_buffers" if "forward_sync_buffers" in named \
@@ -286,7 +289,7 @@ class NodeRanks:
         for block in transformer_blocks(model):
             fully_shard(block)
         fully_shard(model)
-        return model
+        return model.to(device)  # what FSDP2 did not manage (none, normally)
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a node batch [B, ...] -> [B / N, ...]."""

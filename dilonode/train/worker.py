@@ -171,8 +171,10 @@ class Worker:
         # This node's ranks (dilonode/train/dist.py); one process: SingleRank.
         self.ranks = ranks if ranks is not None else SingleRank()
         torch.manual_seed(cfg.seed)  # identical initial weights on every worker
-        self.model = build_model(cfg.model, data.vocab_size).to(self.device)
-        self.train_module = self.ranks.wrap(self.model)  # DDP / FSDP2 inside a node
+        self.model = build_model(cfg.model, data.vocab_size)  # on the CPU
+        # On our device; inside a multi-rank node wrapped in DDP or FSDP2 (which moves one
+        # block at a time, so a model larger than one device still starts).
+        self.train_module = self.ranks.wrap(self.model, self.device)
         names, params = zip(*[(n, p) for n, p in self.model.named_parameters()
                               if p.requires_grad], strict=True)
         self.param_names: list[str] = list(names)
