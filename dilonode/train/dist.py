@@ -179,6 +179,10 @@ class _Layout:
     def sizes(self) -> list[int]:
         return [hi - lo for lo, hi in self.bounds]
 
+    @property
+    def width(self) -> int:
+        return self.bounds[0][1] - self.bounds[0][0]
+
 
 def _portable(arg: Any) -> Any:
     """What an op's argument looks like to the other ranks: results and states without
@@ -353,7 +357,7 @@ class NodeRanks:
         lay = self._frag[p]
         g = new_global.to("cpu", torch.float32)
         if lay.plan is None:
-            full = self._all_gather(g, lay.sizes)
+            full = self._all_gather(g, lay)
             unflatten_into(merge(flatten(params), full, alpha), params)
             return
         send = torch.cat([g[pc.dst:pc.dst + pc.length] for s in range(self.world)
@@ -388,11 +392,11 @@ class NodeRanks:
             full = result.mean.to("cpu", torch.float32)
             if not bool(torch.isfinite(full).all()):
                 full = torch.full_like(full, float("nan"))
-        return dataclasses.replace(result, mean=self._scatter(full, lay.sizes))
+        return dataclasses.replace(result, mean=self._scatter(full, lay))
 
     def gather(self, p: int, part: torch.Tensor) -> torch.Tensor | None:
         """Fragment p's slices -> the whole vector on the leader (None elsewhere)."""
-        return self._gather(part.to("cpu", torch.float32), self._frag[p].sizes)
+        return self._gather(part.to("cpu", torch.float32), self._frag[p])
 
     def check_state(self, state: Any) -> None:
         """Leader, before announcing an import: the state fits this model."""
@@ -412,7 +416,7 @@ class NodeRanks:
         for p, (lay, st) in enumerate(zip(self._frag, outer, strict=True)):
             for kind, dst in (("weights", st.weights), ("momentum", st.momentum_buf)):
                 full = state.tensors[f"outer.{p}.{kind}"] if self.leader else None
-                dst.copy_(self._scatter(full, lay.sizes))
+                dst.copy_(self._scatter(full, lay))
             st.steps = state.outer_steps[p]
 
     def full_outer(self, outer: list[OuterState], need: Sequence[int]) -> list[Any]:
@@ -426,38 +430,32 @@ class NodeRanks:
         return out
 
     # -- collectives (control group, host memory) ----------------------------------------
-    def _gather(self, part: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
-        n = max(sizes)
-        buf = torch.zeros(n)
-        buf[:part.numel()] = part
+    # Slices are equally wide (the last ones short or empty, padded here), so gathers land
+    # straight in one [world, width] buffer whose first `numel` values are the vector.
+    def _gather(self, part: torch.Tensor, lay: _Layout) -> torch.Tensor | None:
+        buf = _padded(part, lay.width)
         if not self.leader:
             dist.gather(buf, None, dst=0, group=self.control)
             return None
-        bufs = [torch.empty(n) for _ in range(self.world)]
-        dist.gather(buf, bufs, dst=0, group=self.control)
-        return torch.cat([b[:s] for b, s in zip(bufs, sizes, strict=True)])
+        out = torch.empty(self.world * lay.width)
+        dist.gather(buf, list(out.view(self.world, lay.width)), dst=0, group=self.control)
+        return out[:lay.numel]
 
-    def _scatter(self, full: torch.Tensor | None, sizes: list[int]) -> torch.Tensor:
-        n = max(sizes)
-        out = torch.empty(n)
+    def _scatter(self, full: torch.Tensor | None, lay: _Layout) -> torch.Tensor:
+        w = lay.width
+        out = torch.empty(w)
         parts = None
         if self.leader:
             assert full is not None
-            parts = [torch.zeros(n) for _ in sizes]
-            offset = 0
-            for buf, s in zip(parts, sizes, strict=True):
-                buf[:s] = full[offset:offset + s]
-                offset += s
+            parts = [_padded(full[r * w:(r + 1) * w], w) for r in range(self.world)]
         dist.scatter(out, parts, src=0, group=self.control)
-        return out[:sizes[self.rank]]
+        return out[:lay.sizes[self.rank]]
 
-    def _all_gather(self, part: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        n = max(sizes)
-        buf = torch.zeros(n)
-        buf[:part.numel()] = part
-        bufs = [torch.empty(n) for _ in range(self.world)]
-        dist.all_gather(bufs, buf, group=self.control)
-        return torch.cat([b[:s] for b, s in zip(bufs, sizes, strict=True)])
+    def _all_gather(self, part: torch.Tensor, lay: _Layout) -> torch.Tensor:
+        out = torch.empty(self.world * lay.width)
+        dist.all_gather(list(out.view(self.world, lay.width)), _padded(part, lay.width),
+                        group=self.control)
+        return out[:lay.numel]
 
     def _all_to_all(self, send: torch.Tensor, send_sizes: list[int],
                     recv_sizes: list[int]) -> torch.Tensor:
@@ -470,6 +468,15 @@ class NodeRanks:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    """`t` (at most `width` values) as a contiguous tensor of exactly `width`."""
+    if t.numel() == width:
+        return t.contiguous()
+    out = torch.zeros(width)
+    out[:t.numel()] = t
+    return out
 
 
 def _flat_range(params: Sequence[torch.Tensor], lo: int, hi: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ server. Inside the node:
 * the **outer slice** of rank r is the contiguous range `slice_bounds(numel, N, align)[r]`
   of that vector: rank r keeps the outer weights and momentum of its slice only (host RAM
   ~1/N per rank), computes the pseudo-gradient of its slice and applies the outer step to
-  it. Boundaries are multiples of `align` (the codec block), so no scale block straddles
-  two ranks;
+  it. Slices are `slice_width` values wide, a multiple of `align` (the codec block), so no
+  scale block straddles two ranks;
 * the **local layout** is what the rank's inner model holds of the fragment: the whole
   vector under DDP, under FSDP2 its `Shard(0)` rows of every parameter (`shard_rows`:
   torch.chunk's split), which are contiguous ranges of the canonical vector too;
@@ -27,20 +27,26 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Piece", "Plan", "RankEnv", "choose_strategy", "exchange_plan", "fsdp_segments",
-           "rank_environ", "shard_rows", "slice_bounds", "train_bytes_per_param"]
+           "rank_environ", "shard_rows", "slice_bounds", "slice_width",
+           "train_bytes_per_param"]
 
 # Bytes per parameter while training with AdamW in float32: weights, gradient, two moments.
 _TRAIN_BYTES = 16
 
 
 def slice_bounds(numel: int, world: int, align: int = 1) -> list[tuple[int, int]]:
-    """Contiguous [lo, hi) per rank covering [0, numel), boundaries multiples of `align`,
-    sizes differing by at most one `align` unit (the last may be short)."""
+    """Contiguous [lo, hi) per rank covering [0, numel): `slice_width` values each, the
+    last non-empty one short, trailing ones possibly empty. Equal widths let the node's
+    collectives gather and scatter straight into one [world, width] buffer."""
     if world < 1 or align < 1 or numel < 0:
         raise ValueError(f"slice_bounds: numel={numel}, world={world}, align={align}")
-    units = math.ceil(numel / align)
-    cuts = [min(align * (units * r // world), numel) for r in range(world + 1)]
-    return [(cuts[r], cuts[r + 1]) for r in range(world)]
+    width = slice_width(numel, world, align)
+    return [(min(r * width, numel), min((r + 1) * width, numel)) for r in range(world)]
+
+
+def slice_width(numel: int, world: int, align: int = 1) -> int:
+    """Values per rank's outer slice: ceil(numel / world), rounded up to `align`."""
+    return align * math.ceil(math.ceil(numel / align) / world) if numel else 0
 
 
 def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
