@@ -381,6 +381,9 @@ class NodeRanks:
         full = self.gather(key.fragment, delta)
         if not self.leader:
             return _NoResult()
+        assert full is not None
+        if self.device.type == "cuda":  # the round's codecs then run on our GPU, as a
+            full = full.to(self.device)  # 1-rank CUDA node's do (allreduce/datapath.py)
         return collective.begin(key, full, weight)
 
     def localize(self, p: int, result: Any) -> Any:
