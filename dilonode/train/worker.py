@@ -565,7 +565,11 @@ class Worker:
 
     # -- evaluation ----------------------------------------------------------------------
     def outer_model(self) -> nn.Module:
-        """A copy of the model holding the outer (global) weights; DDP: the weights."""
+        """A copy of the model holding the outer (global) weights; DDP: the weights. One
+        process only (a multi-rank node: `outer_state_dict`)."""
+        if self.ranks.world > 1:
+            raise RuntimeError("outer_model: this rank holds a slice of the outer state; "
+                               "use outer_state_dict()")
         model = copy.deepcopy(self.model)
         if self.algo.mode != "ddp":
             params = [p for p in model.parameters() if p.requires_grad]
