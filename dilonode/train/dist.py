@@ -7,7 +7,7 @@ side (DHT, data plane, state sync, status): to the swarm the node is one peer.
 
 The leader decides everything that depends on time or on the network (when a round starts,
 when it lands, when to stop, what to import) and announces each `Worker` operation that
-touches the model or the outer state to the other ranks (`Ranks.op`: its name and
+touches the model or the outer state to the other ranks (`NodeRanks.op`: its name and
 arguments, tensors left out, over a gloo *control* group); they run the same operation
 (`follow`), so their bookkeeping mirrors the leader's. The tensors move with collectives
 inside the node (`dilonode/train/ranks.py` says which values go where):
@@ -209,6 +209,7 @@ class NodeRanks:
         self.strategy = cfg.dist.strategy
         self.devices: list[dict[str, Any]] = []
         self.broken = False
+        self._stopped = False
         self._lock = threading.RLock()  # the leader's ops come from two threads
         self._depth = 0
         self._frag: list[_Layout] = []
@@ -256,7 +257,7 @@ class NodeRanks:
 
     def stop(self) -> None:
         """Leader: tell the other ranks to exit (idempotent; skipped once broken)."""
-        if not self.leader or self.broken or getattr(self, "_stopped", False):
+        if not self.leader or self.broken or self._stopped:
             return
         self._stopped = True
         try:
