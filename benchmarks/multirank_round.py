@@ -2,12 +2,14 @@
 
 Each rank holds a fragment of `--numel` float32 values (DDP layout: the whole fragment
 in its inner model, the outer state of its slice). A round is what `Worker` does through
-`NodeRanks` (dilonode/train/dist.py): the pseudo-gradient of each rank's slice, the
-gather of the node's contribution on the leader, the swarm's average (a `LocalGroup` of
-one: the owner encodes, decodes and re-encodes with the codec, as a member does), the
-scatter of the result, each rank's outer Nesterov step on its slice, and the merge of the
-new global weights into every rank's weights (all-gather). Times are the leader's, median
-of `--rounds`, each phase ended by a barrier so that it is the slowest rank's time.
+`NodeRanks` (dilonode/train/dist.py): the pseudo-gradient of each rank's slice, each rank
+encoding its slice with the codec (`dist.share_codec`; 2 ranks only) and the gather of
+those bytes, the gather of the float32 contribution on the leader, the round itself (a real
+`AllReduceRound` in a group of one over the in-memory network: the leader's member work,
+its contribution taken from the ranks' encodings when they made them), the scatter of the
+result, each rank's outer Nesterov step on its slice, and the merge of the new global
+weights into every rank's weights (all-gather). Times are the leader's, median of
+`--rounds`, each phase ended by a barrier so that it is the slowest rank's time.
 
     python benchmarks/multirank_round.py --numel 20000000 --codec int4 --rounds 5
 """
@@ -26,15 +28,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PHASES = ("pseudo_gradient", "gather", "average", "scatter", "outer_step", "merge")
+PHASES = ("pseudo_gradient", "encode_slices", "gather", "round", "scatter", "outer_step",
+          "merge")
+
+
+def _round(full: torch.Tensor, codec: str, r: int, encoded: Any) -> torch.Tensor:
+    """The leader's member work in a group of one: a real round over the memory network."""
+    from dilonode.allreduce.memnet import MemNet
+    from dilonode.allreduce.round import AllReduceRound, GroupSpec, group_digest
+
+    spec = GroupSpec(run_id="bench", fragment=0, round=r, members=("leader",),
+                     weights=(1.0,), numel=full.numel(), codec=codec, block_size=64,
+                     chunk_numel=1 << 18, group_digest=group_digest(("leader",)))
+    rnd = AllReduceRound(spec, 0, full, encoded=encoded)
+    MemNet([rnd]).run()
+    assert rnd.result is not None
+    return rnd.result
 
 
 def _rank(env: Any, numel: int, codec: str, rounds: int, threads: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from dilonode.algo.codecs import get_codec
     from dilonode.algo.outer import OuterState, pseudo_gradient
-    from dilonode.collective import LocalGroup, ReduceResult, SyncKey
+    from dilonode.collective import ReduceResult
     from dilonode.config import load_config
     from dilonode.train.dist import SingleRank, init_node_ranks
 
@@ -48,7 +64,6 @@ def _rank(env: Any, numel: int, codec: str, rounds: int, threads: int) -> dict[s
     param = torch.randn(numel, generator=g)
     ranks.setup_fragments([[param]], cfg.codec.block_size)
     outer = OuterState(ranks.local_flat(0, [param]), 0.7, 0.9)
-    group = LocalGroup(1, get_codec(codec, cfg.codec.block_size))
 
     def sync() -> None:
         if env:
@@ -62,17 +77,21 @@ def _rank(env: Any, numel: int, codec: str, rounds: int, threads: int) -> dict[s
         delta = pseudo_gradient(outer.weights, ranks.local_flat(0, [param]))
         sync()
         marks.append(time.perf_counter())
+        encoded = ranks._gather_encoded(0, delta) if env and ranks._shares_codec() else None
+        sync()
+        marks.append(time.perf_counter())
         full = ranks.gather(0, delta)
         sync()
         marks.append(time.perf_counter())
-        result = group.view(0).begin(SyncKey("fragment", 0, r), full).wait() \
-            if ranks.leader else ReduceResult(None, 1, 0, 0)  # type: ignore[arg-type]
+        mean = _round(full, codec, r, encoded) if ranks.leader else None
         sync()
         marks.append(time.perf_counter())
-        mean = ranks.localize(0, result).mean
+        result = ReduceResult(mean, 1, 0, 0)  # type: ignore[arg-type]
+        if env:
+            result = ranks.localize(0, result)
         sync()
         marks.append(time.perf_counter())
-        new = outer.step(mean)
+        new = outer.step(result.mean)
         sync()
         marks.append(time.perf_counter())
         ranks.apply(0, [param], new, 0.5)

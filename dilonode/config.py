@@ -431,6 +431,10 @@ class DistConfig(_Frozen):
     timeout: float = Field(
         600.0, gt=0.0, description="seconds a collective inside the node (an inner step, an "
         "outer-state exchange) may take before the node gives up and stops")
+    share_codec: bool = Field(
+        True, description="every rank encodes its slice of the node's contribution with the "
+        "round's codec, in parallel, and the leader sends those bytes (CPU nodes; a CUDA "
+        "leader encodes on its GPU instead)")
     stop_grace: float = Field(
         20.0, gt=0.0, description="seconds the launcher gives rank 0 to leave the swarm "
         "after another rank died, before killing every rank")

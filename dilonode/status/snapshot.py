@@ -256,7 +256,10 @@ class ObservedCollective:
 
     def __init__(self, inner: Collective, status: NodeStatus, step: Callable[[], int]) -> None:
         self.inner, self.status, self.step = inner, status, step
+        # Whether the inner collective takes a pre-encoded contribution (a node's ranks).
+        self.takes_encoded = bool(getattr(inner, "takes_encoded", False))
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> PendingReduce:
-        return _ObservedPending(self.inner.begin(key, flat, weight), key, self.status,
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+              **kw: Any) -> PendingReduce:
+        return _ObservedPending(self.inner.begin(key, flat, weight, **kw), key, self.status,
                                 self.step)

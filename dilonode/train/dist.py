@@ -47,6 +47,7 @@ from torch import nn
 
 from dilonode.algo.fragments import flatten, unflatten_into
 from dilonode.algo.outer import OuterState, merge
+from dilonode.algo.spliced import SplicedEncoding, splice_supported
 from dilonode.config import RunConfig
 from dilonode.train.ranks import (
     Plan,
@@ -378,14 +379,56 @@ class NodeRanks:
 
     # -- the swarm's round ---------------------------------------------------------------
     def begin(self, collective: Any, key: Any, delta: torch.Tensor, weight: float) -> Any:
-        """Gather the slices into the node's contribution; the leader hands it on."""
-        full = self.gather(key.fragment, delta)
+        """Gather the slices into the node's contribution; the leader hands it on, with
+        the ranks' encodings of their slices when they share the codec work."""
+        p = key.fragment
+        encoded = self._gather_encoded(p, delta) if self._shares_codec() else None
+        full = self.gather(p, delta)
         if not self.leader:
             return _NoResult()
         assert full is not None
         if self.device.type == "cuda":  # the round's codecs then run on our GPU, as a
             full = full.to(self.device)  # 1-rank CUDA node's do (allreduce/datapath.py)
-        return collective.begin(key, full, weight)
+        if encoded is not None and getattr(collective, "takes_encoded", False):
+            return collective.begin(key, full, weight, encoded=encoded)
+        return collective.begin(key, full, weight)  # (in-process groups encode alike)
+
+    def _shares_codec(self) -> bool:
+        """Every rank decides alike, from the config: sharing on, a CPU node, a codec
+        that has work to do."""
+        codec = self.cfg.codec.name
+        return (self.cfg.dist.share_codec and self.device.type == "cpu"
+                and codec != "float32" and splice_supported(codec))
+
+    def _gather_encoded(self, p: int, delta: torch.Tensor) -> SplicedEncoding | None:
+        """Every rank encodes its slice (in parallel); the leader gets them all, or None
+        when a slice could not be encoded (NaN/Inf: the round itself will refuse it)."""
+        from dilonode.algo.codecs import CodecError, get_codec
+
+        lay = self._frag[p]
+        codec = get_codec(self.cfg.codec.name, self.cfg.codec.block_size)
+        size = codec.encoded_size(lay.width)
+        mine = torch.zeros(size + 1, dtype=torch.uint8)  # [ok, encoding..., padding]
+        part = delta.to("cpu", torch.float32)
+        if part.numel():
+            try:
+                data = codec.encode(part)[0]
+                mine[0] = 1
+                mine[1:1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            except CodecError:
+                pass
+        else:
+            mine[0] = 1
+        if not self.leader:
+            dist.gather(mine, None, dst=0, group=self.control)
+            return None
+        rows = torch.empty(self.world, size + 1, dtype=torch.uint8)
+        dist.gather(mine, list(rows), dst=0, group=self.control)
+        if not bool(rows[:, 0].all()):
+            return None
+        parts = tuple(memoryview(rows[r, 1:1 + codec.encoded_size(n)].numpy()).cast("B")
+                      for r, n in enumerate(lay.sizes))
+        return SplicedEncoding(codec.name, codec.block_size, lay.bounds, parts)
 
     def localize(self, p: int, result: Any) -> Any:
         """The round's result with `mean` cut to this rank's slice (scattered by the
