@@ -114,15 +114,15 @@ def run_node(args: argparse.Namespace) -> int:
     from dilonode.launch import RankEnv
 
     env = RankEnv.from_environ(os.environ)
-    if env is None and (args.nproc or 1) > 1:
-        from dilonode.launch import launch_ranks
-
-        cfg = run_config_from_args(args)  # refuse bad settings before starting anything
-        return launch_ranks(sys.argv[1:], cfg.dist.nproc, os.environ,
-                            grace=cfg.dist.stop_grace + cfg.network.leave_timeout)
     if env is not None:
         args.nproc = env.world  # torchrun's world size wins
-    cfg = run_config_from_args(args)
+    cfg = run_config_from_args(args)  # refuse bad settings before starting anything
+    if env is None and cfg.dist.nproc > 1:  # --nproc or dist.nproc: we launch the ranks
+        from dilonode.launch import launch_ranks
+
+        # The ranks re-run this command line; WORLD_SIZE & co. tell them their places.
+        return launch_ranks(sys.argv[1:], cfg.dist.nproc, os.environ,
+                            grace=cfg.dist.stop_grace + cfg.network.leave_timeout)
     if env is not None and env.rank > 0:
         return _follow_leader(cfg, env)
     return _run_leader(args, cfg, env)
