@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointConfig",
     "CodecConfig",
     "ConfigError",
+    "DistConfig",
     "DataConfig",
     "DilocoConfig",
     "InnerOptConfig",
@@ -59,13 +60,18 @@ class _Frozen(BaseModel):
 class ModelConfig(_Frozen):
     """Which network to train."""
 
-    kind: Literal["builtin", "factory", "hf_llama"] = Field(
+    kind: Literal["builtin", "factory", "hf_llama", "hf"] = Field(
         "builtin", description="builtin Llama-style decoder, a `module:function` factory, "
-        "or a Hugging Face transformers Llama built from config (no download)")
+        "a Hugging Face transformers Llama built from the preset (no download), or a local "
+        "Hugging Face model directory (`path`: config + safetensors, AutoModelForCausalLM)")
     preset: Literal["nano", "tiny", "small", "150m", "1b"] = Field(
         "tiny", description="size preset for builtin/hf_llama; explicit fields below override it")
     factory: str | None = Field(
         None, description="`package.module:function` returning an nn.Module (kind=factory)")
+    path: Path | None = Field(
+        None, description="kind=hf: a local Hugging Face model directory (config.json and "
+        "*.safetensors); nothing is downloaded. Nodes may keep it at different paths: the "
+        "run is named by the files' content, not the path")
     vocab_size: int | None = Field(None, ge=2, description="vocabulary size (bytes: 256)")
     d_model: int | None = Field(None, ge=8, description="embedding width")
     n_layers: int | None = Field(None, ge=1, description="number of transformer blocks")
@@ -76,6 +82,9 @@ class ModelConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
+        if self.kind == "hf" and self.path is None:
+            raise ValueError("model.path = None: kind=hf needs a local Hugging Face model "
+                             "directory")
         if self.kind == "factory" and (not self.factory or ":" not in self.factory):
             raise ValueError(f"model.factory = {self.factory!r}: kind=factory needs "
                              "'package.module:function'")
@@ -95,7 +104,8 @@ class DataConfig(_Frozen):
     tokenizer: str = Field("bytes", description="'bytes' or a path to a local tokenizer.json")
     jsonl_field: str = Field("text", description="field holding the text in .jsonl records")
     seq_len: int = Field(128, ge=2, description="tokens per training sequence")
-    batch_size: int = Field(8, ge=1, description="sequences per inner step per worker")
+    batch_size: int = Field(8, ge=1, description="sequences per inner step per worker (a "
+                            "node with several ranks splits them evenly over its ranks)")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out share of tokens")
     eval_batches: int = Field(8, ge=1, description="batches per evaluation")
     seed: int = Field(0, description="base seed; each worker's stream also mixes its identity")
@@ -506,6 +516,29 @@ class SimConfig(_Frozen):
         return self
 
 
+class DistConfig(_Frozen):
+    """Training inside one node on several local devices (dilonode/train/dist.py): N
+    ranks, one per device, synchronous inner steps, one peer to the swarm."""
+
+    nproc: int = Field(
+        1, ge=1, le=256, description="ranks (processes) of this node, one per device; "
+        "`dilonode run --nproc N`, or the world size when launched under torchrun")
+    strategy: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="ddp: a replica per rank; fsdp: FSDP2 fully_shard per "
+        "transformer block; auto: ddp when the model's training state fits on one device, "
+        "else fsdp")
+    timeout: float = Field(
+        600.0, gt=0.0, description="seconds a collective inside the node (an inner step, an "
+        "outer-state exchange) may take before the node gives up and stops")
+    share_codec: bool = Field(
+        True, description="every rank encodes its slice of the node's contribution with the "
+        "round's codec, in parallel, and the leader sends those bytes (CPU nodes; a CUDA "
+        "leader encodes on its GPU instead)")
+    stop_grace: float = Field(
+        20.0, gt=0.0, description="seconds the launcher gives rank 0 to leave the swarm "
+        "after another rank died, before killing every rank")
+
+
 class RunConfig(_Frozen):
     """Everything one run needs; each component receives only its own section."""
 
@@ -534,6 +567,19 @@ class RunConfig(_Frozen):
     supervise: SuperviseConfig = SuperviseConfig()
     paths: PathsConfig = PathsConfig()
     sim: SimConfig = SimConfig()
+    dist: DistConfig = DistConfig()
+
+    @model_validator(mode="after")
+    def _check_ranks(self) -> RunConfig:
+        n = self.dist.nproc
+        if n > 1 and self.diloco.mode == "ddp":
+            raise ValueError(f"dist.nproc = {n}: diloco.mode = ddp averages every gradient "
+                             "with the swarm; use streaming or diloco with several ranks")
+        if self.data.batch_size % n:
+            raise ValueError(f"data.batch_size = {self.data.batch_size}: the node's batch is "
+                             f"split over dist.nproc = {n} ranks, so it must be a multiple "
+                             f"of {n}")
+        return self
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

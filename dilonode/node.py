@@ -14,12 +14,15 @@ DHT process and p2pd, the data plane, state and status listeners and restarts th
 a `Remerger` (swarm/remerge.py) finds the swarm again after a partition. If a part cannot be
 brought back, the node stops training, writes its exit checkpoint and `failure` holds the
 one-line reason (the CLI then exits non-zero).
+
+On a node with several local devices this is rank 0 (`ranks`, dilonode/train/dist.py): it
+alone runs the network side, and its Worker announces every model operation to the other
+ranks, which `follow` it; to the swarm the node is one peer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import math
@@ -37,7 +40,7 @@ from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolic
 from dilonode.config import RunConfig
 from dilonode.statesync.keeper import StateKeeper
 from dilonode.status.alone import AloneWatch
-from dilonode.status.snapshot import NodeStatus, ObservedCollective
+from dilonode.status.snapshot import NodeStatus, ObservedCollective, device_summary
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
 
@@ -83,14 +86,16 @@ class NodeSummary:
     # The end-of-run check (swarm/agreement.py): {"agrees": bool | None, ...}; {} if the
     # node stopped before the end.
     agreement: dict[str, Any] = field(default_factory=dict)
+    devices: str = ""  # the node's devices, one per rank ("2 x cpu ...")
 
 
 class Node:
     """One training node; see the module docstring for its life cycle."""
 
     def __init__(self, cfg: RunConfig, worker_id: str | None = None,
-                 resume: bool = False, secret: bytes = b"") -> None:
+                 resume: bool = False, secret: bytes = b"", ranks: Any = None) -> None:
         self.cfg = cfg
+        self.ranks = ranks  # NodeRanks of a multi-rank node (we are rank 0), else None
         self.worker_id = worker_id
         self._secret = secret  # the swarm secret (auth config), read by the CLI
         self.keeper = StateKeeper(cfg, resume)  # checkpoints, resume, state sync
@@ -381,14 +386,28 @@ class Node:
         collective = ObservedCollective(self.collective, self.status,
                                         lambda: self.worker.step if self.worker else 0)
         timed = self.cfg.diloco.pacing == "time" and self.cfg.diloco.mode != "ddp"
-        self.worker = Worker(self.cfg, self.data, collective,
-                             identity=self.worker_id or self.peer_id,
-                             pacer=TimePacer(time.time) if timed else StepPacer())
+        ranks, device = self._ranks()
+        identity = ranks.handshake(self.worker_id or self.peer_id, device)
+        self.status.devices = list(ranks.devices)
+        self.worker = Worker(self.cfg, self.data, collective, identity=identity,
+                             device=device, pacer=TimePacer(time.time) if timed else StepPacer(),
+                             ranks=ranks)
         if self.cfg.paths.trace:
             self.worker.trace = []
 
+    def _ranks(self) -> tuple[Any, Any]:
+        """This node's ranks and our device (one process: SingleRank, cfg.device)."""
+        from dilonode.train.device import pick_device
+        from dilonode.train.dist import SingleRank
+
+        if self.ranks is not None:
+            return self.ranks, self.ranks.device
+        return SingleRank(), pick_device(self.cfg.device)
+
     def close(self) -> None:
         """Withdraw the peer record, stop the data plane and the DHT (idempotent)."""
+        if self.ranks is not None:
+            self.ranks.stop()  # the other ranks exit
         for watcher in (self.supervisor, self.remerger, self.clock):
             if watcher is not None:  # nothing restarts or re-times behind our back
                 watcher.close()
@@ -455,9 +474,8 @@ class Node:
         from dilonode.swarm.records import FinalRecord
 
         w = self.worker
-        flat = w.outer_flat().contiguous().numpy().tobytes()
         return FinalRecord(peer_id=self.peer_id, run_id=self.cfg.run_id,
-                           digest=hashlib.sha256(flat).hexdigest(),
+                           digest=w.outer_digest(),
                            rounds=list(w.next_round), chains=list(w.chains),
                            tokens=w.stats.tokens, end_step=w.end_step or 0)
 
@@ -508,7 +526,6 @@ class Node:
 
     def _summary(self, rep: Any) -> NodeSummary:
         st = self.worker.stats
-        flat = self.worker.outer_flat().contiguous().numpy().tobytes()
         return NodeSummary(
             peer_id=self.peer_id, worker_id=str(self.worker_id or self.peer_id),
             steps=rep.steps, tokens=rep.tokens, final_eval_loss=rep.eval_history[-1][1],
@@ -517,7 +534,7 @@ class Node:
             retried_rounds=st.retried,
             dropped_peers=list(st.dropped), compute_utilization=rep.compute_utilization,
             step_share=rep.step_share, sync_wait_s=rep.sync_wait_s,
-            wall_s=rep.wall_s, outer_digest=hashlib.sha256(flat).hexdigest(),
+            wall_s=rep.wall_s, outer_digest=self.worker.outer_digest(),
             stopped_early=rep.stopped_early,
             round_latency_s={p: {"n": n, "mean": total / n, "max": worst}
                              for p, (n, total, worst) in sorted(st.latency.items())},
@@ -526,13 +543,14 @@ class Node:
             rounds_with_peers=st.grouped, missed_rounds=st.missed,
             late_rounds=st.late, diverged_rounds=st.diverged,
             agreement=self.verdict.as_dict() if self.verdict is not None else {},
-            checkpoint_age_s=self.keeper.checkpointer.age_s())
+            checkpoint_age_s=self.keeper.checkpointer.age_s(),
+            devices=device_summary(self.status.devices))
 
     def save_outer(self, path: Path) -> None:
         """Write the outer weights (state dict) for comparisons and evaluation."""
         import torch
 
-        torch.save(self.worker.outer_model().state_dict(), path)
+        torch.save(self.worker.outer_state_dict(), path)
 
 
 def summary_json(summary: NodeSummary) -> str:

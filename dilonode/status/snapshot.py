@@ -33,8 +33,8 @@ if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no t
 
     from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 
-__all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "finite_or_none", "p90",
-           "state_chain"]
+__all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "device_summary",
+           "finite_or_none", "p90", "state_chain"]
 
 # Columns of `history()["series"]`, drawn by the dashboard (same names for the swarm view).
 HISTORY_SERIES = ("step", "train_loss", "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps",
@@ -80,6 +80,8 @@ class NodeStatus:
         self.worker_id = ""
         self.url = ""
         self.state = "starting"
+        # The node's devices, one per rank (dilonode/train/dist.py: kind, name, memory).
+        self.devices: list[dict[str, Any]] = []
         self.sample_every = sample_every
         self._peers = peers or (lambda: 0)
         self._trust = trust or dict  # counters of refused peers, records and contributions
@@ -188,6 +190,8 @@ class NodeStatus:
                 "peers_seen": peers, "skipped_rounds": self._skipped,
                 "retried_rounds": self._retried, "trust": trust,
                 "admission": admission, "checkpoint_age_s": ckpt_age,
+                "devices": [dict(d) for d in self.devices],
+                "device_summary": device_summary(self.devices),
             }
         out["syncs"] = [{"fragment": label, "rounds": rounds[label],
                          "last": {"round": r.round, "at_step": r.at_step,
@@ -214,7 +218,8 @@ class NodeStatus:
         keys = ("worker_id", "state", "url", "step", "total_steps", "tokens", "train_loss",
                 "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps", "bytes_sent",
                 "bytes_received", "compute_utilization", "peers_seen", "skipped_rounds",
-                "uptime_s", "version", "swarm_step", "state_chain", "round_p90_s")
+                "uptime_s", "version", "swarm_step", "state_chain", "round_p90_s",
+                "device_summary")
         agreement = s.get("agreement") or {}
         return {**{k: s[k] for k in keys}, "agrees": agreement.get("agrees"),
                 "final_digest": agreement.get("digest")}
@@ -226,6 +231,17 @@ def p90(values: list[float]) -> float | None:
         return None
     ordered = sorted(values)
     return round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 3)
+
+
+def device_summary(devices: list[dict[str, Any]]) -> str:
+    """'4 x cuda NVIDIA H100 80GB HBM3 (79.1 GiB each)': the node's devices in one line
+    (mixed kinds or sizes are listed one group each, ' + '-joined; '' when unknown)."""
+    groups: dict[tuple[str, str, int], int] = {}
+    for d in devices:
+        key = (str(d.get("kind", "?")), str(d.get("name", "")), int(d.get("memory_bytes", 0)))
+        groups[key] = groups.get(key, 0) + 1
+    return " + ".join(f"{n} x {kind}{' ' + name if name else ''} ({mem / 2**30:.1f} GiB each)"
+                      for (kind, name, mem), n in groups.items())
 
 
 def state_chain(worker: Any) -> str:
@@ -266,7 +282,10 @@ class ObservedCollective:
 
     def __init__(self, inner: Collective, status: NodeStatus, step: Callable[[], int]) -> None:
         self.inner, self.status, self.step = inner, status, step
+        # Whether the inner collective takes a pre-encoded contribution (a node's ranks).
+        self.takes_encoded = bool(getattr(inner, "takes_encoded", False))
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> PendingReduce:
-        return _ObservedPending(self.inner.begin(key, flat, weight), key, self.status,
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+              **kw: Any) -> PendingReduce:
+        return _ObservedPending(self.inner.begin(key, flat, weight, **kw), key, self.status,
                                 self.step)

@@ -50,6 +50,7 @@ def format_node(s: dict[str, Any]) -> str:
     step = f"{s['step']}" + (f" / {s['total_steps']}" if s.get("total_steps") else "")
     pairs = [
         ("node", f"{s['peer_id']} (worker {s['worker_id']})"),
+        ("devices", str(s.get("device_summary") or "-")),
         ("run", f"{s['run_id']}  version {s['version']}  protocol {s['protocol_version']}"),
         ("state", f"{s['state']}  up {s['uptime_s']:.0f} s"),
         ("step", step),
