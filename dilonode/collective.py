@@ -73,6 +73,7 @@ class Collective(Protocol):
 
 @dataclass
 class _Slot:
+    key: SyncKey
     contributions: dict[int, torch.Tensor] = field(default_factory=dict)
     tokens: dict[int, float] = field(default_factory=dict)
     results: dict[int, ReduceResult] | None = None
@@ -109,6 +110,9 @@ class LocalGroup:
         self.latency = 0.0  # virtual seconds from the last contribution to the result
         # (worker, kind, fragment) -> the newest round it began: earlier ones it skipped.
         self._newest: dict[tuple[int, str, int], int] = {}
+        # key -> the workers in summation order, where a replay knows the networked round's
+        # (its members in their order); otherwise worker order.
+        self.orders: dict[SyncKey, list[int]] = {}
 
     def view(self, worker: int) -> _LocalView:
         return _LocalView(self, worker)
@@ -121,7 +125,7 @@ class LocalGroup:
 
     def _contribute(self, key: SyncKey, worker: int, flat: torch.Tensor,
                     weight: float) -> _Slot:
-        slot = self._slots.setdefault(key, _Slot())
+        slot = self._slots.setdefault(key, _Slot(key))
         if worker in slot.contributions:
             raise RuntimeError(f"worker {worker} contributed twice to {key}")
         slot.contributions[worker] = flat.detach().to("cpu", torch.float32)
@@ -148,6 +152,8 @@ class LocalGroup:
 
     def _reduce(self, slot: _Slot) -> None:
         everyone = sorted(slot.contributions)
+        if slot.key in self.orders:
+            everyone = sorted(everyone, key=self.orders[slot.key].index)
         # The daemon's round refuses a NaN/Inf payload and retries without its sender (the
         # codecs cannot even encode one); leaving the sender out here is that retry.
         refused = {w for w in everyone if not bool(torch.isfinite(slot.contributions[w]).all())}

@@ -326,16 +326,24 @@ class _VirtualRun:
 
 
 def replay_traces(cfgs: list[RunConfig], traces: list[list[dict]], steps: list[int],
-                  device: torch.device | None = None) -> list[Worker]:
+                  device: torch.device | None = None,
+                  peers: list[str] | None = None) -> list[Worker]:
     """Re-run a networked run's schedule in process: worker i (config `cfgs[i]`, identity i)
     trains `steps[i]` inner steps and starts and lands rounds exactly where node i's
     recorded `trace` (`Worker.trace`) says, averaging over a `LocalGroup` of all workers.
     Every recorded round must have had every worker in its group (the caller checks).
-    Returns the workers: their outer weights are what the nodes should hold."""
+    `peers[i]`: node i's peer id, which orders each round's sum as the node's group did
+    (its trace's `members`); float sums depend on the order. Returns the workers: their
+    outer weights are what the nodes should hold."""
     data = [load_data(c.data) for c in cfgs]
     group = LocalGroup(len(cfgs), get_codec(cfgs[0].codec.name, cfgs[0].codec.block_size),
                        aggregator=cfgs[0].aggregator.spec(),
                        chunk_numel=cfgs[0].network.chunk_numel, align=cfgs[0].codec.block_size)
+    if peers is not None:
+        index = {peer: i for i, peer in enumerate(peers)}
+        for event in (e for t in traces for e in t if e.get("members")):
+            key = SyncKey("fragment", int(event["fragment"]), int(event["round"]))
+            group.orders[key] = [index[m] for m in event["members"]]
     workers = [Worker(c, d, group.view(i), identity=i, device=device)
                for i, (c, d) in enumerate(zip(cfgs, data, strict=True))]
     drivers = [_replay(w, t, n) for w, t, n in zip(workers, traces, steps, strict=True)]

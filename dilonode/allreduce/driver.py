@@ -460,13 +460,27 @@ class LoopThread:
         return self.submit(coro).result(timeout)
 
     def stop(self, timeout: float = 2.0) -> None:
+        """Cancel what still runs on the loop (rounds abandoned at shutdown), let it unwind
+        for up to `timeout` s, then stop the loop: a task destroyed while pending would
+        otherwise be logged, after the node's last words, at interpreter exit."""
         if self.loop is None or self._thread is None:
             return
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            self.run(_cancel_all(), timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self.loop.close()
         self.loop, self._thread = None, None
+
+
+async def _cancel_all() -> None:
+    """Cancel every other task of the running loop and wait for them to finish."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:

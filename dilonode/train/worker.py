@@ -467,7 +467,7 @@ class Worker:
         self.stats.record(p, result)
         if self.trace is not None:
             self.trace.append({"step": self.step, "event": "land", "fragment": p, "round": r,
-                               "group": result.group_size})
+                               "group": result.group_size, "members": list(result.members)})
         if result.diverged:
             self.diverged_from = result.diverged
         params = self._frag_params(self.fragments[p])

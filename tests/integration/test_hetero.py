@@ -70,7 +70,8 @@ def test_a_3x_slower_node_takes_part_in_every_round_and_all_end_identical(tmp_pa
     assert all(e["group"] == 3 for t in traces for e in t if e["event"] == "land")
     cfgs = [cfg, cfg, load_config(overrides={**BASE, "data": {**BASE["data"],
                                                                "batch_size": 12}})]
-    workers = replay_traces(cfgs, traces, [x["steps"] for x in s])
+    workers = replay_traces(cfgs, traces, [x["steps"] for x in s],
+                            peers=[x["peer_id"] for x in s])
     want = torch.load(tmp_path / "node-0" / "outer.pt")
     for w in workers:
         got = w.outer_model().state_dict()
