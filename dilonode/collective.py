@@ -146,6 +146,9 @@ class LocalGroup:
         self.latency = 0.0  # virtual seconds from the last contribution to the result
         # (worker, kind, fragment) -> the newest round it began: earlier ones it skipped.
         self._newest: dict[tuple[int, str, int], int] = {}
+        # key -> the workers in summation order, where a replay knows the networked round's
+        # (its members in their order); otherwise worker order.
+        self.orders: dict[SyncKey, list[int]] = {}
 
     def view(self, worker: int) -> _LocalView:
         return _LocalView(self, worker)
@@ -161,7 +164,7 @@ class LocalGroup:
         slot = self._slots.setdefault(key, _Slot(key=key))
         if worker in slot.contributions:
             raise RuntimeError(f"worker {worker} contributed twice to {key}")
-        slot.contributions[worker] = flat.detach().to("cpu", torch.float32)
+        slot.contributions[worker] = self._keep(flat)
         slot.tokens[worker] = float(weight)
         if state is not None:
             slot.states[worker] = state
@@ -175,6 +178,10 @@ class LocalGroup:
                 other.skipped.add(worker)
                 self._complete(other)
         return slot
+
+    def _keep(self, flat: torch.Tensor) -> torch.Tensor:
+        """The copy of a contribution the group holds until the round reduces it."""
+        return flat.detach().to("cpu", torch.float32)
 
     def _complete(self, slot: _Slot) -> None:
         if slot.results is None and slot.contributions and \
@@ -211,6 +218,8 @@ class LocalGroup:
         """One group's round: the butterfly mean of its members' contributions (and, in a
         mixing round, of their states); the results of its members."""
         assert slot.key is not None
+        if slot.key in self.orders:
+            everyone = sorted(everyone, key=self.orders[slot.key].index)
         if slot.key.kind == "mix":
             return self._mix_only(slot, everyone, grouped_round)
         # The daemon's round refuses a NaN/Inf payload and retries without its sender (the

@@ -52,6 +52,7 @@ import torch
 from dilonode.algo.groups import mixes
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, BanTracker
+from dilonode.algo.spliced import SplicedEncoding
 from dilonode.allreduce.round import (
     Action,
     AllReduceRound,
@@ -124,7 +125,8 @@ async def run_round(plane: DataPlane, spec: GroupSpec, my_index: int, local: tor
                     offload: bool = True,
                     aggregator: AggregatorSpec | None = None,
                     out: torch.Tensor | None = None,
-                    keep_encoded: bool = False, weight: float = 1.0) -> RoundOutcome:
+                    keep_encoded: bool = False, weight: float = 1.0,
+                    encoded: SplicedEncoding | None = None) -> RoundOutcome:
     """Run this node's side of one round; `peers` maps member index -> "host:port".
 
     Returns as soon as the round is DONE or FAILED, by `clock() >= start + timeout` (plus
@@ -134,13 +136,15 @@ async def run_round(plane: DataPlane, spec: GroupSpec, my_index: int, local: tor
     failed round a frame may still be on its way out (`NetworkCollective` hands every
     round a tensor of its own). `out` and `keep_encoded` are handed to `AllReduceRound`
     (the result buffer; keep the encoded result for `RoundOutcome.encoded`), and so is
-    `weight` (the tokens `local` was trained on, which weight it in the mean).
+    `weight` (the tokens `local` was trained on, which weight it in the mean), and
+    `encoded` (`local` as a node's ranks encoded it, slice by slice).
     """
     missing = [i for i in range(spec.size) if i != my_index and i not in peers]
     if missing:
         raise ValueError(f"run_round: no address for member(s) {missing}")
     rnd = AllReduceRound(spec, my_index, local, timeout=timeout, aggregator=aggregator,
-                         out=out, keep_encoded=keep_encoded, weight=weight)
+                         out=out, keep_encoded=keep_encoded, weight=weight,
+                         encoded=encoded)
     key = (spec.fragment, spec.round, spec.attempt)
     inbox = plane.register(key, spec.members)
     try:
@@ -334,6 +338,7 @@ class SwarmRounds:
 
     async def reduce(self, fragment: int, round_no: int, local: torch.Tensor,
                      out: torch.Tensor | None = None, weight: float = 1.0,
+                     encoded: SplicedEncoding | None = None,
                      state: StateSource | None = None,
                      mix_only: bool = False) -> SwarmOutcome:
         """Average `local` (1-D float32, trained on `weight` tokens) with a group, retrying
@@ -361,7 +366,8 @@ class SwarmRounds:
                                   self.policy.timeout, self.clock, offload=self.offload,
                                   aggregator=None if mix_only else self.policy.aggregator,
                                   out=out, keep_encoded=self.keep_encoded and not mix_only,
-                                  weight=1.0 if mix_only else weight)
+                                  weight=1.0 if mix_only else weight,
+                                  encoded=None if mix_only else encoded)
             attempts.append(got)
             if got.state is RoundState.DONE:
                 self._note_rejected(fragment, round_no, got.rejected, got.convicted)
@@ -501,13 +507,27 @@ class LoopThread:
         return self.submit(coro).result(timeout)
 
     def stop(self, timeout: float = 2.0) -> None:
+        """Cancel what still runs on the loop (rounds abandoned at shutdown), let it unwind
+        for up to `timeout` s, then stop the loop: a task destroyed while pending would
+        otherwise be logged, after the node's last words, at interpreter exit."""
         if self.loop is None or self._thread is None:
             return
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            self.run(_cancel_all(), timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self.loop.close()
         self.loop, self._thread = None, None
+
+
+async def _cancel_all() -> None:
+    """Cancel every other task of the running loop and wait for them to finish."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
@@ -592,8 +612,14 @@ class NetworkCollective:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    takes_encoded = True  # begin() accepts a pre-encoded contribution (a node's ranks)
+
     def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+              encoded: SplicedEncoding | None = None,
               state: StateSource | None = None) -> _NetPending:
+        """Average `flat` with the swarm in the background; `encoded`: `flat` as a node's
+        ranks already encoded it with the round's codec, slice by slice; `state`: our packed
+        outer state, for the state round of a grouped swarm."""
         fragment = GRAD_FRAGMENT if key.kind == "grad" else key.fragment
         mix_only = key.kind == "mix"
         t0 = self.rounds.clock()
@@ -609,17 +635,18 @@ class NetworkCollective:
             elif out is None or out.numel() != local.numel():
                 out = self._results[fragment] = torch.empty_like(local)
         fut = self.thread.submit(self._reduce(fragment, key.round, local, t0, out, weight,
-                                              state, mix_only))
+                                              encoded, state, mix_only))
         if not mix_only:
             self._in_flight[fragment] = fut
         return _NetPending(fut)
 
     async def _reduce(self, fragment: int, round_no: int, local: torch.Tensor,
                       t0: float, out_buf: torch.Tensor | None = None,
-                      weight: float = 1.0, state: StateSource | None = None,
+                      weight: float = 1.0, encoded: SplicedEncoding | None = None,
+                      state: StateSource | None = None,
                       mix_only: bool = False) -> ReduceResult:
         swarm = await self.rounds.reduce(fragment, round_no, local, out_buf, weight,
-                                         state=state, mix_only=mix_only)
+                                         encoded, state=state, mix_only=mix_only)
         out = swarm.outcome
         assert out.result is not None
         mixed = out if mix_only else swarm.state

@@ -15,7 +15,11 @@ Usage, on the plane's event loop::
     tunnel = Tunnel(dht.p2p_daemon_maddr(), run_id)
     await tunnel.start(plane)          # then DataPlane(..., fallback=tunnel.open)
     ...
+    await tunnel.reattach(dht.p2p_daemon_maddr())   # after the DHT (and p2pd) restarted
+    ...
     await tunnel.aclose()
+
+The plane keeps calling the same `open`, so a re-attached tunnel needs no rewiring.
 
 `import hivemind` happens in `start()`, never at module import.
 """
@@ -47,12 +51,14 @@ class Tunnel:
         self.daemon_maddr = daemon_maddr
         self.name = stream_name(run_id)
         self._p2p: Any = None
+        self._plane: DataPlane | None = None
         self._streams: set[asyncio.Task[None]] = set()
 
     async def start(self, plane: DataPlane) -> None:
         """Attach to the daemon and accept streams into `plane`."""
         from hivemind.p2p import P2P
 
+        self._plane = plane
         self._p2p = await asyncio.wait_for(P2P.replicate(self.daemon_maddr), _OP_TIMEOUT)
 
         async def on_stream(info: Any, reader: asyncio.StreamReader,
@@ -86,7 +92,17 @@ class Tunnel:
             raise ConnectionError(f"no libp2p stream to {peer_id}: {exc}") from None
         return reader, writer
 
-    async def aclose(self) -> None:
+    async def reattach(self, daemon_maddr: Any) -> None:
+        """Attach to a new daemon (the DHT restarted with a new p2pd) and serve the same
+        plane through it; streams through the old daemon are dropped."""
+        if self._plane is None:
+            raise RuntimeError("Tunnel.reattach: start() first")
+        await self.aclose(timeout=2.0)  # the old daemon is usually dead: do not wait long
+        self.daemon_maddr = daemon_maddr
+        await self.start(self._plane)
+        log.info("libp2p tunnel re-attached to %s", daemon_maddr)
+
+    async def aclose(self, timeout: float = _OP_TIMEOUT) -> None:
         """Stop accepting streams and detach from the daemon (which keeps running)."""
         p2p, self._p2p = self._p2p, None
         if p2p is None:
@@ -94,7 +110,7 @@ class Tunnel:
         for task in list(self._streams):
             task.cancel()
         try:
-            await asyncio.wait_for(p2p.remove_binary_stream_handler(self.name), _OP_TIMEOUT)
+            await asyncio.wait_for(p2p.remove_binary_stream_handler(self.name), timeout)
         except Exception as exc:  # the daemon may already be gone with the DHT
             log.debug("removing the libp2p stream handler failed: %s", exc)
-        await asyncio.wait_for(p2p.shutdown(), _OP_TIMEOUT)
+        await asyncio.wait_for(p2p.shutdown(), timeout)

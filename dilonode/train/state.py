@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,18 +26,30 @@ from dilonode.algo.replay import EncodedResult
 from dilonode.algo.schedule import SyncPlan
 from dilonode.config import RunConfig
 
-__all__ = ["WorkerState", "adoption_step", "config_digest", "fragment_names", "settled_step",
-           "snapshot_error", "tensor_names"]
+__all__ = ["WorkerState", "adoption_step", "config_digest", "fragment_names",
+           "reusable_fragments", "settled_step", "snapshot_error", "tensor_names"]
 
 
 def config_digest(cfg: RunConfig) -> str:
     """sha256 hex of the settings the outer state depends on (not paths, steps or network)."""
     # step_seconds only proposes a clock; the swarm agrees on one whatever nodes propose.
-    parts = {"model": cfg.model.model_dump(mode="json"),
+    parts = {"model": _model_part(cfg),
              "diloco": cfg.diloco.effective().model_dump(mode="json",
                                                          exclude={"step_seconds"}),
              "codec": cfg.codec.model_dump(mode="json"), "seed": cfg.seed}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _model_part(cfg: RunConfig) -> dict[str, object]:
+    """The model settings; a local HF directory by its content (`model_identity`), not its
+    path, and no path key at all for the other kinds (their digests stay as they were)."""
+    part = cfg.model.model_dump(mode="json")
+    part.pop("path", None)
+    if cfg.model.kind == "hf":
+        from dilonode.train.model import model_identity
+
+        part["content"] = model_identity(cfg.model)
+    return part
 
 
 def settled_step(plan: SyncPlan, landed: list[int]) -> int:
@@ -78,6 +91,20 @@ def tensor_names(num_fragments: int) -> list[str]:
     return [name for p in range(num_fragments) for name in fragment_names(p)]
 
 
+def reusable_fragments(reuse: WorkerState | None, rounds: list[int], outer_steps: list[int],
+                       chains: list[str] | tuple[str, ...] | None = None) -> set[int]:
+    """Fragments whose tensors in `reuse` (an earlier capture) are still current: the same
+    rounds and outer steps (outer state moves only when a round lands) and, when both know
+    them, the same chains (a grouped swarm's mixing round changes the state, no counter)."""
+    if reuse is None:
+        return set()
+    ours = tuple(chains or ())
+    compare = bool(ours) and len(reuse.chains) == len(ours)
+    return {p for p, (r, n) in enumerate(zip(rounds, outer_steps, strict=True))
+            if p < reuse.num_fragments and (reuse.rounds[p], reuse.outer_steps[p]) == (r, n)
+            and (not compare or reuse.chains[p] == ours[p])}
+
+
 @dataclass
 class WorkerState:
     """Outer state after `rounds` landed rounds per fragment; `step` is the latest step at
@@ -95,7 +122,7 @@ class WorkerState:
     chains: tuple[str, ...] = ()
 
     @classmethod
-    def capture(cls, step: int, rounds: list[int], outer: list[OuterState],
+    def capture(cls, step: int, rounds: list[int], outer: Sequence[OuterState],
                 reuse: WorkerState | None = None, taken_at: int | None = None,
                 replays: dict[int, EncodedResult] | None = None,
                 chains: list[str] | None = None) -> WorkerState:
@@ -105,13 +132,9 @@ class WorkerState:
         since (outer state moves only when a round lands), so its tensors are shared instead
         of copied again."""
         tensors: dict[str, torch.Tensor] = {}
+        keep = reusable_fragments(reuse, rounds, [st.steps for st in outer], chains)
         for p, st in enumerate(outer):
-            # A mixing round (grouped swarms) changes the state but no counter; the chain
-            # names the state, so it must match too.
-            same_chain = (reuse is None or not chains or len(reuse.chains) != len(chains)
-                          or reuse.chains[p] == chains[p])
-            if reuse is not None and p < reuse.num_fragments and same_chain and \
-                    (reuse.rounds[p], reuse.outer_steps[p]) == (rounds[p], st.steps):
+            if p in keep:
                 for kind in ("weights", "momentum"):
                     tensors[f"outer.{p}.{kind}"] = reuse.tensors[f"outer.{p}.{kind}"]
                 continue
@@ -174,6 +197,11 @@ class WorkerState:
                                      f"{tuple(src.shape)} does not fit {dst.dtype} "
                                      f"{tuple(dst.shape)} (a different model?)")
         for p, st in enumerate(outer):
-            st.weights.copy_(self.tensors[f"outer.{p}.weights"])
-            st.momentum_buf.copy_(self.tensors[f"outer.{p}.momentum"])
-            st.steps = self.outer_steps[p]
+            self.apply_fragment(p, st)
+
+    def apply_fragment(self, p: int, st: OuterState) -> None:
+        """Copy fragment p's outer weights, momentum and step count into `st` (checked to
+        fit by `apply_to`, or by the caller)."""
+        st.weights.copy_(self.tensors[f"outer.{p}.weights"])
+        st.momentum_buf.copy_(self.tensors[f"outer.{p}.momentum"])
+        st.steps = self.outer_steps[p]
