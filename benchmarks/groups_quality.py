@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import save_rows  # benchmarks/ is on sys.path when run as a script
 
-from benchmarks.results import save_rows
 from dilonode.algo.mixing import spread
 from dilonode.config import load_config
 from dilonode.sim import simulate

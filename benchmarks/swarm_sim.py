@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.results import save_rows
+from results import save_rows  # benchmarks/ is on sys.path when run as a script
+
 from dilonode.swarmsim import SwarmSimConfig, run_swarm, summarize
 
 
