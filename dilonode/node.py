@@ -27,6 +27,7 @@ from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolic
 from dilonode.config import RunConfig
 from dilonode.statesync.keeper import StateKeeper
 from dilonode.status.snapshot import NodeStatus, ObservedCollective
+from dilonode.swarm import reach
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
 
@@ -72,6 +73,10 @@ class NodeSummary:
     # The end-of-run check (swarm/agreement.py): {"agrees": bool | None, ...}; {} if the
     # node stopped before the end.
     agreement: dict[str, Any] = field(default_factory=dict)
+    # network.reachable as resolved ("public" / "private"), and how the data plane reached
+    # peers: connections out (direct TCP or libp2p stream), streams accepted, failed dials.
+    reachability: str = "public"
+    data_paths: dict[str, int] = field(default_factory=dict)
 
 
 class Node:
@@ -97,15 +102,24 @@ class Node:
                                  checkpoint_age=self.keeper.checkpointer.age_s)
         self.status_server: Any = None
         self.clock: Any = None  # ClockKeeper: the swarm clock (pacing = "time")
+        self.reachability: reach.Reachability = "public"  # resolved in start()
         self.verdict: Any = None  # the end-of-run agreement Verdict
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
         net = self.cfg.network
         self.admission.setup(self.cfg.admission)  # before the DHT forks: it inherits the limit
+        self.reachability = reach.resolve(net.reachable, net.host, net.announce_host,
+                                          net.initial_peers)
+        p2p_options, p2pd_flags = reach.dht_options(self.reachability, net.initial_peers)
         self.dht = SwarmDHT(self.cfg.run_id, list(net.initial_peers), net.identity_path,
                             net.host, net.dht_port, secret=self._secret,
-                            allowed=self.cfg.auth.allowed()).start()
+                            allowed=self.cfg.auth.allowed(), p2p_options=p2p_options,
+                            p2pd_flags=p2pd_flags).start()
+        if self.reachability == "private":
+            log.info("reachability: private (network.reachable = %s): DHT client, relay "
+                     "slots at the initial peers, peers reach this node by libp2p streams, "
+                     "no state served", net.reachable)
         policy = RoundPolicy(codec=self.cfg.codec.name, block_size=self.cfg.codec.block_size,
                              chunk_numel=net.chunk_numel, timeout=net.allreduce_timeout,
                              max_attempts=net.max_attempts,
@@ -139,8 +153,10 @@ class Node:
                                      settings=policy.settings(), gone=plane.gone.copy,
                                      local_state=self._local_state)
         self.keeper.source.counts = self.membership.counts
-        self.membership.state_addr = self.keeper.start_server(
-            self.collective.thread, self.dht.credentials, self.admission.gate("state"))
+        self.membership.reachable = self.reachability == "public"
+        if self.membership.reachable:  # a private node's listener could not be reached
+            self.membership.state_addr = self.keeper.start_server(
+                self.collective.thread, self.dht.credentials, self.admission.gate("state"))
         self._start_clock()
         self.keeper.prepare(self.worker, self.collective.thread, self.dht,
                             publish=self.membership.start)
@@ -182,8 +198,11 @@ class Node:
     async def _form(self, fragment: int, round_no: int, attempt: int,
                     exclude: set[str]) -> FormedGroup:
         # The collective is created before membership (membership needs its address).
-        assert self.membership is not None
-        return await self.membership.form(fragment, round_no, attempt, exclude)
+        assert self.membership is not None and self.collective is not None
+        group = await self.membership.form(fragment, round_no, attempt, exclude)
+        # Peers behind a NAT, as of the records just read: stream to them, no dial first.
+        self.collective.plane.stream_only = self.membership.unreachable()
+        return group
 
     def _status(self) -> dict[str, Any]:
         w = self.worker
@@ -370,7 +389,17 @@ class Node:
             rounds_with_peers=st.grouped, missed_rounds=st.missed,
             late_rounds=st.late, diverged_rounds=st.diverged,
             agreement=self.verdict.as_dict() if self.verdict is not None else {},
-            checkpoint_age_s=self.keeper.checkpointer.age_s())
+            checkpoint_age_s=self.keeper.checkpointer.age_s(),
+            reachability=self.reachability, data_paths=self._data_paths())
+
+    def _data_paths(self) -> dict[str, int]:
+        st = self.collective.plane.stats if self.collective and self.collective.plane else {}
+        out = {k: st.get(k, 0) for k in ("connections_out", "fallback_connections",
+                                         "fallback_accepts", "direct_failures")}
+        return {"direct_out": out["connections_out"] - out["fallback_connections"],
+                "stream_out": out["fallback_connections"],
+                "stream_in": out["fallback_accepts"],
+                "direct_failures": out["direct_failures"]}
 
     def save_outer(self, path: Path) -> None:
         """Write the outer weights (state dict) for comparisons and evaluation."""

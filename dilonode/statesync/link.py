@@ -42,7 +42,11 @@ from dilonode.statesync.protocol import (
 )
 from dilonode.wire.errors import RemoteProtocolError
 
-__all__ = ["Link", "reply_key"]
+__all__ = ["CONNECT_TIMEOUT_S", "Link", "reply_key"]
+
+# A TCP connect answers within a round trip or two; an address that drops the SYN (a peer
+# behind a NAT, a firewall) is given up on after this, not after the request timeout.
+CONNECT_TIMEOUT_S = 5.0
 
 _REPLY_LABEL = b"dilonode/v3/statesync/reply\0"
 
@@ -74,10 +78,14 @@ class Link:
     @classmethod
     async def connect(cls, addr: str, auth: Credentials | None, run_id: str, peer_id: str,
                       expected_peer: str, timeout: float) -> Link:
-        """Dial `addr` and prove that `expected_peer` answers (HandshakeError otherwise)."""
+        """Dial `addr` and prove that `expected_peer` answers (HandshakeError otherwise).
+        The TCP connect itself gets at most `CONNECT_TIMEOUT_S` (an address behind a NAT
+        or a firewall that drops the SYN is given up on then), the handshake the rest of
+        `timeout`."""
         host, _, port = addr.rpartition(":")
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, int(port))
+            async with asyncio.timeout(min(timeout, CONNECT_TIMEOUT_S)):
+                reader, writer = await asyncio.open_connection(host, int(port))
             try:
                 shake = OutboundHandshake(auth, run_id, peer_id, expected_peer)
                 writer.write(shake.hello_frame())

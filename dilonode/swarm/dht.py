@@ -211,8 +211,14 @@ def _orphan_safe(dht_class: Any) -> Any:
     """hivemind.DHT subclass whose process dies with the process that started it."""
 
     class OrphanSafeDHT(dht_class):  # type: ignore[misc, valid-type]
+        _dilonode_p2pd_flags: dict[str, Any] = {}
+
         def run(self) -> None:
             _die_with_parent(self._dilonode_parent)
+            if self._dilonode_p2pd_flags:  # before the node starts its p2pd
+                from dilonode.swarm.reach import add_p2pd_flags
+
+                add_p2pd_flags(self._dilonode_p2pd_flags)
             super().run()
 
         def run_in_background(self, *args: Any, **kwargs: Any) -> Any:
@@ -238,6 +244,8 @@ class SwarmDHT:
         shutdown_timeout: float = 3.0,
         secret: bytes = b"",
         allowed: frozenset[str] | None = None,
+        p2p_options: dict[str, Any] | None = None,
+        p2pd_flags: dict[str, Any] | None = None,
     ) -> None:
         if not re.fullmatch(RUN_ID_PATTERN, run_id):
             raise ValueError(f"run_id {run_id!r} does not match {RUN_ID_PATTERN}")
@@ -252,6 +260,9 @@ class SwarmDHT:
         self.unauthorized_records = 0
         self._secret = secret
         self._allowed = allowed
+        # Reachability (swarm/reach.py): hivemind DHT/P2P keywords, extra p2pd flags.
+        self.p2p_options = dict(p2p_options or {})
+        self.p2pd_flags = dict(p2pd_flags or {})
         self._credentials: Credentials | None = None
         self._owner_subkey = ""
         self._dht: Any = None
@@ -283,7 +294,9 @@ class SwarmDHT:
             record_validators=[_owner_validator(identity)],
             shutdown_timeout=self.shutdown_timeout,
             startup_timeout=self.start_timeout,
+            **self.p2p_options,
         )
+        dht._dilonode_p2pd_flags = self.p2pd_flags
         t0 = time.monotonic()
         try:
             dht.run_in_background(await_ready=True, timeout=self.start_timeout)

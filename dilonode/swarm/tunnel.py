@@ -62,6 +62,11 @@ class Tunnel:
             self._streams.add(task)
             try:
                 await plane.accept_stream(reader, writer, f"libp2p:{info.peer_id}")
+            except asyncio.CancelledError:
+                # aclose() cancelled it. End the handler task normally: on Python 3.11
+                # asyncio's stream server calls exception() on a cancelled handler task
+                # and logs the CancelledError it raises as an error.
+                return
             finally:
                 self._streams.discard(task)
 
