@@ -252,8 +252,8 @@ class NetworkConfig(_Frozen):
         "over a libp2p stream through the DHT's daemon (reaches peers behind NAT; more CPU)")
     reachable: Literal["auto", "public", "private"] = Field(
         "auto", description="whether peers can dial this node: 'private' behind a NAT with "
-        "no port forward (DHT client mode, relay slots at the initial peers, peers reach it "
-        "by libp2p streams, no state served); 'auto' decides by the addresses: private "
+        "no port forward (DHT client mode, relay slots at the initial peers, peers reach its "
+        "data plane and state server by libp2p streams); 'auto' decides by the addresses: private "
         "when listening on a non-global address, with no announce_host, while an initial "
         "peer has a global one (dilonode/swarm/reach.py)")
     leave_timeout: float = Field(

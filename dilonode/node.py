@@ -118,8 +118,8 @@ class Node:
                             p2pd_flags=p2pd_flags).start()
         if self.reachability == "private":
             log.info("reachability: private (network.reachable = %s): DHT client, relay "
-                     "slots at the initial peers, peers reach this node by libp2p streams, "
-                     "no state served", net.reachable)
+                     "slots at the initial peers, peers reach this node (data, state) by "
+                     "libp2p streams", net.reachable)
         policy = RoundPolicy(codec=self.cfg.codec.name, block_size=self.cfg.codec.block_size,
                              chunk_numel=net.chunk_numel, timeout=net.allreduce_timeout,
                              max_attempts=net.max_attempts,
@@ -130,9 +130,15 @@ class Node:
         plane_options: dict[str, Any] = {"auth": self.dht.credentials,
                                          "gate": self.admission.gate("data")}
         if net.p2p_fallback:
-            from dilonode.swarm.tunnel import Tunnel
+            from dilonode.swarm.tunnel import Tunnel, relay_peers
 
-            self.tunnel = Tunnel(self.dht.p2p_daemon_maddr(), self.cfg.run_id)
+            private = self.reachability == "private"
+            # Streams to private nodes go through a relay at our initial peers unless p2pd
+            # holds a direct connection; public nodes relay for others (swarm/tunnel.py).
+            self.tunnel = Tunnel(self.dht.p2p_daemon_maddr(), self.cfg.run_id,
+                                 private=private, relays=relay_peers(net.initial_peers),
+                                 private_peers=self._private_peers,
+                                 admitted=None if private else self._is_live)
             plane_options["fallback"] = self.tunnel.open
         self.collective = NetworkCollective(self.dht.peer_id, self.cfg.run_id, self._form,
                                             policy, host=net.host, port=net.port,
@@ -154,9 +160,14 @@ class Node:
                                      local_state=self._local_state)
         self.keeper.source.counts = self.membership.counts
         self.membership.reachable = self.reachability == "public"
-        if self.membership.reachable:  # a private node's listener could not be reached
-            self.membership.state_addr = self.keeper.start_server(
-                self.collective.thread, self.dht.credentials, self.admission.gate("state"))
+        self.membership.state_addr = self.keeper.start_server(
+            self.collective.thread, self.dht.credentials, self.admission.gate("state"))
+        if self.tunnel is not None:
+            # Peers behind a NAT serve and fetch state over libp2p streams too.
+            self.keeper.opener = self.tunnel.open_state
+            if self.keeper.server is not None:
+                self.collective.thread.run(
+                    self.tunnel.serve_state(self.keeper.server.accept_stream), timeout=30.0)
         self._start_clock()
         self.keeper.prepare(self.worker, self.collective.thread, self.dht,
                             publish=self.membership.start)
@@ -199,10 +210,26 @@ class Node:
                     exclude: set[str]) -> FormedGroup:
         # The collective is created before membership (membership needs its address).
         assert self.membership is not None and self.collective is not None
+        if self.tunnel is not None and self.tunnel.private:
+            # Before we register: the public peers' streams to us must find a direct
+            # libp2p connection, not a limited relayed one (swarm/tunnel.py).
+            await self.tunnel.reach_out(r.peer_id for r in self.membership.cached()
+                                        if r.reachable and r.peer_id != self.peer_id)
         group = await self.membership.form(fragment, round_no, attempt, exclude)
         # Peers behind a NAT, as of the records just read: stream to them, no dial first.
-        self.collective.plane.stream_only = self.membership.unreachable()
+        self.collective.plane.stream_only = self._private_peers()
         return group
+
+    def _private_peers(self) -> frozenset[str]:
+        """Peers whose last read record says they cannot be dialled (behind a NAT)."""
+        if self.membership is None:
+            return frozenset()
+        return frozenset(r.peer_id for r in self.membership.cached() if not r.reachable)
+
+    def _is_live(self, peer_id: str) -> bool:
+        """Whether `peer_id` has a live record (the relay serves only peers of the run)."""
+        return self.membership is not None and any(
+            r.peer_id == peer_id for r in self.membership.cached())
 
     def _status(self) -> dict[str, Any]:
         w = self.worker
@@ -396,10 +423,14 @@ class Node:
         st = self.collective.plane.stats if self.collective and self.collective.plane else {}
         out = {k: st.get(k, 0) for k in ("connections_out", "fallback_connections",
                                          "fallback_accepts", "direct_failures")}
+        tunnel = self.tunnel.stats if self.tunnel is not None else {}
+        relay = self.tunnel.relay.stats if self.tunnel and self.tunnel.relay else {}
         return {"direct_out": out["connections_out"] - out["fallback_connections"],
                 "stream_out": out["fallback_connections"],
                 "stream_in": out["fallback_accepts"],
-                "direct_failures": out["direct_failures"]}
+                "direct_failures": out["direct_failures"],
+                "relayed_out": tunnel.get("relayed_out", 0),
+                "relayed_for_others": relay.get("relayed", 0)}
 
     def save_outer(self, path: Path) -> None:
         """Write the outer weights (state dict) for comparisons and evaluation."""

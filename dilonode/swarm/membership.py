@@ -101,10 +101,9 @@ class Membership:
             self._live = (time.monotonic(), peers)
         return peers
 
-    def unreachable(self) -> frozenset[str]:
-        """Peers whose last read record says they cannot be dialled (behind a NAT); from
-        the last read, never a DHT call."""
-        return frozenset(r.peer_id for r in self._live[1] if not r.reachable)
+    def cached(self) -> list[PeerRecord]:
+        """The live peer records of the last read (ours included), never a DHT call."""
+        return self._live[1]
 
     def wait_for_peers(self, need: int, timeout: float) -> list[PeerRecord]:
         deadline = time.monotonic() + timeout

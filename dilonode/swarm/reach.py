@@ -21,9 +21,12 @@ What a private node does differently (`dht_options`, and the node for the rest):
   not wait for AutoNAT), which makes it reachable by libp2p streams through them;
   `-relayDiscovery=0` makes those the only relays: with discovery on, go-libp2p's
   autorelay waits 3 minutes for at least 4 candidate relays before using fewer;
-* its peer record says `reachable = False` and advertises no state-sync address: peers
-  open a libp2p stream to it at once instead of dialling its data address first
-  (`DataPlane.stream_only`), and joiners do not try to fetch state from it.
+* its peer record says `reachable = False`: peers open a libp2p stream to it at once
+  instead of dialling its data or state address first (`DataPlane.stream_only`,
+  `recover(streamed=...)`), over a direct libp2p connection when p2pd holds one, else
+  through a relay at their initial peers (`dilonode.swarm.tunnel`);
+* it keeps direct libp2p connections to the public peers it averages with
+  (`Tunnel.reach_out`), which they stream to it over.
 
 hivemind's `P2P.create` has no parameter for `-relayDiscovery`; `add_p2pd_flags` adds it to
 the daemon's command line in the process that starts p2pd (the DHT's own process).
