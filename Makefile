@@ -10,13 +10,15 @@ DEMO_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Users with a GPU bring their own torch; otherwise take the pinned CPU build (an
 	# unpinned torch would pull a multi-GB CUDA build).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# The hf extra (transformers, which brings no torch of its own): CI trains a local
+	# Hugging Face model directory (tests/integration/test_multirank.py).
+	$(PY) -m pip install -q -e '.[dev,hf]'
 	touch $(STAMP)
 
 # A bootstrap peer and 3 training nodes on loopback, one process each (bounded: --steps).

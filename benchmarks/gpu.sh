@@ -1,57 +1,157 @@
 #!/usr/bin/env bash
-# The GPU figures of issue 16 section 1, in one script (< 10 minutes on one H100 host with
-# 16 cores): the device codecs bit for bit on the GPU, then 4 peers on loopback all-reducing
-# fragments of 50M and 500M values with the pseudo-gradient on the GPU (codecs and reduction
-# there: the round's torch data path) against torch.distributed gloo float32 on the same
-# values in the same run, and against an ideal 1 and 10 Gbit/s link.
+# The GPU figures, in stages that each take less than 10 minutes on one H100 host with 16
+# cores (docs/gpu-plan.md gives the order, the minutes and what each writes):
 #
-#   make setup && bash benchmarks/gpu.sh            # figures in runs/gpu/<UTC time>/
-#   PYTHON=python3 bash benchmarks/gpu.sh           # an interpreter that has CUDA torch
+#   bash benchmarks/gpu.sh STAGE [STAGE ...]       # figures in runs/gpu/ (RESULTS)
 #
-# Offline GPU hosts: install the missing packages from wheels first, as docs/operations.md
-# ("GPU check") describes (numba and llvmlite are optional here: the GPU path does not use
-# them). Env: PYTHON, OUT (folder), ROUNDS_50M (3), ROUNDS_500M (2), CHUNK_500M (1048576
-# values per frame; the daemon's default 262144 is used at 50M).
-# Target: int4 round wall <= gloo float32 wall for the same tensor (summary.txt).
+#   prepare         (the host that has the network, not the GPU one) wheels for an offline
+#                   Python 3.12 GPU host in runs/carry/whl, the corpus built and packed in
+#                   runs/carry/pysrc-pack: carry runs/carry (about 32 MB)
+#   setup           carried wheels installed into /tmp/site-py3XX when imports fail, the
+#                   corpus unpacked from its pack and checked (every invocation does this)
+#   codecs          issue 16: device codecs bit for bit on the GPU, 4 peers all-reducing 50M
+#                   and 500M values against gloo float32 and ideal 1/10 Gbit/s links
+#   memory          peak GPU memory, host RSS and step time of one node, 150m and 1b; the
+#                   CPU estimate beside it; projected minutes of the quality stages
+#   quality-ddp, quality-diloco, quality-int4, quality-fp4
+#                   the simulator, 4 workers x 2,000 steps of 150m with bf16 autocast on the
+#                   corpus (benchmarks/gpu_quality.py); quality-table joins their reports
+#   swarm-start     bootstrap + 4 `dilonode run` on the GPU for 11 minutes, detached, then
+#                   waits up to SWARM_WAIT_S (480) s; swarm-collect waits for the end (up to
+#                   540 s) and writes the figures. Two device calls, the second at once.
+#   swarm           swarm-start and swarm-collect in one go (hosts without a time limit)
+#   all             codecs memory quality-ddp quality-diloco quality-int4 quality-fp4 swarm
+#
+# Env: PYTHON (default .venv/bin/python, else python3), RESULTS (runs/gpu), PACK_TO (after
+# every stage, RESULTS is also packed there as gpu-results.tar.gz with summary.txt: the
+# device tool's $OUT), CORPUS (runs/corpus/pysrc), CORPUS_PACK (runs/carry/pysrc-pack),
+# WHEELS (runs/carry/whl), SITE (/tmp/site-py3XX: where they are installed), SMOKE=1 (every
+# stage at toy sizes on the CPU: the tests),
+# QUALITY_ARGS (more gpu_quality.py arguments, e.g. "--batch-size 8": use the same for every
+# method), QUALITY_MAX_S (540: a quality run projected to last longer stops at step 50),
+# SWARM_MINUTES (11), SWARM_WAIT_S (480), SWARM_COLLECT_WAIT_S (540),
+# ROUNDS_50M (3), ROUNDS_500M (2), CHUNK_500M (1048576) for codecs.
+# Without a CUDA GPU a GPU stage says so and is skipped (exit 0), unless SMOKE=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-OUT=${OUT:-runs/gpu/$(date -u +%Y%m%dT%H%M%SZ)}
-mkdir -p "$OUT"
-SUMMARY="$OUT/summary.txt"
+RESULTS=${RESULTS:-runs/gpu}
+CORPUS=${CORPUS:-runs/corpus/pysrc}
+CORPUS_PACK=${CORPUS_PACK:-runs/carry/pysrc-pack}
+WHEELS=${WHEELS:-runs/carry/whl}
+SMOKE=${SMOKE:-0}
+SUMMARY="$RESULTS/summary.txt"
+export PYTHONUNBUFFERED=1
+mkdir -p "$RESULTS"
 
-"$PY" - <<'EOF'
-import torch, sys
-if not torch.cuda.is_available():
-    sys.exit("benchmarks/gpu.sh: torch sees no CUDA GPU")
-EOF
+# What an offline GPU host lacks (docs/operations.md, "GPU check"); name==version pinned to
+# the versions CI runs. Sdist-only ones are built into wheels here.
+BIN_WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+typing-inspection==0.4.5 typing-extensions==4.16.0 blake3==1.0.11 cryptography==50.0.2
+cffi==2.1.1 pycparser==3.12 hivemind==1.1.12 base58==2.1.1 py-multihash==3.0.0 mmh3==5.3.1
+protobuf==7.36.2 netaddr==1.3.0 py-cid==0.5.0 py-multibase==2.0.0 six==1.17.0"
+# hivemind's multiaddr codecs import netaddr and cid (py-cid and its needs) only when a
+# DHT address is parsed: without them the bootstrap's DHT never comes up.
+SDIST_WHEELS="varint==1.0.2 prefetch_generator==1.0.3 py-multicodec==1.0.0 morphys==1.0
+python-baseconv==1.2.2"
 
-{
-  echo "# benchmarks/gpu.sh, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-  echo "cpus: $(nproc), load: $(cut -d' ' -f1-3 /proc/loadavg)"
-  "$PY" -c "import torch, platform; print('python', platform.python_version(), 'torch', torch.__version__)"
-} | tee "$SUMMARY"
+log() { echo "$*" | tee -a "$SUMMARY"; }
 
-echo "## device codecs and rounds on the GPU, bit for bit against the CPU" | tee -a "$SUMMARY"
-"$PY" -m pytest -q -p no:cacheprovider tests/unit/test_codec_paths.py 2>&1 \
-  | tail -3 | tee -a "$SUMMARY"
+has_cuda() { "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; }
 
-bench() {  # name, then benchmarks/allreduce.py arguments
-  local name=$1; shift
-  echo "## $name: $*" | tee -a "$SUMMARY"
-  "$PY" benchmarks/allreduce.py --procs 4 --reuse-output --link-gbit 1,10 \
-    --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.txt" \
-    | grep -v '^rank 0' | tee -a "$SUMMARY"
+need_gpu() {  # stage name: 0 when the stage should run here
+  [ "$SMOKE" = 1 ] && return 0
+  has_cuda && return 0
+  log "## $1: skipped, torch sees no CUDA GPU (SMOKE=1 runs its CPU equivalent)"
+  return 1
 }
 
-bench cuda_50m --device cuda --numel 50000000 --codecs float32,int4 --rounds "${ROUNDS_50M:-3}"
-bench cpu_50m --device cpu --numel 50000000 --codecs int4 --rounds "${ROUNDS_50M:-3}"
-bench cuda_500m --device cuda --numel 500000000 --codecs int4,float32 \
-  --rounds "${ROUNDS_500M:-2}" --chunk "${CHUNK_500M:-1048576}"
+ensure_env() {
+  # One folder per Python version: the carried wheels are built for one.
+  local site
+  site=${SITE:-/tmp/site-$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])')}
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  [ -d "$site" ] && export PYTHONPATH="$site:$PYTHONPATH"
+  if ! "$PY" -c "import pydantic, blake3, cryptography, hivemind, netaddr, cid" 2>/dev/null; then
+    if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$WHEELS"/*.whl
+      export PYTHONPATH="$site:$PYTHONPATH"
+    else
+      echo "gpu.sh: dilonode's packages are missing and $WHEELS has no wheels" \
+        "(bash benchmarks/gpu.sh prepare makes them on a host with the network)" >&2
+    fi
+  fi
+  if [ "$SMOKE" != 1 ] && [ ! -f "$CORPUS/train.bin" ] && [ -f "$CORPUS_PACK/meta.json" ]; then
+    "$PY" benchmarks/corpus.py unpack "$CORPUS_PACK" "$CORPUS" | tail -3
+  fi
+}
 
-"$PY" - "$OUT" <<'EOF' | tee -a "$SUMMARY"
+header() {
+  log "# benchmarks/gpu.sh $*, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
+      || echo "no nvidia-smi"
+    echo "cpus: $(nproc), load: $(cut -d' ' -f1-3 /proc/loadavg), memory: $(free -g | awk '/Mem:/ {print $2 " GiB"}')"
+    "$PY" -c "import torch, platform; print('python', platform.python_version(), 'torch', \
+torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+  } 2>&1 | tee -a "$SUMMARY"
+}
+
+live() {  # copy stdin to stdout and, with PACK_TO, to PACK_TO/$1 as it comes (a command
+  # killed at its time limit still leaves what it printed there)
+  if [ -n "${PACK_TO:-}" ]; then mkdir -p "$PACK_TO"; tee "$PACK_TO/$1"; else cat; fi
+}
+
+pack_results() {
+  [ -n "${PACK_TO:-}" ] || return 0
+  mkdir -p "$PACK_TO"
+  tar czf "$PACK_TO/gpu-results.tar.gz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
+  cp "$SUMMARY" "$PACK_TO/summary.txt"
+}
+
+# ------------------------------------------------------------------ stages
+
+stage_prepare() {
+  mkdir -p "$WHEELS"
+  local plat="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+    --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64"
+  # shellcheck disable=SC2086
+  "$PY" -m pip download -q --no-deps --only-binary=:all: $plat -d "$WHEELS" $BIN_WHEELS
+  # shellcheck disable=SC2086
+  "$PY" -m pip wheel -q --no-deps -w "$WHEELS" $SDIST_WHEELS
+  [ -f "$CORPUS/meta.json" ] || "$PY" benchmarks/corpus.py build "$CORPUS"
+  if cmp -s "$CORPUS/meta.json" "$CORPUS_PACK/meta.json"; then
+    log "corpus pack $CORPUS_PACK is up to date"
+  else
+    "$PY" benchmarks/corpus.py pack "$CORPUS" "$CORPUS_PACK" | tee -a "$SUMMARY"
+  fi
+  log "carry runs/carry: $(du -sh runs/carry | cut -f1)"
+}
+
+stage_setup() {
+  "$PY" -c "import dilonode.sim, hivemind; print('dilonode and hivemind import')" \
+    | tee -a "$SUMMARY"
+  [ "$SMOKE" = 1 ] || "$PY" benchmarks/corpus.py verify "$CORPUS" | tee -a "$SUMMARY"
+}
+
+stage_codecs() {
+  need_gpu codecs || return 0
+  if [ "$SMOKE" = 1 ] && ! has_cuda; then
+    log "## codecs: no CPU equivalent here (tests/unit/test_codec_paths.py is it)"
+    return 0
+  fi
+  local out="$RESULTS/codecs"
+  mkdir -p "$out"
+  log "## codecs: device codecs and rounds on the GPU, bit for bit against the CPU"
+  "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_codec_paths.py 2>&1 \
+    | tail -3 | tee -a "$SUMMARY"
+  bench cuda_50m --device cuda --numel 50000000 --codecs float32,int4 --rounds "${ROUNDS_50M:-3}"
+  bench cpu_50m --device cpu --numel 50000000 --codecs int4 --rounds "${ROUNDS_50M:-3}"
+  bench cuda_500m --device cuda --numel 500000000 --codecs int4,float32 \
+    --rounds "${ROUNDS_500M:-2}" --chunk "${CHUNK_500M:-1048576}"
+  "$PY" - "$out" <<'EOF' | tee -a "$SUMMARY"
 import json, sys
 from pathlib import Path
 for f in sorted(Path(sys.argv[1]).glob("*.json")):
@@ -63,4 +163,127 @@ for f in sorted(Path(sys.argv[1]).glob("*.json")):
         print(f"{f.stem}: int4 {int4['wall_median_s']:.3f} s vs gloo float32 "
               f"{gloo['wall_median_s']:.3f} s per round = {ratio:.2f}x: target {verdict}")
 EOF
-echo "figures in $OUT"
+}
+
+bench() {  # name, then benchmarks/allreduce.py arguments
+  local name=$1; shift
+  log "## codecs $name: $*"
+  "$PY" benchmarks/allreduce.py --procs 4 --reuse-output --link-gbit 1,10 \
+    --json "$RESULTS/codecs/$name.json" "$@" 2>&1 | tee "$RESULTS/codecs/$name.txt" \
+    | grep -v '^rank 0' | tee -a "$SUMMARY"
+}
+
+stage_memory() {
+  need_gpu memory || return 0
+  log "## memory: one node's GPU memory, host RAM and step time"
+  if [ "$SMOKE" = 1 ]; then
+    "$PY" benchmarks/gpu_memory.py estimate --presets nano --measure-outer nano \
+      --json "$RESULTS/memory-estimate.json" --md "$RESULTS/memory-estimate.md" | tee -a "$SUMMARY"
+    "$PY" benchmarks/gpu_memory.py node --device cpu --preset nano --data builtin \
+      --batch-size 2 --seq-len 32 --steps 3 | tee "$RESULTS/memory.json" | tee -a "$SUMMARY"
+    return 0
+  fi
+  "$PY" benchmarks/gpu_memory.py estimate --measure-outer 150m,1b \
+    --json "$RESULTS/memory-estimate.json" --md "$RESULTS/memory-estimate.md" | tee -a "$SUMMARY"
+  "$PY" benchmarks/gpu_memory.py gpu --data "$CORPUS" --json "$RESULTS/memory.json" \
+    --md "$RESULTS/memory.md" 2>&1 | tee "$RESULTS/memory.log" | live memory.log
+  cat "$RESULTS/memory.md" >> "$SUMMARY"
+}
+
+stage_quality() {  # method
+  need_gpu "quality-$1" || return 0
+  local args=(--data "$CORPUS" --max-s "${QUALITY_MAX_S:-540}")
+  [ "$SMOKE" = 1 ] && args=(--device cpu --preset nano --data builtin --steps 4 --workers 2
+    --sync-every 3 --fragments 3 --seq-len 32 --batch-size 2 --eval-every 2
+    --eval-batches 1 --warmup 1)
+  # shellcheck disable=SC2206
+  args+=(${QUALITY_ARGS:-})
+  log "## quality-$1: $PY benchmarks/gpu_quality.py run --method $1 ${args[*]}"
+  rm -f "$RESULTS/quality-$1.json"
+  "$PY" benchmarks/gpu_quality.py run --method "$1" --json "$RESULTS/quality-$1.json" \
+    "${args[@]}" 2>&1 | tee "$RESULTS/quality-$1.log" | live "quality-$1.log"
+  stage_quality_table
+}
+
+stage_quality_table() {
+  "$PY" benchmarks/gpu_quality.py table "$RESULTS"/quality-*.json \
+    | tee "$RESULTS/quality.md" | tee -a "$SUMMARY"
+}
+
+swarm_args() {
+  if [ "$SMOKE" = 1 ]; then
+    echo "--nodes 2 --preset nano --fragments 3 --data builtin --device cpu --minutes 0.3"
+    echo "--step-seconds 0.05 --batch-size 4 --seq-len 64 --eval-every 200"
+  else
+    echo "--data $CORPUS --minutes ${SWARM_MINUTES:-11}"
+  fi
+}
+
+stage_swarm_start() {
+  need_gpu swarm || return 0
+  local info
+  # shellcheck disable=SC2046
+  info=$("$PY" benchmarks/gpu_swarm.py start --dir "$RESULTS/swarm" $(swarm_args))
+  log "## swarm-start: $info"
+  "$PY" benchmarks/gpu_swarm.py wait --dir "$RESULTS/swarm" --max-s "${SWARM_WAIT_S:-480}" \
+    | tee -a "$SUMMARY" || true
+}
+
+stage_swarm_collect() {
+  need_gpu swarm || return 0
+  if [ ! -f "$RESULTS/swarm/pids.json" ]; then
+    log "## swarm-collect: no swarm was started on this machine (swarm-start first, and the" \
+      "next device call within 30 s, before the machine goes back)"
+    return 1
+  fi
+  "$PY" benchmarks/gpu_swarm.py wait --dir "$RESULTS/swarm" \
+    --max-s "${SWARM_COLLECT_WAIT_S:-540}" | tee -a "$SUMMARY" || true
+  log "## swarm: bootstrap + $(grep -o '"nodes": [0-9]*' "$RESULTS/swarm/pids.json")"
+  "$PY" benchmarks/gpu_swarm.py collect --dir "$RESULTS/swarm" --json "$RESULTS/swarm.json" \
+    --md "$RESULTS/swarm.md" | tee -a "$SUMMARY"
+}
+
+run_stage() {
+  case "$1" in
+    prepare) stage_prepare ;;
+    setup) stage_setup ;;
+    codecs) stage_codecs ;;
+    memory) stage_memory ;;
+    quality-ddp|quality-diloco|quality-int4|quality-fp4) stage_quality "${1#quality-}" ;;
+    quality-table) stage_quality_table ;;
+    swarm-start) stage_swarm_start ;;
+    swarm-collect) stage_swarm_collect ;;
+    swarm) stage_swarm_start && SWARM_COLLECT_WAIT_S=100000 stage_swarm_collect ;;
+    *) echo "gpu.sh: unknown stage '$1' (see the top of benchmarks/gpu.sh)" >&2; return 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || { sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2; }
+stages=()
+for s in "$@"; do
+  if [ "$s" = all ]; then
+    stages+=(codecs memory quality-ddp quality-diloco quality-int4 quality-fp4 swarm)
+  else
+    stages+=("$s")
+  fi
+done
+[ "${stages[0]}" = prepare ] || ensure_env
+header "${stages[*]}"
+failed=()
+for s in "${stages[@]}"; do
+  t0=$(date +%s)
+  # Not as an `if` condition: there `set -e` would not stop a stage at its first error.
+  set +e
+  (set -e; run_stage "$s")
+  rc=$?
+  set -e
+  if [ $rc -eq 0 ]; then
+    log "-- $s: done in $(( $(date +%s) - t0 )) s"
+  else
+    failed+=("$s")
+    log "-- $s: FAILED (exit $rc) after $(( $(date +%s) - t0 )) s"
+  fi
+  pack_results
+done
+echo "figures in $RESULTS${PACK_TO:+ (and packed into $PACK_TO)}"
+[ ${#failed[@]} -eq 0 ] || { echo "failed stages: ${failed[*]}" >&2; exit 1; }

@@ -162,7 +162,9 @@ class _Churn:
         return max((t.progress[-1][1] for t in self.tracks.values() if t.progress), default=0)
 
     def _live(self) -> list[str]:
-        return [n for n, t in self.tracks.items() if t.killed_at is None and t.ended_at is None]
+        """Nodes still training (a node that printed its summary is done, not a victim)."""
+        return [n for n, t in self.tracks.items()
+                if t.killed_at is None and t.ended_at is None and t.summary is None]
 
     def _all_ended(self) -> bool:
         return not self._live()
@@ -203,7 +205,9 @@ class _Churn:
             return  # the bootstrap
         kind = ev.get("event")
         if kind == "progress":
-            track.progress.append((now, int(ev["step"]), dict(ev.get("rounds") or {})))
+            # Swarm steps: with pacing by the clock, nodes' own step counts differ.
+            track.progress.append((now, int(ev.get("progress", ev["step"])),
+                                   dict(ev.get("rounds") or {})))
             track.bytes_sent = int(ev.get("bytes_sent", 0))
         elif kind == "recovered":
             track.recovered = ev

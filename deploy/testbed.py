@@ -10,6 +10,10 @@ the bridge has no address and nothing is routed out.
         proc = bed.popen("h0", ["python", "-m", "http.server", "--bind", bed.addr("h0")])
         bed.run("h1", ["curl", f"http://{bed.addr('h0')}:8000/"], timeout=10)
 
+`bed.partition(["boot", "h0"], ["h1", "h2"])` cuts the sides off from each other (packets
+dropped both ways by iptables rules inside each host's namespace, as a failed WAN link
+would), each side still reaching itself; `bed.heal()` removes the cut. Needs `iptables`.
+
 **NAT hosts** (`nat=["h1"]`): such a host sits behind a home router of its own, a namespace
 with a WAN end on the bridge (taking the host's slot on the public subnet, so
 `public_addr("h1")` is the router's) and a LAN (`192.168.<k>.0/24`, router `.1`, host `.2`
@@ -59,8 +63,8 @@ from dataclasses import dataclass, replace
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["Host", "SwarmHosts", "Testbed", "TestbedError", "leftovers", "measure_mbit",
-           "swarm_on_testbed", "sweep", "unavailable_reason"]
+__all__ = ["PARTITION_CHAIN", "Host", "SwarmHosts", "Testbed", "TestbedError", "leftovers",
+           "measure_mbit", "swarm_on_testbed", "sweep", "unavailable_reason"]
 
 PREFIX = "dtb"  # every namespace and link of a test bed starts with this
 _NS_RE = re.compile(rf"^{PREFIX}-({PREFIX}[0-9a-f]{{5}})-(\d+)-")
@@ -71,6 +75,7 @@ _NS_RE = re.compile(rf"^{PREFIX}-({PREFIX}[0-9a-f]{{5}})-(\d+)-")
 PRIVATE_SUBNET = "10.77.0.0/24"
 PUBLIC_SUBNET = "11.77.0.0/24"
 CMD_TIMEOUT_S = 20.0  # one `ip`/`tc` call; they take milliseconds unless the kernel is stuck
+PARTITION_CHAIN = "DTBPART"  # iptables chain, inside a host's namespace, holding its cuts
 
 
 class TestbedError(RuntimeError):
@@ -305,6 +310,36 @@ class Testbed:
             if rate_mbit is not None:
                 _sh(["tc", *ns_args, "qdisc", "add", "dev", dev, "root", *tbf_args(rate_mbit)])
         self.hosts[name] = replace(host, rate_mbit=rate_mbit)
+
+    def partition(self, *sides: Sequence[str]) -> None:
+        """Drop every packet between hosts of different `sides`, both ways, until `heal()`.
+        Hosts named in no side are left alone (they still reach everyone)."""
+        named = [n for side in sides for n in side]
+        if len(set(named)) != len(named) or not set(named) <= set(self.hosts):
+            raise ValueError(f"sides = {sides!r}: each host once, of {sorted(self.hosts)}")
+        self.heal()
+        for i, side in enumerate(sides):
+            # A NATed host's packets show its router's address, and it is reached there.
+            others = [self.public_addr(n) for j, other in enumerate(sides) if j != i
+                      for n in other]
+            for name in side:
+                self._cut(name, others)
+
+    def _cut(self, name: str, addrs: list[str]) -> None:
+        ns = ["ip", "netns", "exec", self.hosts[name].netns, "iptables"]
+        if _sh([*ns, "-n", "-L", PARTITION_CHAIN], check=False).returncode != 0:
+            _sh([*ns, "-N", PARTITION_CHAIN])
+            _sh([*ns, "-I", "INPUT", "-j", PARTITION_CHAIN])
+            _sh([*ns, "-I", "OUTPUT", "-j", PARTITION_CHAIN])
+        for addr in addrs:
+            _sh([*ns, "-A", PARTITION_CHAIN, "-s", addr, "-j", "DROP"])
+            _sh([*ns, "-A", PARTITION_CHAIN, "-d", addr, "-j", "DROP"])
+
+    def heal(self) -> None:
+        """Remove every cut `partition` made (idempotent)."""
+        for host in self.hosts.values():
+            _sh(["ip", "netns", "exec", host.netns, "iptables", "-F", PARTITION_CHAIN],
+                check=False)
 
     def close(self) -> None:
         """Kill what runs in the namespaces, delete them and the bridge (idempotent)."""

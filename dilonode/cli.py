@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true",
                      help="continue from the newest valid checkpoint (checkpoint.dir)")
     run.add_argument("--log-format", choices=["text", "json"], help="default: text on a TTY")
+    run.add_argument("--nproc", type=int, metavar="N",
+                     help="ranks of this node, one per local device (dist.nproc); under "
+                          "torchrun its world size")
 
     boot = sub.add_parser("bootstrap", help="run a DHT-only bootstrap peer")
     boot.add_argument("--host", default="127.0.0.1", help="listen address")
@@ -55,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how often the swarm view reads the peer records")
     boot.add_argument("--no-status", action="store_true", help="no status endpoint")
     boot.add_argument("--no-relay", action="store_true",
-                      help="do not relay data streams between nodes behind NATs")
+                      help="do not relay data and state-sync streams to nodes behind NATs")
     boot.add_argument("--maddrs-file", metavar="PATH",
                       help="also write the multiaddrs there, one per line (for scripts)")
 
@@ -103,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"dilonode: {exc}", file=sys.stderr)
         return 2
+    except commands.NodeFailure as exc:
+        print(f"dilonode: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
                      ("codec", "name"): getattr(args, "codec", None),
                      ("paths", "out_dir"): getattr(args, "out", None),
                      ("sim", "workers"): getattr(args, "workers", None),
+                     ("dist", "nproc"): getattr(args, "nproc", None),
                      ("network", "initial_peers"): getattr(args, "initial_peers", None)}
         for keys, value in shortcuts.items():
             if value is not None:

@@ -28,7 +28,13 @@ from dilonode.progress import (
     summary_text,
 )
 
-__all__ = ["bootstrap", "identity", "prepare_data", "run_node", "simulate", "status", "swarm"]
+__all__ = ["NodeFailure", "bootstrap", "identity", "prepare_data", "run_node", "simulate",
+           "status", "swarm"]
+
+
+class NodeFailure(Exception):
+    """The node gave up on a part it could not restart (dilonode/supervise.py); printed as
+    one line, exit status 1, so that a service manager restarts it."""
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -107,17 +113,67 @@ EXIT_DISAGREE = 3  # the run ended, but this node's outer weights differ from it
 
 
 def run_node(args: argparse.Namespace) -> int:
-    cfg = run_config_from_args(args)
+    """`dilonode run`: one node. With `--nproc N` (and no torchrun around us) start its N
+    ranks and supervise them; as a rank, rank 0 runs the node and the others follow it."""
+    import os
+
+    from dilonode.launch import RankEnv
+
+    env = RankEnv.from_environ(os.environ)
+    if env is not None:
+        args.nproc = env.world  # torchrun's world size wins
+    cfg = run_config_from_args(args)  # refuse bad settings before starting anything
+    if env is None and cfg.dist.nproc > 1:  # --nproc or dist.nproc: we launch the ranks
+        from dilonode.launch import launch_ranks
+
+        # The ranks re-run this command line; WORLD_SIZE & co. tell them their places.
+        return launch_ranks(sys.argv[1:], cfg.dist.nproc, os.environ,
+                            grace=cfg.dist.stop_grace + cfg.network.leave_timeout)
+    if env is not None and env.rank > 0:
+        return _follow_leader(cfg, env)
+    return _run_leader(args, cfg, env)
+
+
+def _follow_leader(cfg: Any, env: Any) -> int:
+    """A rank other than 0: train as the leader says until it stops (dilonode/train/dist.py).
+    Signals are the leader's (via the launcher); a terminal's Ctrl+C must not kill us
+    mid-collective."""
+    from dilonode.launch import EXIT_RANK_FAILED
+    from dilonode.train.dist import RankFailure, follow, init_node_ranks
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"rank {env.rank} %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        ranks = init_node_ranks(cfg, env)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        follow(cfg, ranks)
+    except RankFailure as exc:
+        logging.getLogger("dilonode").error("%s", exc)
+        return EXIT_RANK_FAILED
+    finally:
+        ranks.close()
+    return 0
+
+
+def _run_leader(args: argparse.Namespace, cfg: Any, env: Any) -> int:
+    """The node itself (rank 0 of a multi-rank node, or its only process)."""
     from dilonode.logs import progress_line, setup_logging
 
     fmt = setup_logging(args.log_format)
     stop = _stop_on_signals()
+    from dilonode.launch import EXIT_RANK_FAILED
     from dilonode.node import Node, summary_json
     from dilonode.statesync import RecoveryError
+    from dilonode.train.dist import RankFailure, init_node_ranks
 
     try:
+        ranks = init_node_ranks(cfg, env) if env is not None else None
         node = Node(cfg, worker_id=args.worker_id, resume=args.resume,
-                    secret=swarm_secret(cfg))
+                    secret=swarm_secret(cfg), ranks=ranks)
     except ValueError as exc:  # settings only a node refuses (a schedule it cannot snapshot)
         raise UserError(str(exc)) from None
     out = Path(cfg.paths.out_dir)
@@ -143,10 +199,17 @@ def run_node(args: argparse.Namespace) -> int:
             print(summary_json(summary), flush=True)
         else:
             print(summary_text(json.loads(summary_json(summary))), flush=True)
+        if node.failure is not None:
+            raise NodeFailure(node.failure)
     except (ValueError, TimeoutError, RecoveryError) as exc:
         raise UserError(str(exc)) from None
+    except RankFailure as exc:
+        logging.getLogger("dilonode").error("node stopping: %s", exc)
+        return EXIT_RANK_FAILED
     finally:
         node.close()
+        if ranks is not None:
+            ranks.close()
     if summary.agreement.get("agrees") is False:
         # Never report success for a run that ended as two models.
         print(f"dilonode run: {summary.agreement['line']}", file=sys.stderr, flush=True)

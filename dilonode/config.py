@@ -10,9 +10,16 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from dilonode.auth import allowed_peer_id
 
@@ -24,6 +31,7 @@ __all__ = [
     "CheckpointConfig",
     "CodecConfig",
     "ConfigError",
+    "DistConfig",
     "DataConfig",
     "DilocoConfig",
     "InnerOptConfig",
@@ -35,6 +43,7 @@ __all__ = [
     "SimConfig",
     "StateSyncConfig",
     "StatusConfig",
+    "SuperviseConfig",
     "load_config",
     "parse_overrides",
 ]
@@ -51,13 +60,18 @@ class _Frozen(BaseModel):
 class ModelConfig(_Frozen):
     """Which network to train."""
 
-    kind: Literal["builtin", "factory", "hf_llama"] = Field(
+    kind: Literal["builtin", "factory", "hf_llama", "hf"] = Field(
         "builtin", description="builtin Llama-style decoder, a `module:function` factory, "
-        "or a Hugging Face transformers Llama built from config (no download)")
+        "a Hugging Face transformers Llama built from the preset (no download), or a local "
+        "Hugging Face model directory (`path`: config + safetensors, AutoModelForCausalLM)")
     preset: Literal["nano", "tiny", "small", "150m", "1b"] = Field(
         "tiny", description="size preset for builtin/hf_llama; explicit fields below override it")
     factory: str | None = Field(
         None, description="`package.module:function` returning an nn.Module (kind=factory)")
+    path: Path | None = Field(
+        None, description="kind=hf: a local Hugging Face model directory (config.json and "
+        "*.safetensors); nothing is downloaded. Nodes may keep it at different paths: the "
+        "run is named by the files' content, not the path")
     vocab_size: int | None = Field(None, ge=2, description="vocabulary size (bytes: 256)")
     d_model: int | None = Field(None, ge=8, description="embedding width")
     n_layers: int | None = Field(None, ge=1, description="number of transformer blocks")
@@ -68,6 +82,9 @@ class ModelConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
+        if self.kind == "hf" and self.path is None:
+            raise ValueError("model.path = None: kind=hf needs a local Hugging Face model "
+                             "directory")
         if self.kind == "factory" and (not self.factory or ":" not in self.factory):
             raise ValueError(f"model.factory = {self.factory!r}: kind=factory needs "
                              "'package.module:function'")
@@ -87,7 +104,8 @@ class DataConfig(_Frozen):
     tokenizer: str = Field("bytes", description="'bytes' or a path to a local tokenizer.json")
     jsonl_field: str = Field("text", description="field holding the text in .jsonl records")
     seq_len: int = Field(128, ge=2, description="tokens per training sequence")
-    batch_size: int = Field(8, ge=1, description="sequences per inner step per worker")
+    batch_size: int = Field(8, ge=1, description="sequences per inner step per worker (a "
+                            "node with several ranks splits them evenly over its ranks)")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out share of tokens")
     eval_batches: int = Field(8, ge=1, description="batches per evaluation")
     seed: int = Field(0, description="base seed; each worker's stream also mixes its identity")
@@ -114,6 +132,12 @@ class InnerOptConfig(_Frozen):
         "warm the learning rate up again over this many steps; 0 disables")
 
 
+def _int_or_auto(value: Any) -> Any:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ValueError("must be an integer >= 0 or 'auto'")
+
+
 class DilocoConfig(_Frozen):
     """The outer algorithm: DDP, DiLoCo, or Streaming DiLoCo (names from the papers)."""
 
@@ -124,8 +148,11 @@ class DilocoConfig(_Frozen):
     num_fragments: int = Field(3, ge=1, description="P: fragments synced on staggered offsets")
     fragment_pattern: Literal["strided", "sequential"] = Field(
         "strided", description="block i -> fragment i mod P (strided) or contiguous groups")
-    fragment_sync_delay: int = Field(
-        1, ge=0, description="tau: inner steps between starting a sync and merging its result")
+    fragment_sync_delay: Annotated[int | Literal["auto"], BeforeValidator(_int_or_auto)] = Field(
+        1, description="tau: inner steps between starting a sync and merging its "
+        "result; with pacing=time the least such delay (a result merges when it arrives, "
+        "however long that takes, without blocking: the overlap follows the links), and "
+        "'auto' means 1")
     fragment_update_alpha: float = Field(
         0.5, ge=0.0, le=1.0, description="alpha: w <- alpha*w + (1-alpha)*g_new on merge")
     outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
@@ -142,24 +169,46 @@ class DilocoConfig(_Frozen):
         None, gt=0.0, description="pacing=time: seconds of one reference step when this node "
         "starts the swarm's clock; unset: measured from this node's first steps. Nodes "
         "joining later follow the clock already agreed")
+    min_round_seconds: float = Field(
+        5.0, gt=0.0, description="pacing=time: a proposed clock is never so fast that a "
+        "fragment's rounds come less than this many seconds apart (finding a group through "
+        "the DHT takes a second or two); rounds of a fast model then hold more steps")
+    max_round_seconds: float = Field(
+        3600.0, gt=0.0, description="pacing=time: the swarm clock is never slowed so much that "
+        "a fragment's rounds come more than this many seconds apart")
+    retune_clock: bool = Field(
+        True, description="pacing=time: the swarm slows its clock when rounds take more than "
+        "half a round period on the links it measures (so results land before a fragment's "
+        "next round, never blocking training), and speeds it up again when they take far "
+        "less, within min_round_seconds..max_round_seconds")
     final_sync: bool = Field(
         True, description="at the end of the run, one more round of every fragment trained "
         "since its last, so the outer weights hold all training and every node ends equal")
 
     @model_validator(mode="after")
     def _check(self) -> DilocoConfig:
-        if self.mode == "streaming" and self.fragment_sync_delay >= self.sync_every:
+        if self.fragment_sync_delay == "auto" and self.pacing != "time":
+            raise ValueError("diloco.fragment_sync_delay = 'auto': needs diloco.pacing = "
+                             "'time' (paced by steps, tau is a fixed schedule)")
+        if self.min_round_seconds > self.max_round_seconds:
+            raise ValueError(f"diloco.min_round_seconds = {self.min_round_seconds}: must be <= "
+                             f"diloco.max_round_seconds = {self.max_round_seconds}")
+        tau = 1 if self.fragment_sync_delay == "auto" else self.fragment_sync_delay
+        if self.mode == "streaming" and tau >= self.sync_every:
             raise ValueError(
-                f"diloco.fragment_sync_delay = {self.fragment_sync_delay}: must be < "
+                f"diloco.fragment_sync_delay = {tau}: must be < "
                 f"diloco.sync_every = {self.sync_every} (a fragment's result must land before "
                 "its next sync starts)")
         return self
 
     def effective(self) -> DilocoConfig:
-        """The plan actually run: mode=diloco pins P=1, tau=0, alpha=0 (plain DiLoCo)."""
+        """The plan actually run: mode=diloco pins P=1, tau=0, alpha=0 (plain DiLoCo); tau
+        'auto' is 1 (paced by the clock, results merge when they arrive)."""
         if self.mode == "diloco":
             return self.model_copy(update={
                 "num_fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0})
+        if self.fragment_sync_delay == "auto":
+            return self.model_copy(update={"fragment_sync_delay": 1})
         return self
 
 
@@ -339,6 +388,66 @@ class AdmissionConfig(_Frozen):
         "events (the first of each address is logged in full)")
 
 
+class SuperviseConfig(_Frozen):
+    """How a node watches its own parts (DHT process and p2pd, data plane listener, state
+    server, status server) and re-finds its swarm after a partition (dilonode/supervise.py).
+
+    A part that fails its health check is restarted in place, one part at a time, with
+    exponential backoff; one that stays down longer than `give_up_after`, or goes down more
+    than `max_outages` times within `outage_window`, makes the node write a checkpoint and
+    exit non-zero with a one-line reason (systemd's Restart=on-failure then starts it
+    afresh)."""
+
+    enabled: bool = Field(True, description="supervise the node's parts (off: a dead part "
+                          "goes unnoticed, as before)")
+    check_interval: float = Field(
+        2.0, gt=0.0, description="seconds between two health checks of every part")
+    check_timeout: float = Field(
+        5.0, gt=0.0, description="seconds a part has to answer its health check before it "
+        "counts as down (a stopped process, a wedged loop)")
+    unanswered_checks: int = Field(
+        2, ge=1, description="health checks in a row that must run out of time before a part "
+        "counts as down (a dead process or a refused connection counts at once)")
+    restart_timeout: float = Field(
+        45.0, gt=0.0, description="seconds one restart may take (a DHT restart re-bootstraps)")
+    backoff_initial: float = Field(
+        1.0, gt=0.0, description="seconds before the second restart of a part that stays "
+        "down (the first is immediate); doubled after each failed one")
+    backoff_max: float = Field(30.0, gt=0.0, description="longest wait between restarts")
+    give_up_after: float = Field(
+        120.0, gt=0.0, description="seconds a part may stay down before the node gives up: "
+        "checkpoint, then exit non-zero with the reason")
+    max_outages: int = Field(
+        5, ge=1, description="outages of one part within outage_window the node rides out; "
+        "one more and it gives up (a part that keeps dying is not healing)")
+    outage_window: float = Field(300.0, gt=0.0, description="seconds max_outages counts over")
+    exit_grace: float = Field(
+        60.0, gt=0.0, description="seconds the node has to stop cleanly after giving up "
+        "before it exits hard (exit code 1)")
+    remerge: bool = Field(
+        True, description="when fewer peers are live than were seen recently, re-contact the "
+        "initial peers and the remembered ones (DHT re-merge after a partition)")
+    remember_for: float = Field(
+        600.0, gt=0.0, description="seconds a peer not seen live is still looked for")
+    remerge_backoff_max: float = Field(
+        30.0, gt=0.0, description="longest wait between two re-contact attempts")
+    alone_warn_rounds: int = Field(
+        3, ge=1, description="consecutive rounds alone while other peers are live before "
+        "the node warns (log, status endpoint, dashboard)")
+    alone_log_every: float = Field(
+        60.0, gt=0.0, description="seconds between two repeats of the 'alone' warning log")
+
+    @model_validator(mode="after")
+    def _check(self) -> SuperviseConfig:
+        if self.backoff_max < self.backoff_initial:
+            raise ValueError(f"supervise.backoff_max = {self.backoff_max}: must be >= "
+                             f"supervise.backoff_initial = {self.backoff_initial}")
+        if self.give_up_after <= self.check_timeout:
+            raise ValueError(f"supervise.give_up_after = {self.give_up_after}: must be > "
+                             f"supervise.check_timeout = {self.check_timeout}")
+        return self
+
+
 class CheckpointConfig(_Frozen):
     """Periodic local checkpoints of the outer state (dilonode/train/checkpoint.py)."""
 
@@ -413,6 +522,29 @@ class SimConfig(_Frozen):
         return self
 
 
+class DistConfig(_Frozen):
+    """Training inside one node on several local devices (dilonode/train/dist.py): N
+    ranks, one per device, synchronous inner steps, one peer to the swarm."""
+
+    nproc: int = Field(
+        1, ge=1, le=256, description="ranks (processes) of this node, one per device; "
+        "`dilonode run --nproc N`, or the world size when launched under torchrun")
+    strategy: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="ddp: a replica per rank; fsdp: FSDP2 fully_shard per "
+        "transformer block; auto: ddp when the model's training state fits on one device, "
+        "else fsdp")
+    timeout: float = Field(
+        600.0, gt=0.0, description="seconds a collective inside the node (an inner step, an "
+        "outer-state exchange) may take before the node gives up and stops")
+    share_codec: bool = Field(
+        True, description="every rank encodes its slice of the node's contribution with the "
+        "round's codec, in parallel, and the leader sends those bytes (CPU nodes; a CUDA "
+        "leader encodes on its GPU instead)")
+    stop_grace: float = Field(
+        20.0, gt=0.0, description="seconds the launcher gives rank 0 to leave the swarm "
+        "after another rank died, before killing every rank")
+
+
 class RunConfig(_Frozen):
     """Everything one run needs; each component receives only its own section."""
 
@@ -438,8 +570,22 @@ class RunConfig(_Frozen):
     statesync: StateSyncConfig = StateSyncConfig()
     status: StatusConfig = StatusConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    supervise: SuperviseConfig = SuperviseConfig()
     paths: PathsConfig = PathsConfig()
     sim: SimConfig = SimConfig()
+    dist: DistConfig = DistConfig()
+
+    @model_validator(mode="after")
+    def _check_ranks(self) -> RunConfig:
+        n = self.dist.nproc
+        if n > 1 and self.diloco.mode == "ddp":
+            raise ValueError(f"dist.nproc = {n}: diloco.mode = ddp averages every gradient "
+                             "with the swarm; use streaming or diloco with several ranks")
+        if self.data.batch_size % n:
+            raise ValueError(f"data.batch_size = {self.data.batch_size}: the node's batch is "
+                             f"split over dist.nproc = {n} ranks, so it must be a multiple "
+                             f"of {n}")
+        return self
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

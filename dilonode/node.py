@@ -8,15 +8,28 @@ and/or recover the run's state from live peers, publishes this node's peer recor
 until `total_steps` or until `stop` is set, then lands in-flight syncs (abandoning those not
 done within `network.leave_timeout` when stopped). `close()` stops serving state, withdraws
 the peer record and shuts everything down within seconds.
+
+Once started, a `Supervisor` (dilonode/supervise.py, parts in dilonode/parts.py) watches the
+DHT process and p2pd, the data plane, state and status listeners and restarts them in place;
+a `Remerger` (swarm/remerge.py) finds the swarm again after a partition. If a part cannot be
+brought back, the node stops training, writes its exit checkpoint and `failure` holds the
+one-line reason (the CLI then exits non-zero).
+
+On a node with several local devices this is rank 0 (`ranks`, dilonode/train/dist.py): it
+alone runs the network side, and its Worker announces every model operation to the other
+ranks, which `follow` it; to the swarm the node is one peer.
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import json
 import logging
 import math
+import os
+import sys
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +39,8 @@ from dilonode.algo.robust import BanTracker
 from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolicy
 from dilonode.config import RunConfig
 from dilonode.statesync.keeper import StateKeeper
-from dilonode.status.snapshot import NodeStatus, ObservedCollective
+from dilonode.status.alone import AloneWatch
+from dilonode.status.snapshot import NodeStatus, ObservedCollective, device_summary
 from dilonode.swarm import reach
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
@@ -77,14 +91,16 @@ class NodeSummary:
     # peers: connections out (direct TCP or libp2p stream), streams accepted, failed dials.
     reachability: str = "public"
     data_paths: dict[str, int] = field(default_factory=dict)
+    devices: str = ""  # the node's devices, one per rank ("2 x cpu ...")
 
 
 class Node:
     """One training node; see the module docstring for its life cycle."""
 
     def __init__(self, cfg: RunConfig, worker_id: str | None = None,
-                 resume: bool = False, secret: bytes = b"") -> None:
+                 resume: bool = False, secret: bytes = b"", ranks: Any = None) -> None:
         self.cfg = cfg
+        self.ranks = ranks  # NodeRanks of a multi-rank node (we are rank 0), else None
         self.worker_id = worker_id
         self._secret = secret  # the swarm secret (auth config), read by the CLI
         self.keeper = StateKeeper(cfg, resume)  # checkpoints, resume, state sync
@@ -96,14 +112,22 @@ class Node:
         self.bans: BanTracker | None = None  # peers left out for repeated rejections
         # Caps on incoming connections and peer-caused log lines, per listening port.
         self.admission = Admission(interval=cfg.admission.log_interval)
+        sup = cfg.supervise
         self.status = NodeStatus(cfg.run_id, cfg.total_steps, history=cfg.status.history,
                                  peers=self._peers_seen, trust=self._trust_counters,
                                  admission=self.admission.snapshot,
-                                 checkpoint_age=self.keeper.checkpointer.age_s)
+                                 checkpoint_age=self.keeper.checkpointer.age_s,
+                                 alone=AloneWatch(sup.alone_warn_rounds, sup.alone_log_every),
+                                 live_others=self._live_others, health=self._health)
         self.status_server: Any = None
         self.clock: Any = None  # ClockKeeper: the swarm clock (pacing = "time")
         self.reachability: reach.Reachability = "public"  # resolved in start()
         self.verdict: Any = None  # the end-of-run agreement Verdict
+        self.supervisor: Any = None  # dilonode.supervise.Supervisor, once started
+        self.remerger: Any = None  # dilonode.swarm.remerge.Remerger, once started
+        self.failure: str | None = None  # why the node gave up, if it did
+        self._stop: threading.Event | None = None  # run()'s stop event
+        self._hard_exit: threading.Timer | None = None
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -174,6 +198,74 @@ class Node:
         self.membership.wait_for_peers(net.min_peers, net.start_timeout)
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())
+        self._supervise()
+
+    def _supervise(self) -> None:
+        """Watch our parts (supervise.enabled) and re-merge after partitions (.remerge)."""
+        from dilonode.parts import node_parts
+        from dilonode.supervise import Supervisor
+        from dilonode.swarm.remerge import Remerger
+
+        sup = self.cfg.supervise
+        if sup.enabled:
+            self.supervisor = Supervisor(node_parts(self), sup, self._give_up,
+                                         on_change=self._part_changed)
+            self.supervisor.start()
+        if sup.remerge:
+            assert self.dht is not None
+            self.remerger = Remerger(self.dht, sup)
+            self.remerger.start()
+
+    def _give_up(self, reason: str) -> None:
+        """The supervisor's loud exit: stop training (the exit checkpoint is written as on
+        any stop), and exit hard if that does not happen within supervise.exit_grace."""
+        self.failure = reason
+        self.status.set_state("failed")
+        if self._stop is not None:
+            self._stop.set()
+        grace = self.cfg.supervise.exit_grace
+        self._hard_exit = threading.Timer(grace, _exit_hard, args=(reason, grace))
+        self._hard_exit.daemon = True
+        self._hard_exit.start()
+
+    def _part_changed(self, part: str, down: bool) -> None:
+        """Our data listener is back: reset the connections peers had open to it (they may
+        sit in TCP retransmission backoff after an outage, and would cost the next round a
+        timeout) and publish our record at once, so that peers that left us out while we
+        sat rounds out (`_away`, carried by the heartbeat) expect us again."""
+        if part != "data" or down or self.membership is None or self.collective is None:
+            return
+        outage = self._health()["parts"]["data"]["last_outage_s"] or 0.0
+        if outage < 2 * self.cfg.supervise.check_interval:
+            return  # back within a restart (a destroyed listener): nothing went stale
+        plane = self.collective.plane
+
+        async def reset() -> int:
+            return plane.reset_inbound()
+
+        dropped = self.collective.thread.run(reset(), timeout=5.0)
+        log.info("data listener back: reset %d connection(s) peers had open to it", dropped)
+        self.membership.publish()
+
+    def _away(self) -> str | None:
+        """Why we are sitting rounds out, or None: our data listener has been down for
+        longer than a restart takes (a destroyed listener is back within a check; one that
+        peers cannot reach stays down, and every round with us would cost them a timeout).
+        A round we sit out is a lone round: we re-sync after it, as after any other."""
+        down = self.supervisor.down_for("data") if self.supervisor is not None else None
+        if down is not None and down >= 2 * self.cfg.supervise.check_interval:
+            return f"data listener down for {down:.0f}s"
+        return None
+
+    def _health(self) -> dict[str, Any]:
+        return self.supervisor.snapshot() if self.supervisor is not None else {}
+
+    def _live_others(self) -> int:
+        """Other peers with a live record, from membership's last read (no DHT call)."""
+        if self.membership is None or self.dht is None:
+            return 0
+        me = self.dht.peer_id
+        return sum(r.peer_id != me for r in self.membership.live_peers(max_age=math.inf))
 
     def _local_state(self, fragment: int) -> tuple[str, int]:
         """(chain of the fragment's outer state, tokens trained) for matchmaking; the chain
@@ -191,29 +283,71 @@ class Node:
             return
         from dilonode.swarm.clock import ClockKeeper
 
-        w, fixed = self.worker, self.cfg.diloco.step_seconds
+        a = self.cfg.diloco.effective()
+        w, fixed = self.worker, a.step_seconds
+        floor = a.min_round_seconds / a.sync_every
 
         def propose() -> float | None:
-            # Measured over a few steps (the first ones include warm-up), unless configured.
-            return fixed or (w.pacer.step_s if w.step >= 5 else None)
+            # Measured over a few steps (the first ones include warm-up), unless configured;
+            # never so short that a fragment's rounds come faster than a group can form.
+            if fixed:
+                return fixed
+            return max(w.pacer.step_s, floor) if w.step >= 5 and w.pacer.step_s else None
 
         self.clock = ClockKeeper(self.dht, self.cfg.run_id, w.pacer, propose,
                                  frozen=lambda: any(w.next_round) or bool(w.pending),
-                                 ttl=max(4 * self.cfg.network.peer_ttl, 60.0))
+                                 ttl=max(4 * self.cfg.network.peer_ttl, 60.0),
+                                 retune=self._retune if a.retune_clock else None,
+                                 pacemaker=self._is_pacemaker, lead_steps=a.sync_every)
         try:
             self.clock.tick()  # a clock that already stands is followed from the first step
         except (TimeoutError, RuntimeError) as exc:
             log.warning("swarm clock: first read failed (%s); reading again shortly", exc)
         self.clock.start()
 
+    def _is_pacemaker(self) -> bool:
+        """The live node with the smallest peer id retunes the swarm clock (one at a time;
+        two at once, in a partition, resolve by the clock records' rule)."""
+        if self.membership is None:
+            return False
+        live = {r.peer_id for r in self.membership.live_peers(max_age=math.inf)}
+        return self.peer_id == min(live | {self.peer_id})
+
+    def _retune(self, clock: Any, ref_now: float) -> float | None:
+        """Seconds per reference step the swarm needs: rounds (matchmaking included) should
+        land within half a round period at the 90th percentile on every node, so nobody
+        blocks on a result, within diloco.min/max_round_seconds, and never faster than the
+        clock was started (H reference steps stay about H steps of the node that started
+        it); None when the clock is within 25% (slower) or 2x (faster) of that."""
+        from dilonode.status.snapshot import p90
+
+        a = self.cfg.diloco.effective()
+        own = p90(list(self.worker.stats.recent_latency))
+        seen = [own] if own is not None else []
+        for rec in self.membership.live_peers(max_age=math.inf) if self.membership else []:
+            value = (rec.status or {}).get("round_p90_s")
+            if isinstance(value, int | float) and math.isfinite(value) and 0 < value < 1e5:
+                seen.append(float(value))
+        if not seen:
+            return None
+        period = min(max(2.0 * max(seen), a.min_round_seconds), a.max_round_seconds)
+        want = max(period / a.sync_every, clock.step_seconds)
+        now = clock.current_step_seconds
+        if want > 1.25 * now or want < 0.5 * now:
+            return want
+        return None
+
     async def _form(self, fragment: int, round_no: int, attempt: int,
                     exclude: set[str]) -> FormedGroup:
         # The collective is created before membership (membership needs its address).
         assert self.membership is not None and self.collective is not None
+        if self._away() is not None and (away := await self._wait_back(attempt)) is not None:
+            raise ConnectionError(f"sitting this round out: {away}")  # do not register
         if self.tunnel is not None and self.tunnel.private:
             # Before we register: the public peers' streams to us must find a direct
             # libp2p connection, not a limited relayed one (swarm/tunnel.py).
-            await self.tunnel.reach_out(r.peer_id for r in self.membership.cached()
+            seen = self.membership.live_peers(max_age=math.inf)  # the last read
+            await self.tunnel.reach_out(r.peer_id for r in seen
                                         if r.reachable and r.peer_id != self.peer_id)
         group = await self.membership.form(fragment, round_no, attempt, exclude)
         # Peers behind a NAT, as of the records just read: stream to them, no dial first.
@@ -224,17 +358,32 @@ class Node:
         """Peers whose last read record says they cannot be dialled (behind a NAT)."""
         if self.membership is None:
             return frozenset()
-        return frozenset(r.peer_id for r in self.membership.cached() if not r.reachable)
+        seen = self.membership.live_peers(max_age=math.inf)  # the last read, no DHT call
+        return frozenset(r.peer_id for r in seen if not r.reachable)
 
     def _is_live(self, peer_id: str) -> bool:
         """Whether `peer_id` has a live record (the relay serves only peers of the run)."""
         return self.membership is not None and any(
-            r.peer_id == peer_id for r in self.membership.cached())
+            r.peer_id == peer_id for r in self.membership.live_peers(max_age=math.inf))
+
+    async def _wait_back(self, attempt: int) -> str | None:
+        """While we sit rounds out, a round's first attempt waits as long as forming a
+        group may take for our data listener to come back; None if it did. Going on at
+        once instead made a node train ahead of its swarm through lone rounds, and a node
+        ahead of its peers finds no newer state to re-sync to."""
+        deadline = time.monotonic() + (self.cfg.network.matchmaking_timeout if attempt == 0
+                                       else 0.0)
+        while (away := self._away()) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+        return away
 
     def _status(self) -> dict[str, Any]:
         w = self.worker
+        away = self._away()
+        # Peers leave a "leaving" record out of their groups: while we cannot be reached
+        # for rounds we are as good as gone to them, and they should not wait for us.
         return {"step": w.step if w is not None else 0, "worker": self.worker_id,
-                **self.status.summary()}
+                **self.status.summary(), **({"leaving": True, "away": away} if away else {})}
 
     def _trust_counters(self) -> dict[str, int]:
         # Data-plane and state-sync handshakes refused, in one counter.
@@ -285,16 +434,33 @@ class Node:
         collective = ObservedCollective(self.collective, self.status,
                                         lambda: self.worker.step if self.worker else 0)
         timed = self.cfg.diloco.pacing == "time" and self.cfg.diloco.mode != "ddp"
-        self.worker = Worker(self.cfg, self.data, collective,
-                             identity=self.worker_id or self.peer_id,
-                             pacer=TimePacer(time.time) if timed else StepPacer())
+        ranks, device = self._ranks()
+        identity = ranks.handshake(self.worker_id or self.peer_id, device)
+        self.status.devices = list(ranks.devices)
+        self.worker = Worker(self.cfg, self.data, collective, identity=identity,
+                             device=device, pacer=TimePacer(time.time) if timed else StepPacer(),
+                             ranks=ranks)
         if self.cfg.paths.trace:
             self.worker.trace = []
 
+    def _ranks(self) -> tuple[Any, Any]:
+        """This node's ranks and our device (one process: SingleRank, cfg.device)."""
+        from dilonode.train.device import pick_device
+        from dilonode.train.dist import SingleRank
+
+        if self.ranks is not None:
+            return self.ranks, self.ranks.device
+        return SingleRank(), pick_device(self.cfg.device)
+
     def close(self) -> None:
         """Withdraw the peer record, stop the data plane and the DHT (idempotent)."""
-        if self.clock is not None:
-            self.clock.close()
+        if self.ranks is not None:
+            self.ranks.stop()  # the other ranks exit
+        for watcher in (self.supervisor, self.remerger, self.clock):
+            if watcher is not None:  # nothing restarts or re-times behind our back
+                watcher.close()
+        if self._hard_exit is not None:
+            self._hard_exit.cancel()
         if self.collective is not None:
             self.keeper.close(self.collective.thread)
         if self.membership is not None:
@@ -323,6 +489,9 @@ class Node:
         from dilonode.train.loop import train_loop
 
         steps = self.cfg.total_steps if total_steps == -1 else total_steps
+        self._stop = stop  # the supervisor sets it when it gives up
+        if self.failure is not None:
+            stop.set()
         batches = self.data.eval_batches(self.cfg.data.seq_len, self.cfg.data.batch_size,
                                          self.cfg.data.eval_batches)
         self.status.total_steps = steps
@@ -353,9 +522,8 @@ class Node:
         from dilonode.swarm.records import FinalRecord
 
         w = self.worker
-        flat = w.outer_flat().contiguous().numpy().tobytes()
         return FinalRecord(peer_id=self.peer_id, run_id=self.cfg.run_id,
-                           digest=hashlib.sha256(flat).hexdigest(),
+                           digest=w.outer_digest(),
                            rounds=list(w.next_round), chains=list(w.chains),
                            tokens=w.stats.tokens, end_step=w.end_step or 0)
 
@@ -368,7 +536,15 @@ class Node:
         assert self.dht is not None and self.collective is not None
         net = self.cfg.network
         board = FinalBoard(self.dht, self.cfg.run_id)
-        expected = {m for ms in self.worker.stats.members.values() for m in ms} - {self.peer_id}
+        # The peers of our last rounds, and every other live one: a node left alone at the
+        # end must still find out that the others hold other weights.
+        expected = {m for ms in self.worker.stats.members.values() for m in ms}
+        if self.membership is not None:
+            try:
+                expected |= {r.peer_id for r in self.membership.live_peers(max_age=1.0)}
+            except (TimeoutError, RuntimeError) as exc:
+                log.warning("end of run: cannot read the live peers: %s", exc)
+        expected -= {self.peer_id}
         wait = net.matchmaking_timeout + net.allreduce_timeout
         mine = self._final_record()
         try:
@@ -398,7 +574,6 @@ class Node:
 
     def _summary(self, rep: Any) -> NodeSummary:
         st = self.worker.stats
-        flat = self.worker.outer_flat().contiguous().numpy().tobytes()
         return NodeSummary(
             peer_id=self.peer_id, worker_id=str(self.worker_id or self.peer_id),
             steps=rep.steps, tokens=rep.tokens, final_eval_loss=rep.eval_history[-1][1],
@@ -407,7 +582,7 @@ class Node:
             retried_rounds=st.retried,
             dropped_peers=list(st.dropped), compute_utilization=rep.compute_utilization,
             step_share=rep.step_share, sync_wait_s=rep.sync_wait_s,
-            wall_s=rep.wall_s, outer_digest=hashlib.sha256(flat).hexdigest(),
+            wall_s=rep.wall_s, outer_digest=self.worker.outer_digest(),
             stopped_early=rep.stopped_early,
             round_latency_s={p: {"n": n, "mean": total / n, "max": worst}
                              for p, (n, total, worst) in sorted(st.latency.items())},
@@ -417,6 +592,7 @@ class Node:
             late_rounds=st.late, diverged_rounds=st.diverged,
             agreement=self.verdict.as_dict() if self.verdict is not None else {},
             checkpoint_age_s=self.keeper.checkpointer.age_s(),
+            devices=device_summary(self.status.devices),
             reachability=self.reachability, data_paths=self._data_paths())
 
     def _data_paths(self) -> dict[str, int]:
@@ -436,11 +612,18 @@ class Node:
         """Write the outer weights (state dict) for comparisons and evaluation."""
         import torch
 
-        torch.save(self.worker.outer_model().state_dict(), path)
+        torch.save(self.worker.outer_state_dict(), path)
 
 
 def summary_json(summary: NodeSummary) -> str:
     return json.dumps({"event": "summary", **asdict(summary)})
+
+
+def _exit_hard(reason: str, grace: float) -> None:
+    """The node gave up and did not stop within `grace` s: say why on one line and exit 1."""
+    log.error("did not stop within %.0fs of giving up; exiting now", grace)
+    print(f"dilonode: {reason}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _serves_replays(cfg: RunConfig) -> bool:

@@ -107,12 +107,18 @@ def _pacer(cfg: RunConfig, now: Callable[[], float]) -> Pacer:
     return TimePacer(now, SwarmClock(t0=0.0, step_seconds=1.0))
 
 
+# (workers, codec, aggregator=, chunk_numel=, align=) -> the group the workers average in:
+# `LocalGroup`, or a subclass (benchmarks/gpu_quality.py averages on the GPU).
+GroupFactory = Callable[..., LocalGroup]
+
+
 def _build_workers(cfg: RunConfig, data, device, tamper: Tamper | None = None,
                    clocks: list[Callable[[], float]] | None = None,
+                   group_factory: GroupFactory = LocalGroup,
                    ) -> tuple[list[Worker], LocalGroup]:
-    group = LocalGroup(cfg.sim.workers, get_codec(cfg.codec.name, cfg.codec.block_size),
-                       aggregator=cfg.aggregator.spec(), chunk_numel=cfg.network.chunk_numel,
-                       align=cfg.codec.block_size)
+    group = group_factory(cfg.sim.workers, get_codec(cfg.codec.name, cfg.codec.block_size),
+                          aggregator=cfg.aggregator.spec(),
+                          chunk_numel=cfg.network.chunk_numel, align=cfg.codec.block_size)
     views: list[Collective] = [group.view(i) for i in range(cfg.sim.workers)]
     if tamper is not None:
         views = [_Tampered(v, i, tamper) for i, v in enumerate(views)]
@@ -136,12 +142,14 @@ def _point(workers: list[Worker], step: int, eval_loss: float, t0: float,
 def simulate(cfg: RunConfig, device: torch.device | None = None,
              on_step: Callable[[int, list[Worker]], None] | None = None,
              on_eval: Callable[[EvalPoint], None] | None = None,
-             tamper: Tamper | None = None, virtual: bool | None = None) -> SimReport:
+             tamper: Tamper | None = None, virtual: bool | None = None,
+             group_factory: GroupFactory = LocalGroup) -> SimReport:
     """Train `cfg.sim.workers` workers for `cfg.total_steps` (reference) steps.
 
     `tamper`, when given, rewrites every contribution before it is averaged (fault studies).
     `virtual` runs on the virtual clock even with equal speeds (default: only with
     `sim.speeds` or `sim.latency`); `on_step` is then called once, at the end.
+    `group_factory` makes the group the workers average in (default `LocalGroup`).
     """
     if virtual is None:
         virtual = cfg.sim.speeds is not None or cfg.sim.latency > 0
@@ -151,7 +159,7 @@ def simulate(cfg: RunConfig, device: torch.device | None = None,
     eval_batches = data.eval_batches(cfg.data.seq_len, cfg.data.batch_size, cfg.data.eval_batches)
     t0 = time.perf_counter()
     if virtual:
-        run = _VirtualRun(cfg, data, device, tamper, eval_batches, on_eval)
+        run = _VirtualRun(cfg, data, device, tamper, eval_batches, on_eval, group_factory)
         workers, history = run.run()
         if on_step:
             on_step(cfg.total_steps, workers)
@@ -159,17 +167,30 @@ def simulate(cfg: RunConfig, device: torch.device | None = None,
         report.worker_stats = run.worker_stats()
         report.virtual_s = max(r.t for r in run.runs)
         return report
+    workers, history = _lockstep(cfg, data, device, tamper, eval_batches, on_step, on_eval, t0,
+                                 group_factory)
+    report = _report(cfg, workers, history, time.perf_counter() - t0)
+    report.worker_stats = [_worker_stats(w, 0.0, float(cfg.total_steps)) for w in workers]
+    report.virtual_s = float(cfg.total_steps)
+    return report
+
+
+def _lockstep(cfg: RunConfig, data, device, tamper: Tamper | None, eval_batches,
+              on_step: Callable[[int, list[Worker]], None] | None,
+              on_eval: Callable[[EvalPoint], None] | None,
+              t0: float, group_factory: GroupFactory = LocalGroup,
+              ) -> tuple[list[Worker], list[EvalPoint]]:
+    """Equally fast workers: each phase of a step for all workers before the next phase
+    (every worker begins a round before anyone waits on it)."""
     clock = _Clock()
-    workers, _ = _build_workers(cfg, data, device, tamper, [clock.now] * cfg.sim.workers)
+    workers, _ = _build_workers(cfg, data, device, tamper, [clock.now] * cfg.sim.workers,
+                                group_factory)
     history: list[EvalPoint] = []
     for step in range(1, cfg.total_steps + 1):
         clock.t = float(step)
-        for w in workers:
-            w.train_step()
-        for w in workers:
-            w.launch()
-        for w in workers:
-            w.land()
+        for phase in (Worker.train_step, Worker.launch, Worker.land):
+            for w in workers:
+                phase(w)
         if step == cfg.total_steps:
             _finish_lockstep(workers)
         if on_step:
@@ -179,10 +200,7 @@ def simulate(cfg: RunConfig, device: torch.device | None = None,
                                   float(step)))
             if on_eval:
                 on_eval(history[-1])
-    report = _report(cfg, workers, history, time.perf_counter() - t0)
-    report.worker_stats = [_worker_stats(w, 0.0, float(cfg.total_steps)) for w in workers]
-    report.virtual_s = float(cfg.total_steps)
-    return report
+    return workers, history
 
 
 def _finish_lockstep(workers: list[Worker]) -> None:
@@ -222,12 +240,13 @@ class _VirtualRun:
     """Workers of different speeds on one virtual clock (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig, data, device, tamper: Tamper | None,
-                 eval_batches, on_eval: Callable[[EvalPoint], None] | None) -> None:
+                 eval_batches, on_eval: Callable[[EvalPoint], None] | None,
+                 group_factory: GroupFactory = LocalGroup) -> None:
         self.cfg = cfg
         speeds = cfg.sim.speeds or (1.0,) * cfg.sim.workers
         self.runs: list[_Timed] = []
         clocks = [lambda i=i: self.runs[i].t for i in range(cfg.sim.workers)]
-        workers, self.group = _build_workers(cfg, data, device, tamper, clocks)
+        workers, self.group = _build_workers(cfg, data, device, tamper, clocks, group_factory)
         self.runs = [_Timed(w, 1.0 / v) for w, v in zip(workers, speeds, strict=True)]
         self.current = self.runs[0]
         self.group.now = lambda: self.current.t

@@ -47,22 +47,58 @@ __all__ = ["Pacer", "StepPacer", "SwarmClock", "TimePacer", "due_starts", "final
 
 @dataclass(frozen=True)
 class SwarmClock:
-    """Wall time -> reference steps: step `(t - t0) / step_seconds`."""
+    """Wall time -> reference steps: step `(t - t0) / step_seconds`, then, from reference
+    step `since` of each later epoch `(since, step_seconds)`, at that epoch's rate.
+
+    Epochs let the swarm slow its rounds down (or speed them up) when the links it
+    measures call for it (`swarm/clock.py`) without renumbering anything: the reading is
+    continuous, only its rate changes, so every round keeps its number and its opening
+    step. Epochs are listed in increasing `since`.
+    """
 
     t0: float
     step_seconds: float
+    epochs: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.t0) and math.isfinite(self.step_seconds)
-                and self.step_seconds > 0):
-            raise ValueError(f"SwarmClock: t0={self.t0}, step_seconds={self.step_seconds}: "
-                             "need finite values and step_seconds > 0")
+        rates = [self.step_seconds, *(s for _, s in self.epochs)]
+        starts = [since for since, _ in self.epochs]
+        if not (math.isfinite(self.t0) and all(math.isfinite(r) and r > 0 for r in rates)
+                and all(math.isfinite(x) and x >= 0 for x in starts)
+                and starts == sorted(set(starts))):
+            raise ValueError(f"SwarmClock: t0={self.t0}, step_seconds={self.step_seconds}, "
+                             f"epochs={list(self.epochs)}: need finite values, rates > 0 "
+                             "and epochs in increasing order")
+
+    def _segments(self) -> list[tuple[float, float, float]]:
+        """(reference step, wall time, seconds per step) at the start of each epoch."""
+        out = [(0.0, self.t0, self.step_seconds)]
+        for since, rate in self.epochs:
+            ref0, t_0, rate0 = out[-1]
+            out.append((since, t_0 + (since - ref0) * rate0, rate))
+        return out
 
     def ref_step(self, t: float) -> float:
-        return (t - self.t0) / self.step_seconds
+        ref0, t_0, rate = next(seg for seg in reversed(self._segments())
+                               if seg[1] <= t or seg[0] == 0.0)
+        return ref0 + (t - t_0) / rate
 
     def time_of(self, ref_step: float) -> float:
-        return self.t0 + ref_step * self.step_seconds
+        ref0, t_0, rate = next(seg for seg in reversed(self._segments())
+                               if seg[0] <= ref_step or seg[0] == 0.0)
+        return t_0 + (ref_step - ref0) * rate
+
+    @property
+    def current_step_seconds(self) -> float:
+        """The rate of the last epoch (what a new epoch is compared with)."""
+        return self.epochs[-1][1] if self.epochs else self.step_seconds
+
+    def with_epoch(self, since: float, step_seconds: float) -> SwarmClock:
+        """This clock, running at `step_seconds` from reference step `since` on."""
+        if self.epochs and since <= self.epochs[-1][0]:
+            raise ValueError(f"SwarmClock.with_epoch: since={since} is not after the last "
+                             f"epoch's {self.epochs[-1][0]}")
+        return SwarmClock(self.t0, self.step_seconds, (*self.epochs, (since, step_seconds)))
 
 
 class Pacer(Protocol):

@@ -16,7 +16,9 @@ compute the same bits; they differ in where:
   the decoded result chunks that the digests hash (BLAKE3 over float32 values: protocol
   section 5.1).
 
-Neither path does I/O; the round stays sans-IO.
+Either path takes an `encoded` contribution (`algo/spliced.SplicedEncoding`: the node's
+ranks encoded their slices in parallel): chunks it covers are sent as it has them, the
+others encoded here as usual. Neither path does I/O; the round stays sans-IO.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Union
 import torch
 
 from dilonode.algo.codecs import Codec, CodecMeta, decode_shared
+from dilonode.algo.spliced import SplicedEncoding
 from dilonode.algo.torch_codecs import decode_torch, encode_chunks_torch, encode_torch
 
 __all__ = ["Accepted", "DataPath", "HostPath", "TorchPath", "make_path"]
@@ -42,10 +45,12 @@ class HostPath:
 
     name = "host"
 
-    def __init__(self, codec: Codec, local: torch.Tensor) -> None:
+    def __init__(self, codec: Codec, local: torch.Tensor,
+                 encoded: SplicedEncoding | None = None) -> None:
         self.codec = codec
         self.local = local  # (numel,) float32 CPU, contiguous, checked finite
         self.lossless = codec.name == "float32"
+        self.encoded = encoded  # `local` as the node's ranks encoded it, or None
 
     def meta(self, numel: int) -> CodecMeta:
         return CodecMeta(codec=self.codec.name, numel=numel, block_size=self.codec.block_size)
@@ -56,6 +61,10 @@ class HostPath:
     def contribution(self, start: int, numel: int) -> Payload:
         """Our encoded values [start, start + numel) of `local`."""
         own = self.local[start:start + numel]
+        if self.encoded is not None and not self.lossless:
+            got = self.encoded.payload(start, numel)
+            if got is not None:
+                return got
         if self.lossless:
             # float32 bytes as they are, a read-only view of `local` (checked finite at
             # construction; the caller leaves it alone: `run_round`).
@@ -100,9 +109,11 @@ class TorchPath:
 
     name = "torch"
 
-    def __init__(self, codec: Codec, local: torch.Tensor) -> None:
+    def __init__(self, codec: Codec, local: torch.Tensor,
+                 encoded: SplicedEncoding | None = None) -> None:
         self.codec = codec
         self.local = local  # (numel,) float32 on self.device, contiguous, checked finite
+        self.encoded = encoded  # `local` as the node's ranks encoded it, or None
         self.device = local.device
         self._sent: dict[int, memoryview] = {}  # contribution start -> its encoded bytes
         self._n = torch.empty(0)  # the group size as a device scalar (see `_divide`)
@@ -124,6 +135,9 @@ class TorchPath:
                 offset += size
 
     def contribution(self, start: int, numel: int) -> Payload:
+        got = self.encoded.payload(start, numel) if self.encoded is not None else None
+        if got is not None:
+            return got
         sent = self._sent.pop(start, None)
         if sent is not None and len(sent) == self.codec.encoded_size(numel):
             return sent
@@ -185,16 +199,18 @@ class TorchPath:
 DataPath = HostPath | TorchPath
 
 
-def make_path(codec: Codec, local: torch.Tensor, kind: str | None = None) -> DataPath:
+def make_path(codec: Codec, local: torch.Tensor, kind: str | None = None,
+              encoded: SplicedEncoding | None = None) -> DataPath:
     """The path for `local`: "torch" for a tensor off the CPU, else "host"; `kind` forces
-    one ("torch" also runs on CPU tensors: the tests compare both paths there)."""
+    one ("torch" also runs on CPU tensors: the tests compare both paths there). `encoded`:
+    `local` already encoded by slices (see the module docstring)."""
     kind = kind or ("host" if local.device.type == "cpu" else "torch")
     if kind == "host":
         if local.device.type != "cpu":
             raise ValueError("the host path needs a CPU tensor")
-        return HostPath(codec, local)
+        return HostPath(codec, local, encoded)
     if kind == "torch":
-        return TorchPath(codec, local)
+        return TorchPath(codec, local, encoded)
     raise ValueError(f"unknown data path {kind!r}; expected 'host' or 'torch'")
 
 

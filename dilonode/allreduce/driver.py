@@ -45,6 +45,7 @@ import torch
 
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, BanTracker
+from dilonode.algo.spliced import SplicedEncoding
 from dilonode.allreduce.round import (
     Action,
     AllReduceRound,
@@ -115,7 +116,8 @@ async def run_round(plane: DataPlane, spec: GroupSpec, my_index: int, local: tor
                     offload: bool = True,
                     aggregator: AggregatorSpec | None = None,
                     out: torch.Tensor | None = None,
-                    keep_encoded: bool = False, weight: float = 1.0) -> RoundOutcome:
+                    keep_encoded: bool = False, weight: float = 1.0,
+                    encoded: SplicedEncoding | None = None) -> RoundOutcome:
     """Run this node's side of one round; `peers` maps member index -> "host:port".
 
     Returns as soon as the round is DONE or FAILED, by `clock() >= start + timeout` (plus
@@ -125,13 +127,15 @@ async def run_round(plane: DataPlane, spec: GroupSpec, my_index: int, local: tor
     failed round a frame may still be on its way out (`NetworkCollective` hands every
     round a tensor of its own). `out` and `keep_encoded` are handed to `AllReduceRound`
     (the result buffer; keep the encoded result for `RoundOutcome.encoded`), and so is
-    `weight` (the tokens `local` was trained on, which weight it in the mean).
+    `weight` (the tokens `local` was trained on, which weight it in the mean), and
+    `encoded` (`local` as a node's ranks encoded it, slice by slice).
     """
     missing = [i for i in range(spec.size) if i != my_index and i not in peers]
     if missing:
         raise ValueError(f"run_round: no address for member(s) {missing}")
     rnd = AllReduceRound(spec, my_index, local, timeout=timeout, aggregator=aggregator,
-                         out=out, keep_encoded=keep_encoded, weight=weight)
+                         out=out, keep_encoded=keep_encoded, weight=weight,
+                         encoded=encoded)
     key = (spec.fragment, spec.round, spec.attempt)
     inbox = plane.register(key, spec.members)
     try:
@@ -316,7 +320,8 @@ class SwarmRounds:
         self.bans = bans
 
     async def reduce(self, fragment: int, round_no: int, local: torch.Tensor,
-                     out: torch.Tensor | None = None, weight: float = 1.0) -> SwarmOutcome:
+                     out: torch.Tensor | None = None, weight: float = 1.0,
+                     encoded: SplicedEncoding | None = None) -> SwarmOutcome:
         """Average `local` (1-D float32, trained on `weight` tokens) with a group, retrying
         without the culprits. `out` (optional) receives a completed round's result (every
         attempt writes there)."""
@@ -339,7 +344,8 @@ class SwarmRounds:
             got = await run_round(self.plane, spec, my_index, local, peers,
                                   self.policy.timeout, self.clock, offload=self.offload,
                                   aggregator=self.policy.aggregator, out=out,
-                                  keep_encoded=self.keep_encoded, weight=weight)
+                                  keep_encoded=self.keep_encoded, weight=weight,
+                                  encoded=encoded)
             attempts.append(got)
             if got.state is RoundState.DONE:
                 self._note_rejected(fragment, round_no, got.rejected, got.convicted)
@@ -545,7 +551,12 @@ class NetworkCollective:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> _NetPending:
+    takes_encoded = True  # begin() accepts a pre-encoded contribution (a node's ranks)
+
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+              encoded: SplicedEncoding | None = None) -> _NetPending:
+        """Average `flat` with the swarm in the background; `encoded`: `flat` as a node's
+        ranks already encoded it with the round's codec, slice by slice."""
         fragment = key.fragment if key.kind == "fragment" else GRAD_FRAGMENT
         t0 = self.rounds.clock()
         # A copy on flat's own device: on a GPU the round quantizes and reduces there
@@ -559,14 +570,17 @@ class NetworkCollective:
                 out = None
             elif out is None or out.numel() != local.numel():
                 out = self._results[fragment] = torch.empty_like(local)
-        fut = self.thread.submit(self._reduce(fragment, key.round, local, t0, out, weight))
+        fut = self.thread.submit(self._reduce(fragment, key.round, local, t0, out, weight,
+                                              encoded))
         self._in_flight[fragment] = fut
         return _NetPending(fut)
 
     async def _reduce(self, fragment: int, round_no: int, local: torch.Tensor,
                       t0: float, out_buf: torch.Tensor | None = None,
-                      weight: float = 1.0) -> ReduceResult:
-        swarm = await self.rounds.reduce(fragment, round_no, local, out_buf, weight)
+                      weight: float = 1.0,
+                      encoded: SplicedEncoding | None = None) -> ReduceResult:
+        swarm = await self.rounds.reduce(fragment, round_no, local, out_buf, weight,
+                                         encoded)
         out = swarm.outcome
         assert out.result is not None
         return ReduceResult(

@@ -79,6 +79,7 @@ from dilonode.algo.codecs import (
 )
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, aggregate, check_claims, convicted
+from dilonode.algo.spliced import SplicedEncoding
 from dilonode.allreduce.datapath import Accepted, DataPath, make_path
 from dilonode.wire.errors import LocalProtocolError, RemoteProtocolError, one_line
 from dilonode.wire.framing import (
@@ -358,7 +359,8 @@ class AllReduceRound:
     def __init__(self, spec: GroupSpec, my_index: int, local: torch.Tensor, *,
                  timeout: float = 30.0, aggregator: AggregatorSpec | None = None,
                  out: torch.Tensor | None = None, keep_encoded: bool = False,
-                 weight: float = 1.0, data_path: str | None = None) -> None:
+                 weight: float = 1.0, data_path: str | None = None,
+                 encoded: SplicedEncoding | None = None) -> None:
         if not 0 <= my_index < spec.size:
             raise ValueError(f"my_index={my_index}: not in 0..{spec.size - 1}")
         if local.dtype != torch.float32 or local.shape != (spec.numel,):
@@ -381,7 +383,8 @@ class AllReduceRound:
         self._weights: dict[int, float] = {my_index: self.weight}
         self._local = local.detach().contiguous()
         self._codec = spec.codec_obj
-        self._path: DataPath = make_path(self._codec, self._local, data_path)
+        # `encoded`: `local` already encoded slice by slice (a node's ranks, in parallel).
+        self._path: DataPath = make_path(self._codec, self._local, data_path, encoded)
         # decode(encode(x)) == x for finite x: the one codec whose round trip can be skipped.
         self._lossless = self._codec.name == "float32"
         self._state = RoundState.IDLE

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import logging
 import socket
 import sys
@@ -610,12 +611,46 @@ class DataPlane:
             tune_allocator()
         if self._acceptor is not None:
             raise RuntimeError("DataPlane.start: already started")
+        self._listen()
+        log.debug("data plane %s listening on %s", self.peer_id, self.address)
+
+    def _listen(self) -> None:
         # Configured before listen() so accepted sockets inherit it and the window scales.
         sock = bind_listener(self.host, self.port, configure=self._configure)
         self._acceptor = Acceptor(sock, self.gate, lambda ticket: _Inbound(self, ticket))
         self._acceptor.start()
         self.port = self._acceptor.port
-        log.debug("data plane %s listening on %s", self.peer_id, self.address)
+
+    def reset_inbound(self) -> int:
+        """Abort every accepted connection; returns how many (on the loop). After our
+        listener was unreachable for a while, peers' connections to it sit in TCP
+        retransmission backoff long after the path is back; reset, they connect afresh
+        with their next frame."""
+        conns = list(self._inbound)
+        for conn in conns:
+            conn.close()
+        return len(conns)
+
+    async def relisten(self) -> None:
+        """Replace the listening socket by a new one on the same address (the node's
+        supervisor, when the listener stopped accepting). Connections already accepted
+        and outgoing ones are kept."""
+        if self._closed:
+            raise RuntimeError("DataPlane.relisten: closed")
+        acceptor, self._acceptor = self._acceptor, None
+        if acceptor is not None:
+            acceptor.close()
+        # The old socket may close on a later loop iteration: until then the port is still
+        # taken (EADDRINUSE), so try again for a second.
+        for _ in range(20):
+            try:
+                self._listen()
+                return
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                await asyncio.sleep(0.05)
+        self._listen()
 
     async def aclose(self, grace: float = 1.0) -> None:
         """Stop listening, flush outgoing frames for up to `grace` s, close everything."""

@@ -181,8 +181,11 @@ class StateKeeper:
         if same_rounds and got.fetched_bytes == 0 and got.state.rounds == local.rounds:
             log.info("state sync: peers hold the same state as ours; nothing to adopt")
             return
-        with self.source.replacing():
-            worker.import_state(got.state)
+        if worker.pending and not self._import_settled(worker, got.state, local):
+            return
+        if not worker.pending:
+            with self.source.replacing():
+                worker.import_state(got.state)
         self.recovery = got
         log.info("state sync: recovered step %d (rounds %s) from %d peer(s): %d bytes "
                  "fetched (%.2f s transferring), %d reused, in %.2f s (%d passes, %.2f s "
@@ -192,6 +195,24 @@ class StateKeeper:
                  got.fetch_seconds, got.reused_bytes, got.seconds, got.passes,
                  got.manifest_seconds, got.publish_wait_seconds, len(got.agreed_by),
                  got.replayed)
+
+    def _import_settled(self, worker: Any, state: Any, local: Any) -> bool:
+        """Rounds of some fragments in flight (paced by the clock, nearly always): adopt
+        the others, where the peers' state differs from ours and is at least as far on;
+        False when that leaves nothing to adopt."""
+        chains = state.chains or ()
+        take = [p for p in range(len(state.rounds)) if p not in worker.pending
+                and state.rounds[p] >= local.rounds[p]
+                and (not chains or chains[p] != worker.chains[p]
+                     or state.rounds[p] != local.rounds[p])]
+        if not take:
+            log.info("state sync: nothing to adopt between rounds in flight %s",
+                     sorted(worker.pending))
+            return False
+        with self.source.replacing():
+            worker.import_fragments(state, take)
+        log.info("state sync: adopted fragment(s) %s (rounds in flight on the others)", take)
+        return True
 
     def _replayer(self) -> Replayer:
         """This run's outer step, for replaying a round on a fragment (algo/replay.py)."""
@@ -206,8 +227,9 @@ class StateKeeper:
         them) or its copy diverged: fetch the state of peers that landed more rounds and
         jump to it, as a joiner does. When matchmaking left it out for holding another
         state than its group's (`worker.diverged_from`), it takes that group's state.
-        Only between syncs (nothing in flight)."""
-        if (not (self.active and self.cfg.statesync.enabled) or worker.pending
+        Between steps; fragments with a round in flight keep theirs (`_import_settled`)."""
+        if (not (self.active and self.cfg.statesync.enabled)
+                or len(worker.pending) == len(worker.outer)
                 or worker.stats.alone == self._alone_seen):
             return
         self._alone_seen = worker.stats.alone
@@ -217,8 +239,14 @@ class StateKeeper:
     def adopt(self, worker: Any, thread: Any, dht: Any, prefer: tuple[str, ...] = ()) -> bool:
         """Take the state the live peers agree on (or, with `prefer`, the state of those
         peers) if it differs from ours; True if ours was replaced. Nothing may be in flight."""
-        peers = _serving_peers(dht, self)
-        if not peers or not (self.active and self.cfg.statesync.enabled):
+        if not (self.active and self.cfg.statesync.enabled):
+            return False
+        try:
+            peers = _serving_peers(dht, self)
+        except (RuntimeError, TimeoutError) as exc:  # the DHT is down or restarting
+            log.warning("cannot read the peers now to re-sync: %s", exc)
+            return False
+        if not peers:
             return False
 
         async def already_visible() -> None:

@@ -104,6 +104,8 @@ def node_metrics(s: Mapping[str, Any]) -> list[Metric]:
           for name, help in _TRUST_COUNTERS),
         _gauge("dilonode_checkpoint_age_seconds", "Age of the newest good checkpoint.",
                s.get("checkpoint_age_s")),
+        _gauge("dilonode_devices", "Devices (ranks) this node trains on.",
+               len(s.get("devices") or []) or None),
         *admission_metrics(s.get("admission") or {}),
     ]
 

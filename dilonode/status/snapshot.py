@@ -7,6 +7,10 @@ the group that averaged it. Readers on other threads call `snapshot()`, `history
 `summary()`; each takes the lock only long enough to copy plain values, so a reader never
 stalls training and never sees a half-updated step. Nothing here does I/O.
 
+An `AloneWatch` (status/alone.py) sees every landed round with the number of other live
+peers, and the node's supervisor (dilonode/supervise.py) reports its parts: both show in
+`snapshot()` as `alone` and `supervision`.
+
 The history is a ring buffer of samples taken at most every `sample_every` seconds (not every
 step: a fast model would fill it in seconds), columnar so the dashboard can draw it directly.
 """
@@ -22,14 +26,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dilonode import PROTOCOL_VERSION, __version__
+from dilonode.status.alone import AloneWatch
 
 if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no torch
     import torch
 
     from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 
-__all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "finite_or_none",
-           "state_chain"]
+__all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "device_summary",
+           "finite_or_none", "p90", "state_chain"]
 
 # Columns of `history()["series"]`, drawn by the dashboard (same names for the swarm view).
 HISTORY_SERIES = ("step", "train_loss", "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps",
@@ -66,26 +71,33 @@ class NodeStatus:
                  trust: Callable[[], dict[str, int]] | None = None,
                  admission: Callable[[], dict[str, Any]] | None = None,
                  checkpoint_age: Callable[[], float | None] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, alone: AloneWatch | None = None,
+                 live_others: Callable[[], int] | None = None,
+                 health: Callable[[], dict[str, Any]] | None = None) -> None:
         self.run_id = run_id
         self.total_steps = total_steps
         self.peer_id = ""
         self.worker_id = ""
         self.url = ""
         self.state = "starting"
+        # The node's devices, one per rank (dilonode/train/dist.py: kind, name, memory).
+        self.devices: list[dict[str, Any]] = []
         self.sample_every = sample_every
         self._peers = peers or (lambda: 0)
         self._trust = trust or dict  # counters of refused peers, records and contributions
         self._admission = admission or dict  # refused/closed connections per port and reason
         self._checkpoint_age = checkpoint_age or (lambda: None)
         self._clock = clock
+        self.alone = alone  # rounds alone while peers are live (None: not watched)
+        self._live_others = live_others or (lambda: max(self._peers() - 1, 0))
+        self._health = health  # the supervisor's view of the node's parts
         self._lock = threading.Lock()
         self._started = clock()
         self._cur: dict[str, Any] = {"step": 0, "tokens": 0, "train_loss": None,
                                      "eval_loss": None, "eval_step": None, "bytes_sent": 0,
                                      "bytes_received": 0, "compute_utilization": 0.0,
                                      "sync_wait_s": 0.0, "swarm_step": 0, "state_chain": "",
-                                     "agreement": None}
+                                     "agreement": None, "round_p90_s": None}
         # Rates need two samples; None (null) until then rather than a misleading 0.
         self._rates: dict[str, float | None] = {"tokens_per_s": None, "sent_Bps": None,
                                                 "recv_Bps": None}
@@ -112,7 +124,8 @@ class NodeStatus:
             if evals:
                 self._cur.update(eval_step=evals[-1][0], eval_loss=finite_or_none(evals[-1][1]))
             if getattr(worker, "plan", None) is not None:
-                self._cur.update(swarm_step=worker.swarm_step, state_chain=state_chain(worker))
+                self._cur.update(swarm_step=worker.swarm_step, state_chain=state_chain(worker),
+                                 round_p90_s=p90(list(st.recent_latency)))
             self._maybe_sample()
 
     def set_agreement(self, verdict: dict[str, Any]) -> None:
@@ -135,6 +148,8 @@ class NodeStatus:
             self._rounds[label] = self._rounds.get(label, 0) + 1
             self._skipped += int(result.skipped)
             self._retried += int(result.attempts > 1)
+        if self.alone is not None:
+            self.alone.on_round(result.group_size, self._live_others())
 
     def set_state(self, state: str) -> None:
         with self._lock:
@@ -175,6 +190,8 @@ class NodeStatus:
                 "peers_seen": peers, "skipped_rounds": self._skipped,
                 "retried_rounds": self._retried, "trust": trust,
                 "admission": admission, "checkpoint_age_s": ckpt_age,
+                "devices": [dict(d) for d in self.devices],
+                "device_summary": device_summary(self.devices),
             }
         out["syncs"] = [{"fragment": label, "rounds": rounds[label],
                          "last": {"round": r.round, "at_step": r.at_step,
@@ -183,6 +200,10 @@ class NodeStatus:
                                   "skipped": r.skipped, "bytes_sent": r.bytes_sent,
                                   "bytes_received": r.bytes_received}}
                         for label, r in sorted(syncs.items(), key=lambda kv: _label_order(kv[0]))]
+        if self.alone is not None:
+            out["alone"] = self.alone.snapshot()
+        if self._health is not None:
+            out["supervision"] = self._health()
         return out
 
     def history(self) -> dict[str, Any]:
@@ -197,10 +218,30 @@ class NodeStatus:
         keys = ("worker_id", "state", "url", "step", "total_steps", "tokens", "train_loss",
                 "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps", "bytes_sent",
                 "bytes_received", "compute_utilization", "peers_seen", "skipped_rounds",
-                "uptime_s", "version", "swarm_step", "state_chain")
+                "uptime_s", "version", "swarm_step", "state_chain", "round_p90_s",
+                "device_summary")
         agreement = s.get("agreement") or {}
         return {**{k: s[k] for k in keys}, "agrees": agreement.get("agrees"),
                 "final_digest": agreement.get("digest")}
+
+
+def p90(values: list[float]) -> float | None:
+    """The 90th percentile (nearest rank) of `values`, None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 3)
+
+
+def device_summary(devices: list[dict[str, Any]]) -> str:
+    """'4 x cuda NVIDIA H100 80GB HBM3 (79.1 GiB each)': the node's devices in one line
+    (mixed kinds or sizes are listed one group each, ' + '-joined; '' when unknown)."""
+    groups: dict[tuple[str, str, int], int] = {}
+    for d in devices:
+        key = (str(d.get("kind", "?")), str(d.get("name", "")), int(d.get("memory_bytes", 0)))
+        groups[key] = groups.get(key, 0) + 1
+    return " + ".join(f"{n} x {kind}{' ' + name if name else ''} ({mem / 2**30:.1f} GiB each)"
+                      for (kind, name, mem), n in groups.items())
 
 
 def state_chain(worker: Any) -> str:
@@ -241,7 +282,10 @@ class ObservedCollective:
 
     def __init__(self, inner: Collective, status: NodeStatus, step: Callable[[], int]) -> None:
         self.inner, self.status, self.step = inner, status, step
+        # Whether the inner collective takes a pre-encoded contribution (a node's ranks).
+        self.takes_encoded = bool(getattr(inner, "takes_encoded", False))
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0) -> PendingReduce:
-        return _ObservedPending(self.inner.begin(key, flat, weight), key, self.status,
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+              **kw: Any) -> PendingReduce:
+        return _ObservedPending(self.inner.begin(key, flat, weight, **kw), key, self.status,
                                 self.step)

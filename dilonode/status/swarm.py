@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 _SUMMARY_KEYS = ("worker_id", "state", "url", "total_steps", "tokens", "train_loss",
                  "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps", "bytes_sent",
                  "bytes_received", "compute_utilization", "peers_seen", "skipped_rounds",
-                 "uptime_s", "version", "swarm_step", "state_chain", "agrees", "final_digest")
+                 "uptime_s", "version", "swarm_step", "state_chain", "agrees", "final_digest",
+                 "device_summary")
 
 
 def node_rows(records: Sequence[PeerRecord], now: float) -> list[dict[str, Any]]:

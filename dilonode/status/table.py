@@ -50,6 +50,7 @@ def format_node(s: dict[str, Any]) -> str:
     step = f"{s['step']}" + (f" / {s['total_steps']}" if s.get("total_steps") else "")
     pairs = [
         ("node", f"{s['peer_id']} (worker {s['worker_id']})"),
+        ("devices", str(s.get("device_summary") or "-")),
         ("run", f"{s['run_id']}  version {s['version']}  protocol {s['protocol_version']}"),
         ("state", f"{s['state']}  up {s['uptime_s']:.0f} s"),
         ("step", step),
@@ -61,6 +62,7 @@ def format_node(s: dict[str, Any]) -> str:
         ("compute", f"{100 * s['compute_utilization']:.1f} %"),
         ("peers seen", str(s["peers_seen"])),
         ("rounds", f"skipped {s['skipped_rounds']}  retried {s['retried_rounds']}"),
+        *_alerts(s),
     ]
     if (agreement := s.get("agreement")) is not None:
         pairs.append(("end of run", agreement["line"]))
@@ -72,6 +74,20 @@ def format_node(s: dict[str, Any]) -> str:
     head = ["fragment", "rounds", "last round", "at step", "group", "attempts", "result",
             "dropped"]
     return text + "\n\n" + (grid(head, rows) if rows else "no sync has landed yet")
+
+
+def _alerts(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """Lines an operator must see: rounds alone while peers are live, parts down."""
+    out = []
+    if (warning := (s.get("alone") or {}).get("warning")) is not None:
+        out.append(("WARNING", warning))
+    sup = s.get("supervision") or {}
+    for name, part in sorted((sup.get("parts") or {}).items()):
+        if part["state"] != "ok":
+            out.append(("DOWN", f"{name} for {part['down_s']} s: {part['reason']}"))
+    if sup.get("failure"):
+        out.append(("GIVING UP", sup["failure"]))
+    return out
 
 
 def format_swarm(s: dict[str, Any]) -> str:

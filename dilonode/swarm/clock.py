@@ -25,6 +25,7 @@ of `network.matchmaking_window` is absorbed by matchmaking.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -34,12 +35,15 @@ from dilonode.algo.pacing import SwarmClock, TimePacer
 from dilonode.swarm.dht import decode_entries
 from dilonode.swarm.records import ClockRecord, clock_key, encode_record
 
-__all__ = ["ClockKeeper", "Proposal", "standing_clock"]
+__all__ = ["ClockKeeper", "Proposal", "Retune", "clock_of", "standing_clock"]
 
 log = logging.getLogger(__name__)
 
 # Seconds per reference step this node proposes, or None while it does not know yet.
 Proposal = Callable[[], float | None]
+# (the clock followed, the reference step now) -> seconds per step the swarm needs now, or
+# None to keep the clock as it is (asked only of the pacemaker).
+Retune = Callable[[SwarmClock, float], float | None]
 
 
 def standing_clock(records: dict[str, ClockRecord], now: float,
@@ -49,7 +53,17 @@ def standing_clock(records: dict[str, ClockRecord], now: float,
     usable = [r for r in records.values() if now - max_age <= r.t0 <= now + 5.0]
     if not usable:
         return None
-    return min(usable, key=lambda r: (r.t0, r.origin, r.step_seconds))
+    first = min(usable, key=lambda r: (r.t0, r.origin, r.step_seconds))
+    # Within that clock's lineage, the longest epoch history stands (the newest retuning);
+    # of two equally long ones (two pacemakers at once), the smallest.
+    lineage = [r for r in usable if (r.t0, r.origin, r.step_seconds)
+               == (first.t0, first.origin, first.step_seconds)]
+    return min(lineage, key=lambda r: (-len(r.epochs), r.epochs))
+
+
+def clock_of(record: ClockRecord) -> SwarmClock:
+    return SwarmClock(record.t0, record.step_seconds,
+                      tuple((since, rate) for since, rate in record.epochs))
 
 
 class ClockKeeper:
@@ -57,9 +71,13 @@ class ClockKeeper:
 
     def __init__(self, dht: Any, run_id: str, pacer: TimePacer, propose: Proposal,
                  frozen: Callable[[], bool], *, ttl: float = 60.0, poll: float = 0.5,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, retune: Retune | None = None,
+                 pacemaker: Callable[[], bool] = lambda: False, lead_steps: float = 30.0,
+                 ) -> None:
         self.dht, self.run_id, self.pacer = dht, run_id, pacer
         self.propose, self.frozen = propose, frozen
+        self.retune, self.pacemaker, self.lead_steps = retune, pacemaker, lead_steps
+        self.retunes = 0  # epochs this node added
         self.ttl, self.poll, self.wall = ttl, poll, wall
         self.following: ClockRecord | None = None
         self.switches = 0  # clocks followed after this node had started rounds
@@ -83,19 +101,48 @@ class ClockKeeper:
             self._follow(ClockRecord(peer_id=self.dht.peer_id, run_id=self.run_id,
                                      t0=self.wall(), step_seconds=step_s,
                                      origin=self.dht.peer_id), proposed=True)
+        if self.following is not None and self.retune is not None and self.pacemaker():
+            self._maybe_retune()
         if self.following is not None and \
                 time.monotonic() - self._published_at > self.ttl / 3:
             self._publish()
 
+    def _maybe_retune(self) -> None:
+        """As the swarm's pacemaker: add an epoch when the links call for another rate. It
+        starts `lead_steps` reference steps ahead (a round period), so every node reads it
+        before it applies; readings stay continuous, rounds keep their numbers."""
+        assert self.following is not None and self.retune is not None
+        clock = clock_of(self.following)
+        now_ref = clock.ref_step(self.wall())
+        if clock.epochs and now_ref < clock.epochs[-1][0]:
+            return  # the last change has not applied yet
+        rate = self.retune(clock, now_ref)
+        if rate is None:
+            return
+        since = float(math.ceil(now_ref + self.lead_steps))
+        record = self.following.model_copy(update={
+            "epochs": [*self.following.epochs, [since, float(rate)]]})
+        log.info("swarm clock: one reference step = %.4g s from reference step %d (was %.4g s)",
+                 rate, since, clock.current_step_seconds)
+        self.retunes += 1
+        self._follow(record)
+
     def _follow(self, record: ClockRecord, proposed: bool = False) -> None:
         mine = self.following
-        if mine is not None and (mine.t0, mine.origin) == (record.t0, record.origin):
+        if mine is not None and (mine.t0, mine.origin, mine.epochs) == \
+                (record.t0, record.origin, record.epochs):
             return
-        switching = mine is not None and self.frozen()
+        same_lineage = mine is not None and (mine.t0, mine.origin) == (record.t0, record.origin)
+        switching = mine is not None and not same_lineage and self.frozen()
         self.following = record
-        self.pacer.clock = SwarmClock(record.t0, record.step_seconds)
+        self.pacer.clock = clock_of(record)
         self._published_at = float("-inf")  # republish the one we follow now
-        if switching:
+        if same_lineage:
+            log.info("swarm clock: now %d epoch(s); one reference step = %.4g s from "
+                     "reference step %d", len(record.epochs), record.epochs[-1][1]
+                     if record.epochs else record.step_seconds,
+                     record.epochs[-1][0] if record.epochs else 0)
+        elif switching:
             self.switches += 1
             log.warning("swarm clock: switching to the clock started by %s %.1f s earlier "
                         "than ours (two groups met); rounds in between are missed",

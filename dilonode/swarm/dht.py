@@ -31,6 +31,15 @@ The node's libp2p identity is ours, not p2pd's: `start()` loads the key at `iden
 the file to p2pd and keeps the key in `credentials` to sign records and data-plane
 handshakes. The peer id the DHT reports is checked against the key's.
 
+Supervision (`dilonode/supervise.py`): `health(timeout)` raises `DHTUnavailable` naming what
+is wrong (the DHT process exited or is stopped, its p2pd is gone, or a no-op call through
+p2pd got no answer in time); `restart()` replaces the process and its p2pd in place (same
+identity, same port, the initial peers plus the peers remembered) and fails the calls in
+flight at once. While the process is gone every call raises `DHTUnavailable` at once,
+instead of writing into a pipe nobody reads. `remember_peers()` keeps the DHT addresses of
+the peers p2pd is connected to, and `reconnect(peers)` dials and pings them again (the
+re-merge after a partition, `swarm/remerge.py`).
+
 `import hivemind` costs seconds, so it happens in `start()`, never at module import.
 """
 
@@ -38,13 +47,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import fcntl
+import functools
 import logging
+import math
 import multiprocessing as mp
 import os
 import re
 import shutil
 import signal
+import struct
 import tempfile
+import termios
 import threading
 import time
 from collections.abc import Sequence
@@ -64,7 +78,8 @@ from dilonode.swarm.records import (
     peers_key,
 )
 
-__all__ = ["RawEntry", "SwarmDHT", "decode_entries", "owner_subkey", "plain_subkey"]
+__all__ = ["DHTUnavailable", "RawEntry", "SwarmDHT", "decode_entries", "owner_subkey",
+           "plain_subkey", "split_maddr"]
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +87,36 @@ log = logging.getLogger(__name__)
 _MAX_REMEMBERED_REJECTIONS = 1024
 _hivemind_ready = False
 _hivemind_lock = threading.Lock()
+# Bytes of requests waiting in the pipe to the DHT process. A stopped process reads nothing:
+# past this, calls fail at once rather than fill the pipe (64 KiB) and block forever.
+_MAX_PIPE_BACKLOG = 16 << 10
 # hivemind's marker, `RSASignatureValidator.PUBLIC_KEY_FORMAT`, at the end of the subkey.
 _OWNER_SUBKEY = re.compile(r"(?P<plain>[^\[\]]*)\[owner:(?P<key>[^\[\]]+)\]", re.ASCII)
 
 
 R = TypeVar("R", bound=Record)
+
+
+class DHTUnavailable(RuntimeError):
+    """The DHT process (or its p2pd) is gone, stopped, restarting or not answering.
+    `certain` is False when it only did not answer in time (see `supervise.PartDown`)."""
+
+    def __init__(self, reason: str, *, certain: bool = True) -> None:
+        super().__init__(reason)
+        self.certain = certain
+
+
+class _Restarted(DHTUnavailable):
+    """The process a request went to was replaced before it answered: send it again."""
+
+
+def split_maddr(maddr: str) -> tuple[str, str]:
+    """(peer id, address without `/p2p/<peer id>`) of a multiaddr that names its peer;
+    ValueError if it does not."""
+    addr, sep, peer = maddr.rpartition("/p2p/")
+    if not sep or not peer or "/" in peer:
+        raise ValueError(f"multiaddr {maddr!r} does not end with /p2p/<peer id>")
+    return peer, addr
 
 
 def decode_entries(board: Any, key: str, raw: dict[str, RawEntry], kind: type[R],
@@ -163,8 +203,24 @@ def _import_hivemind() -> Any:
             logging.addLevelName(logging.WARNING, "WARNING")
             use_hivemind_log_handler("nowhere")
             logging.getLogger("hivemind").setLevel(logging.WARNING)
+            _use_fd_sharing()
             _hivemind_ready = True
         return hivemind
+
+
+def _use_fd_sharing() -> None:
+    """Share hivemind's MPFuture state through file descriptors, not torch_shm_manager.
+
+    hivemind switches torch to the "file_system" strategy, where every process registers its
+    shared tensors with one torch_shm_manager process over a socket. A DHT process killed
+    in the middle of such a registration crashed the manager ("terminate called after
+    throwing an instance of 'std::system_error'"), and from then on every DHT call of the
+    node raised "Broken pipe" (issue 20). With file descriptors there is no manager to
+    crash; a call costs about 2 ms more (a descriptor is handed over per request).
+    """
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
 def _ensure_fork_start_method() -> None:
@@ -188,33 +244,212 @@ async def _node_visible_maddrs(_dht: Any, node: Any) -> list[str]:
     return [str(m) for m in await node.get_visible_maddrs()]
 
 
+async def _node_p2pd_pid(_dht: Any, node: Any) -> int | None:
+    child = getattr(node.p2p, "_child", None)  # hivemind's asyncio subprocess of p2pd
+    return getattr(child, "pid", None)
+
+
+async def _node_ping_p2pd(_dht: Any, node: Any) -> None:
+    # identify() is a round trip to p2pd over its control socket: a dead daemon refuses
+    # it, a stopped one never answers.
+    await node.p2p.get_visible_maddrs(latest=True)
+
+
+async def _node_peer_addrs(_dht: Any, node: Any) -> dict[str, list[str]]:
+    return {info.peer_id.to_base58(): [str(a) for a in info.addrs]
+            for info in await node.p2p.list_peers() if info.addrs}
+
+
+async def _node_reconnect(_dht: Any, node: Any, peers: dict[str, list[str]],
+                          timeout: float) -> list[str]:
+    """Dial and ping `peers` (peer id -> addresses); those that answer are in our routing
+    table again, and we in theirs (a ping carries our node id). Then look up our own
+    neighbourhood, as a bootstrap does, so the two halves of a healed partition meet."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    async def one(peer_id: str, addrs: list[str]) -> str | None:
+        try:
+            peer = PeerID.from_base58(peer_id)
+            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(a) for a in addrs]),
+                                   timeout)
+            answered = await asyncio.wait_for(node.protocol.call_ping(peer), timeout)
+        except Exception:  # unreachable, refused, not a valid address: try again later
+            return None
+        return peer_id if answered is not None else None
+
+    found = [p for p in await asyncio.gather(*(one(p, a) for p, a in peers.items())) if p]
+    if found:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout)
+    return found
+
+
+def _proc_state(pid: int) -> str | None:
+    """The state letter of process `pid` (R, S, T for stopped, Z for a zombie...), or None
+    when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _kill_p2pd(pid: int | None) -> None:
+    """SIGKILL the p2pd at `pid` if it still runs (it outlives a SIGKILLed DHT process)."""
+    if pid is None or _proc_state(pid) in (None, "Z", "X"):
+        return
+    try:
+        if b"p2pd" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return  # the pid was reused by another program
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ProcessLookupError):
+        pass
+
+
 def _host_maddr(host: str, port: int) -> str:
     family = "ip6" if ":" in host else "ip4"
     return f"/{family}/{host}/tcp/{port}"
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """In a forked child: get SIGKILL when the parent dies (Linux), so a SIGKILLed node
-    leaves no DHT process behind still answering for its peer id."""
-    try:
-        import ctypes
+def _die_with_parent(parent_pid: int, forked_by_main: bool) -> None:
+    """In a forked child: die when the parent dies, so a SIGKILLed node leaves no DHT
+    process behind still answering for its peer id.
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux: the parent's close() is the only way down
+    PR_SET_PDEATHSIG fires when the *thread* that forked us ends, so it is used only for a
+    fork made by the main thread; a DHT restarted by the supervisor (from a short-lived
+    thread) instead checks every half second whether its parent is still there.
+    """
+    if forked_by_main:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass  # not Linux: the poll below still works
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+    if not forked_by_main:
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
+                         name="dilonode-orphan-watch").start()
+
+
+def _release_parent_sockets() -> None:
+    """In a forked child: let go of the parent's TCP sockets (listeners, connections).
+
+    A DHT process forked by a running node (a restart) inherits every socket the node has
+    open. Its copy kept the node's listening ports taken (a listener restarted in place got
+    EADDRINUSE, and the kernel went on queueing connections nobody accepted) and kept
+    closed connections open (peers saw no hang-up). Each such descriptor is pointed at
+    /dev/null instead of closed, so that a socket object of the parent's that this child
+    garbage-collects later closes that copy, never an unrelated descriptor of the child.
+    """
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return  # not Linux
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in fds:
+            if fd != devnull and _is_tcp_socket(fd):
+                os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _is_tcp_socket(fd: int) -> bool:
+    import socket
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return False
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        return sock.family in (socket.AF_INET, socket.AF_INET6)
+    finally:
+        sock.detach()  # the descriptor stays open: only asked
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _fresh_mpfuture_locks() -> None:
+    """New objects for hivemind's class-wide MPFuture locks (multiprocessing locks, shared
+    with every process forked while they are set).
+
+    A DHT process SIGKILLed (or SIGSTOPped) while it held one, sending a result or making
+    its shared state, left it held for good: the next DHT process hung at start-up, and a
+    parent thread creating an MPFuture could hang too. Called around each fork, a child gets
+    locks of its own and the parent keeps locks no child holds. Nothing needs them shared:
+    each process takes them for its own pipe writes and allocations.
+    """
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    MPFuture._initialization_lock = mp.Lock()
+    MPFuture._update_lock = mp.Lock()
+    SharedBytes._lock = mp.Lock()
+
+
+# In the DHT process: the request tasks in flight (see `_hold_current_task`).
+_REQUESTS: set[Any] = set()
+
+
+def _hold_current_task() -> None:
+    """Keep a strong reference to the running task until it is done.
+
+    hivemind's DHT process runs each request as `asyncio.create_task(...)` and keeps no
+    reference to it; asyncio holds tasks weakly, so a request waiting on p2pd could be
+    garbage-collected mid-call ("Task was destroyed but it is pending!", GeneratorExit) and
+    its caller waited out its whole timeout. Seen under load as health checks and
+    matchmaking reads that got no answer.
+    """
+    import asyncio
+
+    task = asyncio.current_task()
+    if task is not None:
+        _REQUESTS.add(task)
+        task.add_done_callback(_REQUESTS.discard)
 
 
 def _orphan_safe(dht_class: Any) -> Any:
-    """hivemind.DHT subclass whose process dies with the process that started it."""
+    """hivemind.DHT subclass whose process dies with the process that started it, shares no
+    lock with it (`_fresh_mpfuture_locks`) and keeps its requests alive until answered
+    (`_hold_current_task`)."""
 
     class OrphanSafeDHT(dht_class):  # type: ignore[misc, valid-type]
         _dilonode_p2pd_flags: dict[str, Any] = {}
 
+        async def _get(self, *args: Any, **kwargs: Any) -> Any:
+            _hold_current_task()
+            return await super()._get(*args, **kwargs)
+
+        async def _store(self, *args: Any, **kwargs: Any) -> Any:
+            _hold_current_task()
+            return await super()._store(*args, **kwargs)
+
+        async def _run_coroutine(self, *args: Any, **kwargs: Any) -> Any:
+            _hold_current_task()
+            return await super()._run_coroutine(*args, **kwargs)
+
+        def start(self) -> None:
+            _fresh_mpfuture_locks()  # the child's
+            try:
+                super().start()  # forks
+            finally:
+                _fresh_mpfuture_locks()  # the parent's from now on
+
         def run(self) -> None:
-            _die_with_parent(self._dilonode_parent)
+            _die_with_parent(self._dilonode_parent, self._dilonode_by_main)
+            _release_parent_sockets()
             if self._dilonode_p2pd_flags:  # before the node starts its p2pd
                 from dilonode.swarm.reach import add_p2pd_flags
 
@@ -223,6 +458,7 @@ def _orphan_safe(dht_class: Any) -> Any:
 
         def run_in_background(self, *args: Any, **kwargs: Any) -> Any:
             self._dilonode_parent = os.getpid()
+            self._dilonode_by_main = threading.current_thread() is threading.main_thread()
             return super().run_in_background(*args, **kwargs)
 
     return OrphanSafeDHT
@@ -267,8 +503,15 @@ class SwarmDHT:
         self._owner_subkey = ""
         self._dht: Any = None
         self._peer_id: str | None = None
+        self._p2pd_pid: int | None = None
+        self._bound_maddr = self.host_maddr  # with the port p2pd got, once started
+        self._closed = False
+        # Peers p2pd was connected to: peer id -> (addresses, when last seen connected).
+        self._known: dict[str, tuple[list[str], float]] = {}
         # A multiprocessing Connection is not safe for concurrent sends from several threads.
         self._send_lock = threading.Lock()
+        # Notified when a new DHT process takes over (or the DHT closes): calls wait on it.
+        self._replaced = threading.Condition(self._send_lock)
         # Calls waiting for the DHT process; close() fails them, since a process that is
         # gone never answers and their callers would wait out their whole timeout.
         self._in_flight: set[Any] = set()
@@ -281,34 +524,14 @@ class SwarmDHT:
         """Start the DHT process and join `initial_peers`; raises if it is not ready in time."""
         if self._dht is not None:
             raise RuntimeError("SwarmDHT already started")
-        hivemind = _import_hivemind()
+        self._closed = False  # a close() before start() closed nothing
+        _import_hivemind()
         _ensure_fork_start_method()
         identity, key_path, fresh = self._identity()
-        dht = _orphan_safe(hivemind.DHT)(
-            initial_peers=self.initial_peers or None,
-            start=False,
-            host_maddrs=[self.host_maddr],
-            identity_path=str(key_path),
-            # A key made just now is nobody else's: skip hivemind's slow check of the swarm.
-            check_if_identity_free=not fresh,
-            record_validators=[_owner_validator(identity)],
-            shutdown_timeout=self.shutdown_timeout,
-            startup_timeout=self.start_timeout,
-            **self.p2p_options,
-        )
-        dht._dilonode_p2pd_flags = self.p2pd_flags
         t0 = time.monotonic()
         try:
-            dht.run_in_background(await_ready=True, timeout=self.start_timeout)
-            self._dht = dht
-            self._peer_id = self._call(dht.run_coroutine, _node_peer_id, timeout=self.op_timeout)
-            if self._peer_id != identity.peer_id:
-                raise RuntimeError(f"DHT runs as {self._peer_id}, but the key at {key_path} "
-                                   f"is {identity.peer_id}")
-        except BaseException:
-            self._dht = None
-            self._stop_process(dht)
-            raise
+            self._spawn(identity, key_path, self.initial_peers, self.host_maddr,
+                        check_free=not fresh, strict=True, timeout=self.start_timeout)
         finally:
             if self.identity_path is None:  # p2pd has read the throwaway key file by now
                 shutil.rmtree(key_path.parent, ignore_errors=True)
@@ -320,6 +543,57 @@ class SwarmDHT:
         log.info("DHT up in %.2fs as %s (%d initial peers)", time.monotonic() - t0,
                  self._peer_id, len(self.initial_peers))
         return self
+
+    def _spawn(self, identity: Identity, key_path: Path, initial_peers: Sequence[str],
+               host_maddr: str, *, check_free: bool, strict: bool, timeout: float) -> None:
+        """Fork a DHT process (and its p2pd) as `identity`; on success it is `self._dht`."""
+        hivemind = _import_hivemind()
+        dht = _orphan_safe(hivemind.DHT)(
+            initial_peers=list(initial_peers) or None,
+            start=False,
+            host_maddrs=[host_maddr],
+            identity_path=str(key_path),
+            # A key made just now is nobody else's: skip hivemind's slow check of the swarm.
+            # A restart is the same node: its old self may still be in peers' tables.
+            check_if_identity_free=check_free,
+            # A restart comes up even if no initial peer answers (a partition): the
+            # re-merge keeps calling them, rather than the node giving up.
+            ensure_bootstrap_success=strict,
+            record_validators=[_owner_validator(identity)],
+            shutdown_timeout=self.shutdown_timeout,
+            startup_timeout=timeout,
+            **self.p2p_options,  # reachability (swarm/reach.py)
+        )
+        dht._dilonode_p2pd_flags = self.p2pd_flags
+        try:
+            dht.run_in_background(await_ready=True, timeout=timeout)
+            if self._closed:
+                raise RuntimeError("SwarmDHT closed while the DHT process was starting")
+            # Only the child reads this end: closed here, a write to a dead child fails
+            # with EPIPE instead of filling the pipe and blocking.
+            dht._inner_pipe.close()
+            peer_id = self._call("run_coroutine", _node_peer_id, timeout=self.op_timeout,
+                                 dht=dht)
+            if peer_id != identity.peer_id:
+                raise RuntimeError(f"DHT runs as {peer_id}, but the key at {key_path} is "
+                                   f"{identity.peer_id}")
+            self._peer_id = peer_id
+            self._p2pd_pid = self._call("run_coroutine", _node_p2pd_pid,
+                                        timeout=self.op_timeout, dht=dht)
+            maddrs = self._call("run_coroutine", _node_visible_maddrs,
+                                timeout=self.op_timeout, dht=dht)
+        except BaseException:
+            self._stop_process(dht)
+            raise
+        self._bound_maddr = _bound_maddr(host_maddr, maddrs)
+        with self._send_lock:
+            closed = self._closed
+            if not closed:
+                self._dht = dht
+                self._replaced.notify_all()
+        if closed:
+            self._stop_process(dht)
+            raise RuntimeError("SwarmDHT closed while the DHT process was starting")
 
     def _identity(self) -> tuple[Identity, Path, bool]:
         """(key, file for p2pd, whether the key is new): ours at `identity_path`, created
@@ -335,16 +609,28 @@ class SwarmDHT:
     def close(self) -> None:
         """Shut the DHT process down; idempotent, returns within a few seconds. Calls still
         waiting for an answer then raise RuntimeError."""
-        dht, self._dht = self._dht, None
+        with self._send_lock:
+            self._closed = True  # a restart under way must not leave a process behind
+            dht, self._dht = self._dht, None
+            self._replaced.notify_all()
         if dht is not None:
             self._stop_process(dht)
+        self._fail_in_flight(RuntimeError("SwarmDHT closed during the call"))
+
+    def _fail_in_flight(self, exc: BaseException) -> None:
         with self._send_lock:
             pending, self._in_flight = self._in_flight, set()
         for future in pending:
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # answered since
-                future.set_exception(RuntimeError("SwarmDHT closed during the call"))
+                future.set_exception(exc)
 
     def _stop_process(self, dht: Any) -> None:
+        try:
+            self._stop_dht(dht)
+        finally:
+            _kill_p2pd(self._p2pd_pid)
+
+    def _stop_dht(self, dht: Any) -> None:
         if not dht.is_alive():
             return
         # shutdown() asks the node to stop p2pd cleanly, waits shutdown_timeout, then SIGTERMs.
@@ -358,6 +644,116 @@ class SwarmDHT:
             log.warning("DHT process %s ignored SIGTERM; killing it", dht.pid)
             dht.kill()
             dht.join(1.0)
+
+    # -- supervision -----------------------------------------------------------------------
+
+    def health(self, timeout: float | None = None) -> None:
+        """Return if the DHT process and its p2pd are up and answer a no-op call through
+        p2pd within `timeout` (default `op_timeout`); else raise `DHTUnavailable` saying
+        which of them is wrong."""
+        dht = self._dht
+        if dht is None:
+            raise DHTUnavailable("DHT not running (not started, closed or restarting)")
+        if not dht.is_alive():
+            raise DHTUnavailable(f"DHT process {dht.pid} {_exit_text(dht.exitcode)}")
+        if _proc_state(dht.pid) == "T":
+            raise DHTUnavailable(f"DHT process {dht.pid} is stopped")
+        pid = self._p2pd_pid
+        if pid is not None and (state := _proc_state(pid)) in (None, "Z", "X", "T"):
+            raise DHTUnavailable(f"p2pd (pid {pid}) is {'stopped' if state == 'T' else 'gone'}")
+        limit = self.op_timeout if timeout is None else timeout
+        try:
+            self._call("run_coroutine", _node_ping_p2pd, timeout=limit, dht=dht)
+        except TimeoutError:
+            raise DHTUnavailable(f"DHT process {dht.pid} did not answer a call through p2pd "
+                                 f"within {limit:g}s", certain=False) from None
+        except DHTUnavailable:
+            raise
+        except Exception as exc:
+            raise DHTUnavailable(f"p2pd (pid {pid}) did not answer: {exc or type(exc)}") \
+                from None
+
+    def restart(self, timeout: float | None = None) -> None:
+        """Replace the DHT process and its p2pd (same identity and port), then dial and ping
+        the initial peers and every peer remembered. Calls in flight are sent again to the
+        new process; calls made meanwhile wait for it within their timeout. Raises if the
+        new process is not up in `timeout` (default `start_timeout`), leaving no process
+        behind (a later restart tries again). Comes up even when no peer answers (a
+        partition): the re-merge keeps calling them."""
+        if self._credentials is None:
+            raise RuntimeError("SwarmDHT.restart: start() first")
+        old = self._dht
+        if old is not None:
+            # Killed before taking the lock: a sender blocked on the old pipe holds it, and
+            # only the process's death (EPIPE) frees it.
+            self._kill(old)
+        with self._send_lock:
+            self._dht = None
+        self._fail_in_flight(_Restarted("the DHT process was restarted during the call"))
+        identity = self._credentials.identity
+        key_dir = Path(tempfile.mkdtemp(prefix="dilonode-id-"))
+        key_path = key_dir / "identity.key"
+        t0 = time.monotonic()
+        try:
+            key_path.write_bytes(identity.to_bytes())
+            # No bootstrap peers for p2pd and hivemind: p2pd refuses to start when none of
+            # them can be reached, and hivemind waits for them. We dial them ourselves below.
+            self._spawn(identity, key_path, [], self._bound_maddr, check_free=False,
+                        strict=False, timeout=self.start_timeout if timeout is None else timeout)
+        finally:
+            shutil.rmtree(key_dir, ignore_errors=True)
+        peers = self.known_peers()
+        try:
+            found = self.reconnect(peers, timeout=5.0)
+        except (TimeoutError, DHTUnavailable) as exc:
+            found = []
+            log.warning("DHT restarted, but dialling its peers failed: %s", exc)
+        log.info("DHT restarted in %.2fs as %s on %s; %d of %d known peers answered",
+                 time.monotonic() - t0, self._peer_id, self._bound_maddr, len(found), len(peers))
+
+    def _kill(self, dht: Any) -> None:
+        """SIGKILL a DHT process (a stopped one too) and its p2pd, and reap it."""
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            dht.kill()
+        dht.join(5.0)
+        _kill_p2pd(self._p2pd_pid)
+
+    def remember_peers(self, timeout: float | None = None) -> dict[str, list[str]]:
+        """Note the DHT addresses of the peers p2pd is connected to now; returns them."""
+        now = time.monotonic()
+        found = self._call("run_coroutine", _node_peer_addrs, timeout=timeout)
+        with self._count_lock:
+            for peer, addrs in found.items():
+                if peer != self._peer_id:
+                    self._known[peer] = (addrs, now)
+        return found
+
+    def known_peers(self, max_age: float = math.inf) -> dict[str, list[str]]:
+        """Remembered peers (peer id -> DHT addresses) seen connected within `max_age` s,
+        plus the initial peers."""
+        now = time.monotonic()
+        with self._count_lock:
+            out = {p: a for p, (a, t) in self._known.items() if now - t <= max_age}
+        for maddr in self.initial_peers:
+            with contextlib.suppress(ValueError):
+                peer, addr = split_maddr(maddr)
+                out.setdefault(peer, [])
+                if addr not in out[peer]:
+                    out[peer] = [*out[peer], addr]
+        out.pop(self._peer_id or "", None)
+        return out
+
+    def reconnect(self, peers: dict[str, list[str]], timeout: float | None = None) -> list[str]:
+        """Dial and ping `peers` (peer id -> DHT addresses); returns those that answered."""
+        limit = self.op_timeout if timeout is None else timeout
+        call = functools.partial(_node_reconnect, peers=peers, timeout=limit)
+        # Dials run concurrently; the neighbourhood lookup after them takes one more limit.
+        return list(self._call("run_coroutine", call, timeout=3 * limit))
+
+    def _remembered_maddrs(self) -> list[str]:
+        with self._count_lock:
+            known = dict(self._known)
+        return [f"{addr}/p2p/{peer}" for peer, (addrs, _) in known.items() for addr in addrs]
 
     def __enter__(self) -> SwarmDHT:
         return self.start()
@@ -388,11 +784,11 @@ class SwarmDHT:
 
     def p2p_daemon_maddr(self, timeout: float | None = None) -> Any:
         """Where the DHT's p2pd listens for clients (`dilonode.swarm.tunnel` attaches there)."""
-        return self._call(self._running().run_coroutine, _node_daemon_maddr, timeout=timeout)
+        return self._call("run_coroutine", _node_daemon_maddr, timeout=timeout)
 
     def visible_maddrs(self, timeout: float | None = None) -> list[str]:
         """Multiaddrs (with /p2p/<peer id>) other nodes can pass as `initial_peers`."""
-        return self._call(self._running().run_coroutine, _node_visible_maddrs, timeout=timeout)
+        return self._call("run_coroutine", _node_visible_maddrs, timeout=timeout)
 
     # -- raw access (also the matchmaking board) -------------------------------------------
 
@@ -413,14 +809,13 @@ class SwarmDHT:
         return self._store(key, value, get_dht_time() + ttl, timeout)
 
     def _store(self, key: str, value: bytes, expires_at: float, timeout: float | None) -> bool:
-        dht = self._running()
-        return bool(self._call(dht.store, key, value, expires_at, subkey=self._owner_subkey,
+        return bool(self._call("store", key, value, expires_at, subkey=self._owner_subkey,
                                timeout=timeout))
 
     def get_raw(self, key: str, timeout: float | None = None) -> dict[str, RawEntry]:
         """The latest unexpired values of every subkey of `key` (empty if none), by plain
         subkey (the peer id); entries that are not owner-protected are dropped."""
-        found = self._call(self._running().get, key, latest=True, timeout=timeout)
+        found = self._call("get", key, latest=True, timeout=timeout)
         if found is None:
             return {}
         if not isinstance(found.value, dict):
@@ -479,26 +874,89 @@ class SwarmDHT:
 
     # -- plumbing --------------------------------------------------------------------------
 
-    def _running(self) -> Any:
-        if self._dht is None:
-            raise RuntimeError("SwarmDHT not started (or closed)")
-        return self._dht
-
-    def _call(self, method: Any, *args: Any, timeout: float | None, **kwargs: Any) -> Any:
-        """Send one request to the DHT process and wait at most `timeout` for its answer."""
+    def _call(self, method: str, *args: Any, timeout: float | None, dht: Any = None,
+              **kwargs: Any) -> Any:
+        """Send one request (`method` of hivemind's DHT) and wait at most `timeout` for its
+        answer. Without `dht`, to the current process; while there is none that can take it
+        (restarting, dead, stopped), wait for one within the same `timeout`, so a round or
+        a heartbeat rides out a restart instead of failing. With `dht`, to that process
+        only, never waiting (start, health checks)."""
         limit = self.op_timeout if timeout is None else timeout
+        deadline = time.monotonic() + max(limit, 0.0)
+        while True:
+            try:
+                return self._send(method, args, kwargs, deadline, dht)
+            except _Restarted:
+                # Every request we send is safe to repeat (reads, stores of our own
+                # records, our own coroutines): send it to the new process.
+                if dht is not None or time.monotonic() >= deadline:
+                    raise
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                raise TimeoutError(f"DHT {method} got no answer within {limit:.1f}s") from None
+
+    def _send(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              deadline: float, dht: Any) -> Any:
         with self._send_lock:
-            if self._dht is None:  # closed while this call waited for the lock
-                raise RuntimeError("SwarmDHT not started (or closed)")
-            future = method(*args, return_future=True, **kwargs)
+            target = dht if dht is not None else self._usable(deadline)
+            if (why := _unusable(target)) is not None:
+                raise DHTUnavailable(why)
+            future = getattr(target, method)(*args, return_future=True, **kwargs)
             self._in_flight.add(future)
         try:
-            return future.result(timeout=max(limit, 0.0))
-        # Distinct classes on Python 3.10, aliases from 3.11 on.
+            return future.result(timeout=max(deadline - time.monotonic(), 0.0))
         except (TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
-            name = getattr(method, "__name__", "call")
-            raise TimeoutError(f"DHT {name} got no answer within {limit:.1f}s") from None
+            raise
         finally:
             with self._send_lock:
                 self._in_flight.discard(future)
+
+    def _usable(self, deadline: float) -> Any:
+        """The current DHT process once it can take a request (send lock held), waiting
+        until `deadline` for a restart; raises DHTUnavailable when closed or out of time."""
+        while True:
+            if self._closed:
+                raise DHTUnavailable("SwarmDHT closed")
+            why = ("SwarmDHT not started (or restarting)" if self._dht is None
+                   else _unusable(self._dht))
+            if why is None:
+                return self._dht
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DHTUnavailable(why)
+            self._replaced.wait(min(left, 0.5))  # a dead process is noticed by polling
+
+
+def _unusable(dht: Any) -> str | None:
+    """Why DHT process `dht` cannot take a request now (None: it can)."""
+    if not dht.is_alive():
+        return f"DHT process {dht.pid} {_exit_text(dht.exitcode)}"
+    if (backlog := _pipe_backlog(dht)) > _MAX_PIPE_BACKLOG:
+        return f"DHT process {dht.pid} is not reading its requests ({backlog} bytes waiting)"
+    return None
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "is running"
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
+def _bound_maddr(host_maddr: str, visible: list[str]) -> str:
+    """`host_maddr` with the port p2pd actually listens on (for a restart on the same port)."""
+    prefix = host_maddr.rsplit("/", 1)[0] + "/"
+    for maddr in visible:
+        if maddr.startswith(prefix):
+            port = maddr[len(prefix):].split("/", 1)[0]
+            if port.isdigit():
+                return prefix + port
+    return host_maddr
+
+
+def _pipe_backlog(dht: Any) -> int:
+    """Bytes written to the DHT process's request pipe that it has not read yet."""
+    try:
+        raw = fcntl.ioctl(dht._outer_pipe.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError, AttributeError):
+        return 0  # not a pipe we can ask (another platform): no early refusal
+    return int(struct.unpack("i", raw)[0])

@@ -101,10 +101,6 @@ class Membership:
             self._live = (time.monotonic(), peers)
         return peers
 
-    def cached(self) -> list[PeerRecord]:
-        """The live peer records of the last read (ours included), never a DHT call."""
-        return self._live[1]
-
     def wait_for_peers(self, need: int, timeout: float) -> list[PeerRecord]:
         deadline = time.monotonic() + timeout
         while len(seen := self.live_peers()) < need:

@@ -140,11 +140,26 @@ class ClockRecord(SignedRecord):
     t0: float
     step_seconds: float = Field(gt=0.0, le=86400.0)
     origin: str = Field(pattern=_PEER_ID_PATTERN)
+    # Later epochs: [reference step it starts at, seconds per step], increasing starts.
+    epochs: list[list[float]] = Field(default_factory=list, max_length=1024)
 
     @field_validator("t0", "step_seconds")
     @classmethod
     def _finite(cls, value: float) -> float:
         return _check_finite(value)
+
+    @field_validator("epochs")
+    @classmethod
+    def _epochs(cls, value: list[list[float]]) -> list[list[float]]:
+        starts = []
+        for pair in value:
+            if len(pair) != 2 or not all(isinstance(x, float) and math.isfinite(x)
+                                         for x in pair) or not 0 < pair[1] <= 86400.0:
+                raise ValueError("each epoch must be [start step, seconds per step > 0]")
+            starts.append(pair[0])
+        if starts != sorted(set(starts)) or (starts and starts[0] < 0):
+            raise ValueError("epoch starts must be >= 0 and increasing")
+        return value
 
 
 class FinalRecord(SignedRecord):

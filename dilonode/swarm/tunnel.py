@@ -17,6 +17,8 @@ Usage, on the plane's event loop::
     tunnel = Tunnel(dht.p2p_daemon_maddr(), run_id)
     await tunnel.start(plane)          # then DataPlane(..., fallback=tunnel.open)
     ...
+    await tunnel.reattach(dht.p2p_daemon_maddr())   # after the DHT (and p2pd) restarted
+    ...
     await tunnel.aclose()
 
 **Behind a NAT** (`dilonode.swarm.reach`): libp2p reaches a private node through a circuit
@@ -33,6 +35,9 @@ connection when p2pd holds one, and otherwise goes through a `Relay`:
   to open the stream to the target and pipe the two together. Both ends still run the
   handshake and MACs, so the relay sees only sealed frames; it relays only to peers with
   a live record in the run.
+
+The plane keeps calling the same `open`, so a re-attached tunnel needs no rewiring; it
+serves the state server's streams and the relay again as before.
 
 `import hivemind` happens in `start()`, never at module import.
 """
@@ -183,15 +188,14 @@ class Relay:
         await asyncio.wait_for(self.p2p.add_binary_stream_handler(self.name, self._serve),
                                _OP_TIMEOUT)
 
-    async def aclose(self) -> None:
+    async def aclose(self, timeout: float = _OP_TIMEOUT) -> None:
         for task in list(self._tasks):
             task.cancel()
         with contextlib.suppress(Exception):  # the daemon may already be gone
-            await asyncio.wait_for(self.p2p.remove_binary_stream_handler(self.name),
-                                   _OP_TIMEOUT)
+            await asyncio.wait_for(self.p2p.remove_binary_stream_handler(self.name), timeout)
         if self._owns_p2p:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.p2p.shutdown(), _OP_TIMEOUT)
+                await asyncio.wait_for(self.p2p.shutdown(), timeout)
 
     async def _serve(self, info: Any, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
@@ -284,20 +288,26 @@ class Tunnel:
         self.relay: Relay | None = None
         self.stats = dict.fromkeys(("relayed_out", "reached_out"), 0)
         self._p2p: Any = None
+        self._plane: DataPlane | None = None
+        self._state_accept: Accept | None = None  # serve_state's, served again on reattach
         self._streams: set[asyncio.Task[Any]] = set()
 
     async def start(self, plane: DataPlane) -> None:
         """Attach to the daemon and accept streams into `plane`."""
         from hivemind.p2p import P2P
 
+        self._plane = plane
         self._p2p = await asyncio.wait_for(P2P.replicate(self.daemon_maddr), _OP_TIMEOUT)
         await self._serve(self.name, plane.accept_stream)
         if self.admitted is not None:
-            self.relay = Relay(self._p2p, self.run_id, self.admitted)
+            old, self.relay = self.relay, Relay(self._p2p, self.run_id, self.admitted)
+            if old is not None:  # re-attached: the counts go on
+                self.relay.stats = old.stats
             await self.relay.start()
 
     async def serve_state(self, accept: Accept) -> None:
         """Also accept streams for the state server (`StateServer.accept_stream`)."""
+        self._state_accept = accept
         await self._serve(stream_name(self.run_id, "state"), accept)
 
     async def _serve(self, name: str, accept: Accept) -> None:
@@ -408,18 +418,30 @@ class Tunnel:
         self.stats["reached_out"] += done
         return done
 
-    async def aclose(self) -> None:
+    async def reattach(self, daemon_maddr: Any) -> None:
+        """Attach to a new daemon (the DHT restarted with a new p2pd) and serve the same
+        plane through it; streams through the old daemon are dropped."""
+        if self._plane is None:
+            raise RuntimeError("Tunnel.reattach: start() first")
+        await self.aclose(timeout=2.0)  # the old daemon is usually dead: do not wait long
+        self.daemon_maddr = daemon_maddr
+        await self.start(self._plane)
+        if self._state_accept is not None:
+            await self.serve_state(self._state_accept)
+        log.info("libp2p tunnel re-attached to %s", daemon_maddr)
+
+    async def aclose(self, timeout: float = _OP_TIMEOUT) -> None:
         """Stop accepting streams and detach from the daemon (which keeps running)."""
         p2p, self._p2p = self._p2p, None
         if p2p is None:
             return
         if self.relay is not None:
-            await self.relay.aclose()
+            await self.relay.aclose(timeout)
         for task in list(self._streams):
             task.cancel()
         for name in (self.name, stream_name(self.run_id, "state")):
             try:
-                await asyncio.wait_for(p2p.remove_binary_stream_handler(name), _OP_TIMEOUT)
+                await asyncio.wait_for(p2p.remove_binary_stream_handler(name), timeout)
             except Exception as exc:  # the daemon may be gone, or the handler never set
                 log.debug("removing the libp2p stream handler %s failed: %s", name, exc)
-        await asyncio.wait_for(p2p.shutdown(), _OP_TIMEOUT)
+        await asyncio.wait_for(p2p.shutdown(), timeout)

@@ -264,7 +264,13 @@ class Checkpointer:
     def save_now(self, worker: _Exportable) -> Path | None:
         """Write a checkpoint of the current state and wait for it (clean shutdown)."""
         self.wait()
-        self._write(worker.export_state())
+        try:
+            state = worker.export_state()
+        except RuntimeError as exc:  # nothing exportable: say so, never fail the shutdown
+            self.failed += 1
+            log.error("exit checkpoint skipped: %s", exc)
+            return None
+        self._write(state)
         return self.saved[-1] if self.saved else None
 
     def wait(self, timeout: float | None = None) -> None:

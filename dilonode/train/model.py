@@ -10,6 +10,11 @@
 * ``factory``: ``package.module:function`` imported and called (with ``vocab_size=`` when the
   function accepts it).
 * ``hf_llama``: a Hugging Face ``LlamaForCausalLM`` built from the same preset sizes, no download.
+* ``hf``: a local Hugging Face model directory (``model.path``: config.json + safetensors)
+  loaded with ``AutoModelForCausalLM`` and nothing downloaded; `model_identity` names it by
+  the files' content, so volunteers may keep it at different paths.
+
+`transformer_blocks(model)` lists the decoder layers FSDP2 shards one by one.
 
 `lm_loss(model, x, y)` is the next-token cross entropy for any of them; `param_count` counts
 unique parameters. Sizes come from `PRESETS`, with explicit `ModelConfig` fields winning
@@ -19,11 +24,14 @@ unique parameters. Sizes come from `PRESETS`, with explicit `ModelConfig` fields
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,8 +49,10 @@ __all__ = [
     "Transformer",
     "build_model",
     "lm_loss",
+    "model_identity",
     "param_count",
     "resolve_model_dims",
+    "transformer_blocks",
 ]
 
 _DIM_KEYS = ("d_model", "n_layers", "n_heads", "ffn_hidden", "max_seq_len")
@@ -278,6 +288,72 @@ def _build_hf_llama(cfg: ModelConfig, vocab_size: int) -> nn.Module:
     return transformers.LlamaForCausalLM(hf_cfg)
 
 
+def _hf_files(path: Path) -> list[Path]:
+    """The files that make a local HF model: config.json and its weights."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.path = {str(path)!r}: no config.json there (expected a local "
+                         "Hugging Face model directory)")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise ValueError(f"model.path = {str(path)!r}: no *.safetensors weights there")
+    index = sorted(path.glob("*.safetensors.index.json"))
+    return [path / "config.json", *index, *weights]
+
+
+@functools.lru_cache(maxsize=8)
+def _content_digest(files: tuple[tuple[str, int, int], ...]) -> str:
+    import blake3
+
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    for name, _size, _mtime in files:
+        h.update(Path(name).name.encode() + b"\0")
+        h.update_mmap(name)
+    return h.hexdigest()
+
+
+def model_identity(cfg: ModelConfig) -> str:
+    """kind=hf: a BLAKE3 digest of the model directory's config and weights (its name in
+    the run's config digest, wherever the directory lives); '' for other kinds."""
+    if cfg.kind != "hf" or cfg.path is None:
+        return ""
+    files = _hf_files(Path(cfg.path))
+    return _content_digest(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns)
+                                 for f in files))
+
+
+def _build_hf(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("model.kind=hf needs the 'hf' extra: pip install 'dilonode[hf]'") \
+            from None
+    assert cfg.path is not None  # ModelConfig checks it
+    _hf_files(Path(cfg.path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(cfg.path), local_files_only=True, dtype=torch.float32)
+    have = int(getattr(model.config, "vocab_size", 0) or 0)
+    if have < vocab_size:
+        raise ValueError(f"model.path = {str(cfg.path)!r}: vocabulary of {have} tokens, the "
+                         f"data needs {vocab_size}")
+    model.config.use_cache = False
+    return model
+
+
+_BLOCK_NAME = re.compile(r"(?:^|\.)(?:blocks|layers|layer|h)\.\d+$")
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated decoder layers, in order: the classes a Hugging Face model
+    names in `_no_split_modules`, else modules named like ``blocks.3`` or
+    ``model.layers.3`` (the names fragment assignment reads)."""
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    if no_split:
+        found = [m for _, m in model.named_modules() if type(m).__name__ in no_split]
+        if found:
+            return found
+    return [m for name, m in model.named_modules() if _BLOCK_NAME.search(name)]
+
+
 def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
     """Build the configured network for `vocab_size` tokens on the CPU, initialised from
     torch's global RNG. `cfg.vocab_size`, when set, may pad the vocabulary but not shrink it."""
@@ -289,8 +365,11 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
         return _build_factory(cfg, vocab)
     if cfg.kind == "hf_llama":
         return _build_hf_llama(cfg, vocab)
+    if cfg.kind == "hf":
+        return _build_hf(cfg, vocab)
     if cfg.kind != "builtin":
-        raise ValueError(f"model.kind = {cfg.kind!r}: expected builtin, factory or hf_llama")
+        raise ValueError(f"model.kind = {cfg.kind!r}: expected builtin, factory, hf_llama "
+                         "or hf")
     return Transformer(vocab_size=vocab, tie_embeddings=cfg.tie_embeddings,
                        **resolve_model_dims(cfg))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,18 +26,30 @@ from dilonode.algo.replay import EncodedResult
 from dilonode.algo.schedule import SyncPlan
 from dilonode.config import RunConfig
 
-__all__ = ["WorkerState", "adoption_step", "config_digest", "fragment_names", "settled_step",
-           "snapshot_error", "tensor_names"]
+__all__ = ["WorkerState", "adoption_step", "config_digest", "fragment_names",
+           "reusable_fragments", "settled_step", "snapshot_error", "tensor_names"]
 
 
 def config_digest(cfg: RunConfig) -> str:
     """sha256 hex of the settings the outer state depends on (not paths, steps or network)."""
     # step_seconds only proposes a clock; the swarm agrees on one whatever nodes propose.
-    parts = {"model": cfg.model.model_dump(mode="json"),
+    parts = {"model": _model_part(cfg),
              "diloco": cfg.diloco.effective().model_dump(mode="json",
                                                          exclude={"step_seconds"}),
              "codec": cfg.codec.model_dump(mode="json"), "seed": cfg.seed}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _model_part(cfg: RunConfig) -> dict[str, object]:
+    """The model settings; a local HF directory by its content (`model_identity`), not its
+    path, and no path key at all for the other kinds (their digests stay as they were)."""
+    part = cfg.model.model_dump(mode="json")
+    part.pop("path", None)
+    if cfg.model.kind == "hf":
+        from dilonode.train.model import model_identity
+
+        part["content"] = model_identity(cfg.model)
+    return part
 
 
 def settled_step(plan: SyncPlan, landed: list[int]) -> int:
@@ -78,6 +91,16 @@ def tensor_names(num_fragments: int) -> list[str]:
     return [name for p in range(num_fragments) for name in fragment_names(p)]
 
 
+def reusable_fragments(reuse: WorkerState | None, rounds: list[int],
+                       outer_steps: list[int]) -> set[int]:
+    """Fragments whose tensors in `reuse` (an earlier capture) are still current: the same
+    rounds and outer steps (outer state moves only when a round lands)."""
+    if reuse is None:
+        return set()
+    return {p for p, (r, n) in enumerate(zip(rounds, outer_steps, strict=True))
+            if p < reuse.num_fragments and (reuse.rounds[p], reuse.outer_steps[p]) == (r, n)}
+
+
 @dataclass
 class WorkerState:
     """Outer state after `rounds` landed rounds per fragment; `step` is the latest step at
@@ -95,7 +118,7 @@ class WorkerState:
     chains: tuple[str, ...] = ()
 
     @classmethod
-    def capture(cls, step: int, rounds: list[int], outer: list[OuterState],
+    def capture(cls, step: int, rounds: list[int], outer: Sequence[OuterState],
                 reuse: WorkerState | None = None, taken_at: int | None = None,
                 replays: dict[int, EncodedResult] | None = None,
                 chains: list[str] | None = None) -> WorkerState:
@@ -105,9 +128,9 @@ class WorkerState:
         since (outer state moves only when a round lands), so its tensors are shared instead
         of copied again."""
         tensors: dict[str, torch.Tensor] = {}
+        keep = reusable_fragments(reuse, rounds, [st.steps for st in outer])
         for p, st in enumerate(outer):
-            if reuse is not None and p < reuse.num_fragments and \
-                    (reuse.rounds[p], reuse.outer_steps[p]) == (rounds[p], st.steps):
+            if reuse is not None and p in keep:
                 for kind in ("weights", "momentum"):
                     tensors[f"outer.{p}.{kind}"] = reuse.tensors[f"outer.{p}.{kind}"]
                 continue
@@ -170,6 +193,11 @@ class WorkerState:
                                      f"{tuple(src.shape)} does not fit {dst.dtype} "
                                      f"{tuple(dst.shape)} (a different model?)")
         for p, st in enumerate(outer):
-            st.weights.copy_(self.tensors[f"outer.{p}.weights"])
-            st.momentum_buf.copy_(self.tensors[f"outer.{p}.momentum"])
-            st.steps = self.outer_steps[p]
+            self.apply_fragment(p, st)
+
+    def apply_fragment(self, p: int, st: OuterState) -> None:
+        """Copy fragment p's outer weights, momentum and step count into `st` (checked to
+        fit by `apply_to`, or by the caller)."""
+        st.weights.copy_(self.tensors[f"outer.{p}.weights"])
+        st.momentum_buf.copy_(self.tensors[f"outer.{p}.momentum"])
+        st.steps = self.outer_steps[p]

@@ -8,23 +8,32 @@ pacer says are due, landing first a round of the same fragment still in flight),
 (apply the results that are due). When rounds start and land is decided by the worker's
 pacer (`algo/pacing.py`): its own steps, or the swarm's clock, so that workers of different
 speeds meet in every round and each contributes the tokens it trained. No networking here.
+
+A node with several local devices runs one Worker per rank (`ranks`, dilonode/train/dist.py):
+the methods marked `@node_op` run on every rank together (the leader announces them), and
+the tensor work of a fragment goes through `ranks` (outer slices, the inner model's DDP or
+FSDP2 layout). With the default `SingleRank` the arithmetic is the one-process arithmetic.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from dilonode.algo.chain import chain_next, chain_start
 from dilonode.algo.fragments import Fragment, assign_fragments, flatten, unflatten_into
-from dilonode.algo.outer import NonFiniteError, OuterState, merge, pseudo_gradient
+from dilonode.algo.outer import NonFiniteError, OuterState, pseudo_gradient
 from dilonode.algo.pacing import Pacer, StepPacer, TimePacer, due_starts, final_rounds
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.schedule import SyncPlan, SyncStart
@@ -32,14 +41,35 @@ from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TokenData
 from dilonode.train.device import autocast, pick_device
+from dilonode.train.dist import SingleRank
 from dilonode.train.model import build_model, lm_loss
-from dilonode.train.state import WorkerState, adoption_step, config_digest, settled_step
+from dilonode.train.state import (
+    WorkerState,
+    adoption_step,
+    config_digest,
+    reusable_fragments,
+    settled_step,
+)
 
-__all__ = ["Interrupted", "Worker", "WorkerStats", "build_inner_optimizer", "inner_lr"]
+__all__ = ["Interrupted", "Worker", "WorkerStats", "build_inner_optimizer", "inner_lr",
+           "node_op"]
 
 log = logging.getLogger(__name__)
 
 _STOP_POLL_S = 0.25  # how often a blocked `land` checks `should_stop`
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def node_op(fn: _F) -> _F:
+    """A Worker method every rank of a node runs together: on the leader it is announced
+    to the other ranks (name and arguments) before it runs (`ranks.op`)."""
+    @functools.wraps(fn)
+    def wrapper(self: Worker, *args: Any) -> Any:
+        with self.ranks.op(fn.__name__, args):
+            return fn(self, *args)
+    return wrapper  # type: ignore[return-value]
 
 
 class Interrupted(Exception):
@@ -71,6 +101,9 @@ class WorkerStats:
     late: int = 0  # rounds whose result was not there when the fragment's next was due
     # fragment (-1: DDP gradients) -> (rounds, total s, max s) from begin to result
     latency: dict[int, tuple[int, float, float]] = field(default_factory=dict)
+    # Begin-to-result seconds of the last fragment rounds (the swarm's clock is retuned so
+    # that rounds land well inside a period: `node.py`, `swarm/clock.py`).
+    recent_latency: deque[float] = field(default_factory=lambda: deque(maxlen=30))
     # fragment -> who averaged its last round (networked rounds): whom the end-of-run
     # agreement check expects to hold the same weights.
     members: dict[int, tuple[str, ...]] = field(default_factory=dict)
@@ -90,6 +123,8 @@ class WorkerStats:
         self.grouped += int(fragment >= 0 and result.group_size >= 2)
         self.retried += int(result.attempts > 1)
         self.dropped = (self.dropped + list(result.dropped))[-self._MAX_DROPPED:]
+        if fragment >= 0 and result.latency_s > 0:
+            self.recent_latency.append(result.latency_s)
         n, total, worst = self.latency.get(fragment, (0, 0.0, 0.0))
         self.latency[fragment] = (n + 1, total + result.latency_s, max(worst, result.latency_s))
         if fragment >= 0:
@@ -124,8 +159,6 @@ def inner_lr(cfg: InnerOptConfig, step: int, since_adoption: int | None = None) 
 
 def _values_digest(mean: torch.Tensor) -> str:
     """A digest of a result tensor, for collectives that carry none (tests, fakes)."""
-    import hashlib
-
     return hashlib.sha256(mean.detach().to("cpu", torch.float32).contiguous().numpy()
                           .tobytes()).hexdigest()
 
@@ -135,16 +168,22 @@ class Worker:
 
     def __init__(self, cfg: RunConfig, data: TokenData, collective: Collective,
                  identity: int | str, device: torch.device | None = None,
-                 pacer: Pacer | None = None) -> None:
+                 pacer: Pacer | None = None, ranks: Any = None) -> None:
         self.cfg = cfg
         self.algo = cfg.diloco.effective()
         self.identity = identity
         self.device = device or pick_device(cfg.device)
         self.collective = collective
+        # This node's ranks (dilonode/train/dist.py); one process: SingleRank.
+        self.ranks = ranks if ranks is not None else SingleRank()
         torch.manual_seed(cfg.seed)  # identical initial weights on every worker
-        self.model = build_model(cfg.model, data.vocab_size).to(self.device)
+        self.model = build_model(cfg.model, data.vocab_size)  # on the CPU
+        # On our device; inside a multi-rank node wrapped in DDP or FSDP2 (which moves one
+        # block at a time, so a model larger than one device still starts).
+        self.train_module = self.ranks.wrap(self.model, self.device)
         names, params = zip(*[(n, p) for n, p in self.model.named_parameters()
                               if p.requires_grad], strict=True)
+        self.param_names: list[str] = list(names)
         self.params: list[nn.Parameter] = list(params)
         self.opt = build_inner_optimizer(self.model, cfg.inner)
         self.batches = data.train_batches(identity, cfg.data.seq_len, cfg.data.batch_size,
@@ -188,8 +227,11 @@ class Worker:
         self.plan = SyncPlan(a.sync_every, a.num_fragments, a.fragment_sync_delay)
         self.fragments = assign_fragments(names, a.num_fragments, a.fragment_pattern)
         outer_device = "cpu" if a.outer_state_on_cpu else self.device
-        self.outer = [OuterState(flatten(self._frag_params(f)), a.outer_lr, a.outer_momentum,
-                                 a.outer_nesterov, outer_device) for f in self.fragments]
+        groups = [self._frag_params(f) for f in self.fragments]
+        self.ranks.setup_fragments(groups, self.cfg.codec.block_size)
+        # Each rank keeps its slice of every fragment (SingleRank: all of it).
+        self.outer = [OuterState(self.ranks.local_flat(p, g), a.outer_lr, a.outer_momentum,
+                                 a.outer_nesterov, outer_device) for p, g in enumerate(groups)]
         p_count = len(self.fragments)
         self.next_round = [0] * p_count  # per fragment: the next round to start
         self.tokens_since = [0] * p_count  # per fragment: tokens trained since its last start
@@ -200,19 +242,22 @@ class Worker:
         return [self.params[i] for i in frag.param_indices]
 
     # -- phase 1 -------------------------------------------------------------------------
+    @node_op
     def train_step(self) -> float:
-        """Forward/backward on the next batch; outside DDP also the inner AdamW update."""
+        """Forward/backward on the next batch; outside DDP also the inner AdamW update.
+        A node's batch is split over its ranks; it counts the node's tokens."""
         x, y = next(self.batches)
-        x, y = x.to(self.device), y.to(self.device)
+        tokens = x.numel()
+        x, y = self.ranks.rows(x).to(self.device), self.ranks.rows(y).to(self.device)
         with autocast(self.device):
-            loss = lm_loss(self.model, x, y)
+            loss = lm_loss(self.train_module, x, y)
         loss.backward()
         self.step += 1
         self.stats.steps = self.step
-        self.stats.tokens += x.numel()
+        self.stats.tokens += tokens
         if self.plan is not None:
-            self.tokens_since = [t + x.numel() for t in self.tokens_since]
-        self.stats.last_loss = float(loss.detach())
+            self.tokens_since = [t + tokens for t in self.tokens_since]
+        self.stats.last_loss = self.ranks.node_loss(loss)
         if self.algo.mode == "ddp":
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
             self._grad_pending = self.collective.begin(SyncKey("grad", 0, self.step),
@@ -280,6 +325,7 @@ class Worker:
             fragments = [p for p in self.pending if self._lands_now(p, block=True)]
         return [self.pending[p][1] for p in fragments if not self.pending[p][1].done()]
 
+    @node_op
     def _start(self, p: int, r: int) -> None:
         if p in self.pending:
             raise RuntimeError(f"fragment {p} round {r} started while round "
@@ -289,7 +335,7 @@ class Worker:
             log.warning("fragment %d: rounds %d..%d missed (this node was paused or is slower "
                         "than one round period); contributing to round %d", p,
                         self.next_round[p], r - 1, r)
-        local = flatten(self._frag_params(self.fragments[p]))  # [numel_p]
+        local = self.ranks.local_flat(p, self._frag_params(self.fragments[p]))  # [slice_p]
         delta = pseudo_gradient(self.outer[p].weights, local)
         tokens, self.tokens_since[p] = self.tokens_since[p], 0
         self.next_round[p] = r + 1
@@ -297,8 +343,9 @@ class Worker:
             self.trace.append({"step": self.step, "event": "start", "fragment": p, "round": r,
                                "tokens": tokens})
         self._launched_at[p] = self.step
-        self.pending[p] = (r, self.collective.begin(SyncKey("fragment", p, r), delta,
-                                                    float(tokens)))
+        # The node's contribution: the ranks' slices gathered on the leader.
+        self.pending[p] = (r, self.ranks.begin(self.collective, SyncKey("fragment", p, r),
+                                               delta, float(tokens)))
 
     # -- phase 3 -------------------------------------------------------------------------
     def land(self) -> None:
@@ -356,14 +403,18 @@ class Worker:
                 try:
                     handle.wait(max(deadline - time.monotonic(), 0.0))
                 except TimeoutError:
-                    del self.pending[p]
-                    self._launched_at.pop(p, None)
-                    self.next_round[p] = r  # not landed: the state must not claim it
-                    self.stats.abandoned += 1
+                    self._abandon(p, r)
                     log.warning("fragment %d round %d abandoned: not done %.1f s after the "
                                 "stop", p, r, timeout)
                     continue
             self._land_fragment(p)
+
+    @node_op
+    def _abandon(self, p: int, r: int) -> None:
+        del self.pending[p]
+        self._launched_at.pop(p, None)
+        self.next_round[p] = r  # not landed: the state must not claim it
+        self.stats.abandoned += 1
 
     def _wait(self, handle: PendingReduce) -> ReduceResult:
         # Only this is waiting on the network; extraction, outer step and merge are compute.
@@ -403,6 +454,14 @@ class Worker:
     def _land_fragment(self, p: int) -> None:
         r, handle = self.pending[p]
         result = self._wait(handle)  # p stays pending while we wait: export_state sees it
+        if not result.digest:
+            result = replace(result, digest=_values_digest(result.mean))
+        self._apply_round(p, r, result)
+
+    @node_op
+    def _apply_round(self, p: int, r: int, result: ReduceResult) -> None:
+        """Apply round r's result to fragment p (every rank: its slice of the mean)."""
+        result = self.ranks.localize(p, result)
         del self.pending[p]
         self._launched_at.pop(p, None)
         self.stats.record(p, result)
@@ -413,7 +472,7 @@ class Worker:
             self.diverged_from = result.diverged
         params = self._frag_params(self.fragments[p])
         self.replays.pop(p, None)
-        digest = result.digest or _values_digest(result.mean)
+        digest = result.digest
         try:
             new_global = self.outer[p].step(result.mean)
         except NonFiniteError as exc:
@@ -424,8 +483,7 @@ class Worker:
         self.chains[p] = chain_next(self.chains[p], r, digest, applied=True)
         if result.encoded is not None and result.group_size > 1:
             self.replays[p] = (r, result.encoded)
-        merged = merge(flatten(params), new_global, self.algo.fragment_update_alpha)
-        unflatten_into(merged, params)
+        self.ranks.apply(p, params, new_global, self.algo.fragment_update_alpha)
 
     # -- state (checkpoints, joiners) ----------------------------------------------------
     def export_state(self, reuse: WorkerState | None = None) -> WorkerState:
@@ -438,16 +496,31 @@ class Worker:
         # Outer state moves only when a round lands: it is the state after `landed` rounds.
         landed = [self.next_round[p] - (p in self.pending) for p in range(len(self.outer))]
         step = adoption_step(self.plan, landed)
-        if step is None:
+        if step is None and isinstance(self.pacer, StepPacer):
             raise RuntimeError(f"export_state: no step of this schedule has landed exactly "
                                f"{landed} rounds with none in flight (tau >= H/P?)")
+        if step is None:
+            # Paced by the clock, a worker that jumped over rounds of one fragment holds
+            # counters no schedule step gives; name the state by its last landing instead
+            # (the same for every worker holding it). It differs from its peers' (its chain
+            # says so) and adopts theirs at its next round.
+            step = settled_step(self.plan, landed)
         # After `drain` (end of training) rounds may have landed before their scheduled step;
         # a checkpoint named by our own step would then resume with them due again.
         taken_at = max(self.swarm_step, settled_step(self.plan, landed))
         replays = {p: enc for p, (r, enc) in self.replays.items() if r == landed[p] - 1}
         chains = [self._landed_chain(p) for p in range(len(self.outer))]
-        return WorkerState.capture(step, landed, self.outer, reuse, taken_at=taken_at,
+        outer: list[Any] = self.outer
+        if self.ranks.world > 1:  # the leader gathers the fragments that changed
+            steps = [st.steps for st in self.outer]
+            keep = reusable_fragments(reuse, landed, steps)
+            outer = self._gather_outer([p for p in range(len(steps)) if p not in keep])
+        return WorkerState.capture(step, landed, outer, reuse, taken_at=taken_at,
                                    replays=replays, chains=chains)
+
+    @node_op
+    def _gather_outer(self, need: list[int]) -> list[Any]:
+        return self.ranks.full_outer(self.outer, need)
 
     def _landed_chain(self, p: int) -> str:
         # Chains move only when a round lands, so a pending round is not in it yet.
@@ -478,13 +551,24 @@ class Worker:
         if self.plan is None or self.pending:
             raise RuntimeError("import_state: only with no sync in flight, outside mode=ddp")
         expected = [self.plan.rounds_started(p, state.step) for p in range(len(self.outer))]
-        if list(state.rounds) != expected:
+        if isinstance(self.pacer, StepPacer) and list(state.rounds) != expected:
+            # Paced by steps the worker jumps to the state's step: it must be one at which
+            # the schedule has exactly these rounds. Paced by the clock, the counters say
+            # which round of each fragment comes next, whatever the label.
             raise ValueError(f"state at step {state.step} has round counters "
                              f"{list(state.rounds)}, this config's schedule gives {expected}")
-        state.apply_to(self.outer)
+        if len(state.rounds) != len(self.outer):
+            raise ValueError(f"state has {len(state.rounds)} fragments, this worker "
+                             f"{len(self.outer)} (diloco.num_fragments differs)")
+        self.ranks.check_state(state)
+        self._import(state)
+
+    @node_op
+    def _import(self, state: WorkerState) -> None:
+        self.ranks.apply_state(state, self.outer)  # several ranks: scattered by the leader
         self.replays.clear()
-        for frag, outer in zip(self.fragments, self.outer, strict=True):
-            unflatten_into(outer.weights, self._frag_params(frag))
+        for p, (frag, outer) in enumerate(zip(self.fragments, self.outer, strict=True)):
+            self.ranks.set_local(p, self._frag_params(frag), outer.weights)
         self.next_round = list(state.rounds)
         self.tokens_since = [0] * len(self.outer)
         if state.chains:
@@ -497,9 +581,33 @@ class Worker:
         if isinstance(self.pacer, TimePacer):
             self.pacer.restart()  # the fetch was no step: keep it out of the step time
 
+    def import_fragments(self, state: WorkerState, fragments: list[int]) -> None:
+        """Adopt `state` for `fragments` only (paced by the clock, a re-syncing worker has
+        rounds of other fragments in flight nearly all the time): their outer state, round
+        counters and chains, local weights set to the outer weights; AdamW moments kept."""
+        if any(p in self.pending for p in fragments) or self.plan is None:
+            raise RuntimeError(f"import_fragments: fragments {fragments} must not be in flight")
+        self.ranks.check_state(state)
+        self._import_fragments(state, list(fragments))
+
+    @node_op
+    def _import_fragments(self, state: WorkerState, fragments: list[int]) -> None:
+        self.ranks.apply_state(state, self.outer, fragments)
+        for p in fragments:
+            self.ranks.set_local(p, self._frag_params(self.fragments[p]), self.outer[p].weights)
+            self.next_round[p] = state.rounds[p]
+            self.tokens_since[p] = 0
+            self.replays.pop(p, None)
+            if state.chains:
+                self.chains[p] = state.chains[p]
+
     # -- evaluation ----------------------------------------------------------------------
     def outer_model(self) -> nn.Module:
-        """A copy of the model holding the outer (global) weights; DDP: the weights."""
+        """A copy of the model holding the outer (global) weights; DDP: the weights. One
+        process only (a multi-rank node: `outer_state_dict`)."""
+        if self.ranks.world > 1:
+            raise RuntimeError("outer_model: this rank holds a slice of the outer state; "
+                               "use outer_state_dict()")
         model = copy.deepcopy(self.model)
         if self.algo.mode != "ddp":
             params = [p for p in model.parameters() if p.requires_grad]
@@ -507,9 +615,12 @@ class Worker:
                 unflatten_into(state.weights, [params[i] for i in frag.param_indices])
         return model
 
+    @node_op
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss of the outer weights over fixed held-out batches."""
+        if self.ranks.world > 1:
+            return self._evaluate_ranks(batches)
         model = self.outer_model().eval()
         total = 0.0
         for x, y in batches:
@@ -517,8 +628,60 @@ class Worker:
                 total += float(lm_loss(model, x.to(self.device), y.to(self.device)))
         return total / max(len(batches), 1)
 
+    def _evaluate_ranks(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Every rank: the outer weights swapped into the inner model, each rank's rows of
+        every batch, the node's mean; then the inner weights back."""
+        saved = [t.clone() for t in self.ranks.local_tensors(self.params)]
+        for p, (frag, outer) in enumerate(zip(self.fragments, self.outer, strict=True)):
+            self.ranks.set_local(p, self._frag_params(frag), outer.weights)
+        self.model.eval()
+        total = 0.0
+        try:
+            for x, y in batches:
+                x, y = self.ranks.rows(x).to(self.device), self.ranks.rows(y).to(self.device)
+                with autocast(self.device):
+                    total += float(lm_loss(self.model, x, y))
+        finally:
+            self.model.train()
+            for t, s in zip(self.ranks.local_tensors(self.params), saved, strict=True):
+                t.copy_(s)
+        return self.ranks.mean(total) / max(len(batches), 1)
+
+    @node_op
     def outer_flat(self) -> torch.Tensor:
-        """All outer weights as one flat float32 vector (for comparisons and digests)."""
+        """All outer weights as one flat float32 vector (for comparisons and digests);
+        on a node's other ranks, an empty tensor (the leader gathers it)."""
         if self.algo.mode == "ddp":
             return flatten(self.params)
-        return torch.cat([s.weights.to("cpu") for s in self.outer])
+        parts = [self.ranks.gather(p, s.weights) for p, s in enumerate(self.outer)]
+        if any(t is None for t in parts):
+            return torch.empty(0)
+        return torch.cat([t.to("cpu") for t in parts if t is not None])
+
+    @node_op
+    def outer_digest(self) -> str:
+        """sha256 of `outer_flat()`'s bytes, gathered one fragment at a time."""
+        if self.algo.mode == "ddp":
+            return hashlib.sha256(flatten(self.params).numpy().tobytes()).hexdigest()
+        h = hashlib.sha256()
+        for p, s in enumerate(self.outer):
+            part = self.ranks.gather(p, s.weights)
+            if part is not None:
+                h.update(part.to("cpu").contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    @node_op
+    def outer_state_dict(self) -> dict[str, torch.Tensor]:
+        """The outer weights by parameter name (CPU float32; {} on a node's other ranks)."""
+        if self.ranks.world == 1:
+            return self.outer_model().state_dict()
+        out: dict[str, torch.Tensor] = {}
+        for p, (frag, st) in enumerate(zip(self.fragments, self.outer, strict=True)):
+            flat = self.ranks.gather(p, st.weights)
+            offset = 0
+            for i in frag.param_indices:
+                shape, n = self.params[i].shape, self.params[i].numel()
+                if flat is not None:
+                    out[self.param_names[i]] = flat[offset:offset + n].view(shape).clone()
+                offset += n
+        return out

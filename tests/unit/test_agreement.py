@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import pytest
+
 from dilonode.algo.chain import chain_next, chain_start
 from dilonode.algo.pacing import TimePacer
 from dilonode.auth import Credentials, Identity
@@ -133,3 +135,27 @@ def test_swarm_view_says_whether_nodes_hold_one_model():
     assert got["agrees"] is False and "fragment 0 after 4 rounds" in got["line"]
     assert swarm_agreement([{"final_digest": "a"}, {"final_digest": "b"}])["agrees"] is False
     assert swarm_agreement([{}])["agrees"] is None
+
+
+def test_the_pacemaker_slows_the_clock_for_everyone_without_renumbering_rounds():
+    board, wall = Board(), [1_795_000_000.0]
+    keepers = []
+    for i in range(2):
+        dht = _FakeDHT(board, Credentials(IDS[i], RUN))
+        keepers.append(ClockKeeper(
+            dht, RUN, TimePacer(lambda: wall[0]), propose=lambda: 0.1, frozen=lambda: True,
+            wall=lambda: wall[0], retune=lambda clock, ref: 0.4 if not clock.epochs else None,
+            pacemaker=lambda i=i: i == 0, lead_steps=30))
+    keepers[0].tick()  # proposes the clock, then retunes it (as the pacemaker)
+    wall[0] += 1.0
+    keepers[1].tick()
+    for k in keepers:
+        k.tick()
+    clocks = [k.pacer.clock for k in keepers]
+    assert clocks[0] == clocks[1] and len(clocks[0].epochs) == 1
+    since, rate = clocks[0].epochs[0]
+    assert rate == 0.4 and since == 30.0  # a round period after the reading it was made at
+    t_switch = clocks[0].time_of(since)
+    assert clocks[0].ref_step(t_switch - 0.1) == pytest.approx(since - 1.0)  # 0.1 s steps
+    assert clocks[0].ref_step(t_switch + 0.4) == pytest.approx(since + 1.0)  # then 0.4 s
+    assert keepers[0].retunes == 1 and keepers[1].retunes == 0

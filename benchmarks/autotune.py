@@ -1,0 +1,155 @@
+"""The overlap chosen from measured links (`fragment_sync_delay = "auto"`, the swarm clock
+retuned by its pacemaker) against hand-tuned tau, on the WAN test bed.
+
+4 nodes at each link rate run Streaming DiLoCo (int4) three ways in turn:
+
+* `auto`: the default config with `fragment_sync_delay = "auto"` (paced by the swarm
+  clock: results merge when they arrive, and the clock slows if rounds take more than half
+  a round period on any node);
+* `tau=5`, `tau=8`: paced by steps with a hand-set overlap (what docs/operations.md told
+  users to size by hand: tau x step time > round latency).
+
+Plus `auto+slow-joiner`: the auto run with a fifth node on a 10 Mbit/s link joining
+mid-run. Per run: compute utilization (share of wall time not blocked on the network;
+mean and worst node), round latency, rounds per fragment, the clock's retunings, final
+eval loss and agreement. Needs root (network namespaces).
+
+    sudo .venv/bin/python benchmarks/autotune.py --rates 100,20 --json runs/bench/autotune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `deploy` lives at the root
+
+from results import save_rows  # noqa: E402  (benchmarks/ is on sys.path)
+
+from deploy.testbed import swarm_on_testbed, unavailable_reason  # noqa: E402
+from dilonode.config import load_config  # noqa: E402
+
+VARIANTS = {
+    "auto": {"pacing": "time", "fragment_sync_delay": "auto"},
+    "tau=5": {"pacing": "steps", "fragment_sync_delay": 5},
+    "tau=8": {"pacing": "steps", "fragment_sync_delay": 8},
+    "auto+slow-joiner": {"pacing": "time", "fragment_sync_delay": "auto"},
+}
+
+
+def run_config(args: argparse.Namespace, name: str, rate: float, out: Path) -> Any:
+    return load_config(overrides={
+        "run_id": f"auto-{rate:g}-{name.replace('=', '').replace('+', '-')}", "seed": 0,
+        "total_steps": args.steps, "eval_every": 10**9, "device": "cpu",
+        "model": {"preset": args.preset},
+        "data": {"seq_len": args.seq_len, "batch_size": args.batch_size},
+        "diloco": {"mode": "streaming", "sync_every": args.sync_every,
+                   "num_fragments": args.fragments, "fragment_update_alpha": 0.5,
+                   **VARIANTS[name]},
+        "codec": {"name": "int4"},
+        "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 45.0,
+                    "allreduce_timeout": 60.0, "bandwidth_mbps": rate, "peer_ttl": 60.0},
+        "status": {"enabled": False},
+        "paths": {"out_dir": str(out)},
+    })
+
+
+def run(args: argparse.Namespace, name: str, rate: float) -> dict[str, Any]:
+    out = args.out / f"{name}-{rate:g}"
+    cfg = run_config(args, name, rate, out)
+    joiner = name.endswith("slow-joiner")
+    t0 = time.perf_counter()
+    with swarm_on_testbed(cfg, args.nodes, rate, hosts=args.nodes + joiner) as (bed, swarm):
+        if joiner:
+            bed.set_rate(f"node-{args.nodes}", args.joiner_rate)
+        swarm.start()
+        if joiner:
+            _join_midway(swarm, args)
+        summaries = swarm.follow()
+    wall = time.perf_counter() - t0
+    nodes = list(summaries.values())
+    retunes = sum(_retunes(out / n) for n in summaries)
+    return summarize(name, rate, nodes, retunes) | {"wall_s": round(wall, 1)}
+
+
+def _join_midway(swarm: Any, args: argparse.Namespace) -> None:
+    """Start the slow node once the others have trained a third of the run."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        name, ev = swarm.events.get(timeout=600)
+        if ev.get("event") == "progress" and ev.get("progress", 0) >= args.steps // 3:
+            break
+    swarm.n += 1  # follow() waits for it too
+    swarm.start_node(args.nodes, ["--set", "network.min_peers=1"])
+
+
+def _retunes(node_dir: Path) -> int:
+    log = node_dir / "stderr.log"
+    return sum("swarm clock: one reference step" in line for line in log.read_text()
+               .splitlines()) if log.exists() else 0
+
+
+def summarize(name: str, rate: float, nodes: list[dict[str, Any]],
+              retunes: int) -> dict[str, Any]:
+    utils = [s["compute_utilization"] for s in nodes]
+    lat = [v["mean"] for s in nodes for v in s["round_latency_s"].values()]
+    return {"run": name, "rate_mbit": rate, "nodes": len(nodes),
+            "utilization_mean": statistics.mean(utils), "utilization_min": min(utils),
+            "latency_mean_s": statistics.mean(lat) if lat else None,
+            "rounds": nodes[0]["rounds_per_fragment"], "clock_retunes": retunes,
+            "late_rounds": sum(s.get("late_rounds", 0) for s in nodes),
+            "final_eval_loss": statistics.mean(s["final_eval_loss"] for s in nodes),
+            "identical_outer": len({s["outer_digest"] for s in nodes}) == 1}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| link | run | utilization mean (min) | round latency | late rounds | clock "
+            "retunes | final eval loss | vs best hand-tuned | agree |")
+    out = [head, "|" + "---|" * 9]
+    for r in rows:
+        hand = [x["final_eval_loss"] for x in rows
+                if x["rate_mbit"] == r["rate_mbit"] and x["run"].startswith("tau")]
+        rel = f"{(r['final_eval_loss'] / min(hand) - 1) * 100:+.2f}%" if hand else "-"
+        out.append(f"| {r['rate_mbit']:g} Mbit/s | {r['run']} | {r['utilization_mean']:.1%} "
+                   f"({r['utilization_min']:.1%}) | {r['latency_mean_s'] or 0:.2f} s "
+                   f"| {r['late_rounds']} | {r['clock_retunes']} | {r['final_eval_loss']:.4f} "
+                   f"| {rel} | {'yes' if r['identical_outer'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="100,20")
+    ap.add_argument("--runs", default=",".join(VARIANTS))
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--joiner-rate", type=float, default=10.0)
+    ap.add_argument("--steps", type=int, default=270)
+    ap.add_argument("--sync-every", type=int, default=30)
+    ap.add_argument("--fragments", type=int, default=3)
+    ap.add_argument("--preset", default="small")  # as benchmarks/wan.py: network-bound
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("runs/bench/autotune"))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if (reason := unavailable_reason()) is not None:
+        sys.exit(f"autotune.py: {reason}")
+    rows = []
+    for rate in (float(r) for r in args.rates.split(",")):
+        for name in (n.strip() for n in args.runs.split(",")):
+            if name == "auto+slow-joiner" and rate != max(float(r) for r in
+                                                          args.rates.split(",")):
+                continue  # the joiner case once, at the fastest rate
+            rows.append(run(args, name, rate))
+            print(json.dumps(rows[-1]), flush=True)
+    print(table(rows))
+    save_rows(args.json, args, rows)
+
+
+if __name__ == "__main__":
+    main()
