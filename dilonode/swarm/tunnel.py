@@ -217,8 +217,6 @@ class Relay:
 
     async def _relay(self, requester: str, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
-        from hivemind.p2p import PeerID
-
         async with asyncio.timeout(_OP_TIMEOUT):
             service, size = await reader.readexactly(2)
             target = (await reader.readexactly(size)).decode("ascii", "replace")
@@ -231,6 +229,8 @@ class Relay:
             log.info("relay: refused a stream from %s to %s", requester, target[:64])
             await self._answer(writer, _REFUSED)
             return
+        from hivemind.p2p import PeerID
+
         try:
             _, out_reader, out_writer = await asyncio.wait_for(
                 self.p2p.call_binary_stream_handler(

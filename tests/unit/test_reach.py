@@ -152,3 +152,57 @@ def test_the_plane_streams_at_once_to_a_natted_peer_and_after_a_failed_dial():
     assert told["direct_failures"] == 0 and told["fallback_connections"] == 1, told
     assert learned["direct_failures"] == 1 and learned["fallback_connections"] == 3, learned
     assert learned["connections_out"] == 3
+
+
+def test_relays_are_the_initial_peers_in_order():
+    from dilonode.swarm.tunnel import relay_peers
+
+    maddrs = ["/ip4/11.0.0.1/tcp/1/p2p/QmA", "/ip4/11.0.0.2/tcp/1/p2p/QmB",
+              "/ip6/::1/tcp/1/p2p/QmA", "/dns4/x/tcp/1"]
+    assert relay_peers(maddrs) == ["QmA", "QmB"]
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        pass
+
+
+def test_the_relay_refuses_targets_without_a_live_record_and_bad_requests():
+    from dilonode.swarm.tunnel import LivePeers, Relay
+
+    class _Rec:
+        def __init__(self, peer_id: str, leaving: bool = False) -> None:
+            self.peer_id, self.status = peer_id, {"leaving": leaving}
+
+    reads = []
+
+    def fetch():
+        reads.append(1)
+        if len(reads) > 1:
+            raise TimeoutError("the DHT is unwell")  # the last read is kept
+        return [_Rec("QmLive"), _Rec("QmGone", leaving=True)]
+
+    async def main():
+        live = LivePeers(fetch)
+        relay = Relay(p2p=None, run_id="r", admitted=live)
+        answers = []
+        for service, target in ((0, b"QmGone"), (1, b"QmNobody"), (7, b"QmLive"),
+                                (0, b"QmAsker")):
+            reader = asyncio.StreamReader()
+            reader.feed_data(bytes([service, len(target)]) + target)
+            writer = _Writer()
+            await relay._relay("QmAsker", reader, writer)
+            answers.append(writer.data)
+        once = len(reads)  # unknown targets re-read the records at most once a second
+        await live.refresh()  # fails: the last read is kept
+        return answers, relay.stats, once, live.ids
+
+    answers, stats, once, ids = asyncio.run(main())
+    assert answers == [b"\x01"] * 4 and stats["refused"] == 4 and stats["relayed"] == 0
+    assert once == 1 and ids == {"QmLive"} and len(reads) == 2
