@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: setup demo simulate test lint bench-quality bench-overlap bench-allreduce clean \
+.PHONY: setup demo simulate test lint bench-quality bench-overlap bench-allreduce bench-nat clean \
 	bench-wan bench-join bench-churn bench-byzantine
 
 setup: $(STAMP)
@@ -58,6 +58,10 @@ bench-join: $(STAMP)
 
 bench-churn: $(STAMP)
 	$(PY) benchmarks/churn.py --json runs/bench/churn.json
+
+# NAT hosts on the test bed also need iptables-restore.
+bench-nat: $(STAMP)
+	$(PY) benchmarks/nat.py --json runs/bench/nat.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .hypothesis

@@ -14,6 +14,24 @@ the bridge has no address and nothing is routed out.
 dropped both ways by iptables rules inside each host's namespace, as a failed WAN link
 would), each side still reaching itself; `bed.heal()` removes the cut. Needs `iptables`.
 
+**NAT hosts** (`nat=["h1"]`): such a host sits behind a home router of its own, a namespace
+with a WAN end on the bridge (taking the host's slot on the public subnet, so
+`public_addr("h1")` is the router's) and a LAN (`192.168.<k>.0/24`, router `.1`, host `.2`
+= `addr("h1")`) to the host. The router masquerades what leaves through its WAN and forwards
+only replies back in (conntrack ESTABLISHED,RELATED): no port forwards, no UPnP, and the
+router itself answers nothing on its WAN (dropped, as most home routers do). The host's
+rate limits sit on its LAN link. With NAT hosts the bed's "internet" also drops what is
+sent to an address it has no host for (a default route to a neighbour that does not
+exist), so dialling a NATed host's private address times out as it does on the internet
+rather than failing at once; and the bridge gets a globally routable subnet
+(`PUBLIC_SUBNET`), as libp2p treats relays on private addresses as unusable. Needs
+`iptables` (iptables-restore) besides `ip` and `tc`; `unavailable_reason(nat=True)` says
+why not.
+
+    with Testbed(["boot", "pub", "home"], nat=["home"]) as bed:
+        bed.addr("home")         # 192.168.1.2: what it listens on
+        bed.public_addr("home")  # 11.77.0.3: its router, where its connections come from
+
 Names carry a tag unique to the run (`dtb` + 5 hex digits) and the owner's pid, so parallel
 runs never clash and `python deploy/testbed.py sweep` can remove what a SIGKILLed owner left.
 `close()` (also run by the context manager, at exit, and on SIGTERM/SIGHUP) kills every
@@ -41,7 +59,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -50,6 +68,12 @@ __all__ = ["PARTITION_CHAIN", "Host", "SwarmHosts", "Testbed", "TestbedError", "
 
 PREFIX = "dtb"  # every namespace and link of a test bed starts with this
 _NS_RE = re.compile(rf"^{PREFIX}-({PREFIX}[0-9a-f]{{5}})-(\d+)-")
+# The bridge's subnet. With NAT hosts it must look like the internet: libp2p advertises a
+# relay's circuit addresses only when the relay's own address is public (go-multiaddr's
+# IsPublicAddr), so a NATed host behind relays on 10.x would stay unreachable. 11.77.0.0/24
+# is globally routable space, which the bed never routes anywhere outside itself.
+PRIVATE_SUBNET = "10.77.0.0/24"
+PUBLIC_SUBNET = "11.77.0.0/24"
 CMD_TIMEOUT_S = 20.0  # one `ip`/`tc` call; they take milliseconds unless the kernel is stuck
 PARTITION_CHAIN = "DTBPART"  # iptables chain, inside a host's namespace, holding its cuts
 
@@ -69,6 +93,39 @@ class Host:
     addr: str
     veth: str  # outer end, in the root namespace (its egress is the host's download)
     rate_mbit: float | None
+    # Behind a NAT: the namespace of its router and the router's address on the bridge.
+    router: str | None = None
+    wan_addr: str | None = None
+
+    @property
+    def public_addr(self) -> str:
+        """The address peers on the bridge see this host's connections come from."""
+        return self.wan_addr or self.addr
+
+
+# Inside a NAT router: its two links, and the whole firewall (iptables-restore input).
+_WAN, _LAN = "wan", "lan"
+_ROUTER_RULES = f"""*nat
+:PREROUTING ACCEPT [0:0]
+:INPUT ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:POSTROUTING ACCEPT [0:0]
+-A POSTROUTING -o {_WAN} -j MASQUERADE
+COMMIT
+*filter
+:INPUT DROP [0:0]
+:FORWARD DROP [0:0]
+:OUTPUT ACCEPT [0:0]
+-A INPUT -i lo -j ACCEPT
+-A INPUT -i {_LAN} -j ACCEPT
+-A INPUT -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
+-A FORWARD -i {_LAN} -o {_WAN} -j ACCEPT
+-A FORWARD -i {_WAN} -o {_LAN} -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
+COMMIT
+"""
+# A neighbour nobody answers for: the "internet" default route, where traffic to addresses
+# without a host on the bridge (other homes' private addresses) is silently lost.
+_SINK_MAC = "02:00:5e:00:00:fe"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -83,13 +140,36 @@ def _sh(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]
     return proc
 
 
-def unavailable_reason() -> str | None:
-    """Why a test bed cannot be built here (None: it can): root, `ip` and `tc` are needed."""
+def unavailable_reason(nat: bool = False) -> str | None:
+    """Why a test bed cannot be built here (None: it can): root, `ip` and `tc` are needed,
+    and for NAT hosts (`nat`) also `iptables-restore` and a kernel that masquerades in a
+    network namespace (checked by building one router and removing it)."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "the WAN test bed needs root (network namespaces, veth, tbf)"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"the WAN test bed needs `{tool}` (iproute2) on PATH"
+    if nat:
+        return _nat_unavailable_reason()
+    return None
+
+
+def _nat_unavailable_reason() -> str | None:
+    if shutil.which("iptables-restore") is None:
+        return "NAT hosts need `iptables-restore` (Debian: apt-get install iptables)"
+    netns = f"{PREFIX}-{PREFIX}{secrets.token_hex(3)[:5]}-{os.getpid()}-natcheck"
+    try:
+        _ip("netns", "add", netns)
+        proc = subprocess.run(["ip", "netns", "exec", netns, "iptables-restore"],
+                              input=_ROUTER_RULES, capture_output=True, text=True,
+                              timeout=CMD_TIMEOUT_S)
+        if proc.returncode != 0:
+            why = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+            return f"the kernel refuses a NAT router in a namespace: {why[-1] if why else '?'}"
+    except (TestbedError, OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot build a NAT router namespace: {exc}"
+    finally:
+        _ip("netns", "del", netns, check=False)
     return None
 
 
@@ -105,28 +185,52 @@ def tbf_args(rate_mbit: float) -> list[str]:
 
 
 class Testbed:
-    """N hosts on one bridge; see the module docstring. `start()` builds, `close()` removes."""
+    """N hosts on one bridge; see the module docstring. `start()` builds, `close()` removes.
+
+    `nat` names the hosts that sit behind a NAT router each (module docstring); their
+    LANs are /24s of `lan_subnet`. `subnet` (the bridge) defaults to `PRIVATE_SUBNET`, or
+    with NAT hosts to `PUBLIC_SUBNET`.
+    """
 
     __test__ = False  # not a pytest test class despite its name
 
     def __init__(self, hosts: int | Sequence[str], rate_mbit: float | None = None,
-                 subnet: str = "10.77.0.0/24", rates: dict[str, float | None] | None = None,
-                 handle_signals: bool = True) -> None:
+                 subnet: str | None = None, rates: dict[str, float | None] | None = None,
+                 handle_signals: bool = True, nat: Iterable[str] = (),
+                 lan_subnet: str = "192.168.0.0/16") -> None:
         names = [f"h{i}" for i in range(hosts)] if isinstance(hosts, int) else list(hosts)
         if not names or len(set(names)) != len(names):
             raise ValueError(f"hosts = {names!r}: need at least one host, names unique")
+        natted = list(dict.fromkeys(nat))
+        if unknown := [n for n in natted if n not in names]:
+            raise ValueError(f"nat = {unknown!r}: not among the hosts {names!r}")
+        subnet = subnet or (PUBLIC_SUBNET if natted else PRIVATE_SUBNET)
         net = ipaddress.ip_network(subnet)
-        if len(names) > net.num_addresses - 2:
+        # With NAT hosts the last address is the sink of the bed's default route.
+        if len(names) > net.num_addresses - 2 - bool(natted):
             raise ValueError(f"subnet = {subnet}: too small for {len(names)} hosts")
+        lans = list(ipaddress.ip_network(lan_subnet).subnets(new_prefix=24))[1:]
+        if len(natted) > len(lans):
+            raise ValueError(f"lan_subnet = {lan_subnet}: too small for {len(natted)} LANs")
+        if any(lan.overlaps(net) for lan in lans[:len(natted)]):
+            raise ValueError(f"lan_subnet = {lan_subnet} overlaps subnet = {subnet}")
         self.tag = PREFIX + secrets.token_hex(3)[:5]
         self.prefixlen = net.prefixlen
+        self.sink = str(net.broadcast_address - 1) if natted else None
         rates = rates or {}
         self.hosts: dict[str, Host] = {}
+        self._lans: dict[str, ipaddress.IPv4Network | ipaddress.IPv6Network] = {}
         for i, name in enumerate(names):
-            self.hosts[name] = Host(
-                name=name, netns=f"{PREFIX}-{self.tag}-{os.getpid()}-{name}",
-                addr=str(net.network_address + i + 1), veth=f"{self.tag}v{i}",
-                rate_mbit=rates.get(name, rate_mbit))
+            netns = f"{PREFIX}-{self.tag}-{os.getpid()}-{name}"
+            public = str(net.network_address + i + 1)
+            host = Host(name=name, netns=netns, addr=public, veth=f"{self.tag}v{i}",
+                        rate_mbit=rates.get(name, rate_mbit))
+            if name in natted:
+                lan = self._lans[name] = lans[natted.index(name)]
+                host = Host(name=name, netns=netns, addr=str(lan.network_address + 2),
+                            veth=host.veth, rate_mbit=host.rate_mbit,
+                            router=f"{netns}-gw", wan_addr=public)
+            self.hosts[name] = host
         self.bridge = f"{self.tag}br"
         self.handle_signals = handle_signals
         self._lock = threading.Lock()
@@ -154,23 +258,58 @@ class Testbed:
 
     def _add_host(self, host: Host) -> None:
         _ip("netns", "add", host.netns)
-        _ip("link", "add", host.veth, "type", "veth", "peer", "name", "eth0",
-            "netns", host.netns)
-        _ip("link", "set", host.veth, "master", self.bridge, "up")
-        _ip("-n", host.netns, "addr", "add", f"{host.addr}/{self.prefixlen}", "dev", "eth0")
-        _ip("-n", host.netns, "link", "set", "eth0", "up")
+        if host.router is None:
+            self._attach(host.netns, "eth0", host.veth, host.addr)
+        else:
+            self._add_router(host)
         _ip("-n", host.netns, "link", "set", "lo", "up")
         if host.rate_mbit is not None:
             self.set_rate(host.name, host.rate_mbit)
 
+    def _attach(self, netns: str, dev: str, veth: str, addr: str) -> None:
+        """Link `netns` to the bridge as `dev` with public address `addr`."""
+        _ip("link", "add", veth, "type", "veth", "peer", "name", dev, "netns", netns)
+        _ip("link", "set", veth, "master", self.bridge, "up")
+        _ip("-n", netns, "addr", "add", f"{addr}/{self.prefixlen}", "dev", dev)
+        _ip("-n", netns, "link", "set", dev, "up")
+        if self.sink is not None:  # the "internet": silently loses what has no host here
+            _ip("-n", netns, "neigh", "add", self.sink, "lladdr", _SINK_MAC, "dev", dev,
+                "nud", "permanent")
+            _ip("-n", netns, "route", "add", "default", "via", self.sink, "dev", dev)
+
+    def _add_router(self, host: Host) -> None:
+        """`host`'s home router: WAN on the bridge, masquerading, a LAN to the host."""
+        router, lan = host.router, self._lans[host.name]
+        assert router is not None and host.wan_addr is not None
+        gateway = str(lan.network_address + 1)
+        _ip("netns", "add", router)
+        _ip("-n", router, "link", "set", "lo", "up")
+        self._attach(router, _WAN, host.veth, host.wan_addr)
+        _ip("-n", router, "link", "add", _LAN, "type", "veth", "peer", "name", "eth0",
+            "netns", host.netns)
+        _ip("-n", router, "addr", "add", f"{gateway}/{lan.prefixlen}", "dev", _LAN)
+        _ip("-n", router, "link", "set", _LAN, "up")
+        _ip("-n", host.netns, "addr", "add", f"{host.addr}/{lan.prefixlen}", "dev", "eth0")
+        _ip("-n", host.netns, "link", "set", "eth0", "up")
+        _ip("-n", host.netns, "route", "add", "default", "via", gateway)
+        _sh(["ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        proc = subprocess.run(["ip", "netns", "exec", router, "iptables-restore"],
+                              input=_ROUTER_RULES, capture_output=True, text=True,
+                              timeout=CMD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise TestbedError(f"NAT rules of {host.name}'s router failed: "
+                               f"{proc.stderr.strip() or proc.stdout.strip()}")
+
     def set_rate(self, name: str, rate_mbit: float | None) -> None:
-        """Cap host `name` at `rate_mbit` each way (None: remove the cap)."""
+        """Cap host `name` at `rate_mbit` each way (None: remove the cap). A NATed host's
+        caps sit on its LAN link: its upload on the host's end, download on the router's."""
         host = self.hosts[name]
-        for ns_args, dev in ((["-n", host.netns], "eth0"), ([], host.veth)):
+        download = ([], host.veth) if host.router is None else (["-n", host.router], _LAN)
+        for ns_args, dev in ((["-n", host.netns], "eth0"), download):
             _sh(["tc", *ns_args, "qdisc", "del", "dev", dev, "root"], check=False)
             if rate_mbit is not None:
                 _sh(["tc", *ns_args, "qdisc", "add", "dev", dev, "root", *tbf_args(rate_mbit)])
-        self.hosts[name] = Host(host.name, host.netns, host.addr, host.veth, rate_mbit)
+        self.hosts[name] = replace(host, rate_mbit=rate_mbit)
 
     def partition(self, *sides: Sequence[str]) -> None:
         """Drop every packet between hosts of different `sides`, both ways, until `heal()`.
@@ -180,7 +319,9 @@ class Testbed:
             raise ValueError(f"sides = {sides!r}: each host once, of {sorted(self.hosts)}")
         self.heal()
         for i, side in enumerate(sides):
-            others = [self.addr(n) for j, other in enumerate(sides) if j != i for n in other]
+            # A NATed host's packets show its router's address, and it is reached there.
+            others = [self.public_addr(n) for j, other in enumerate(sides) if j != i
+                      for n in other]
             for name in side:
                 self._cut(name, others)
 
@@ -209,10 +350,13 @@ class Testbed:
         self._restore_signal_handlers()
         errors = []
         for host in self.hosts.values():
-            _kill_netns_pids(host.netns)
-            proc = _ip("netns", "del", host.netns, check=False)
-            if proc.returncode != 0 and "No such file" not in proc.stderr:
-                errors.append(proc.stderr.strip())
+            for netns in (host.netns, host.router):
+                if netns is None:
+                    continue
+                _kill_netns_pids(netns)
+                proc = _ip("netns", "del", netns, check=False)
+                if proc.returncode != 0 and "No such file" not in proc.stderr:
+                    errors.append(proc.stderr.strip())
         for link in [self.bridge, *(h.veth for h in self.hosts.values())]:
             _ip("link", "del", link, check=False)  # the veths went with their namespaces
         atexit.unregister(self.close)
@@ -252,7 +396,16 @@ class Testbed:
 
     # -- using hosts -----------------------------------------------------------------------
     def addr(self, name: str) -> str:
+        """The address host `name` listens on (a NATed host's private LAN address)."""
         return self.hosts[name].addr
+
+    def public_addr(self, name: str) -> str:
+        """Where host `name`'s connections appear to come from (its router's, behind NAT)."""
+        return self.hosts[name].public_addr
+
+    def natted(self) -> list[str]:
+        """The hosts behind a NAT router."""
+        return [h.name for h in self.hosts.values() if h.router is not None]
 
     def wrap(self, name: str, argv: Sequence[str]) -> list[str]:
         """`argv` run inside host `name` (`ip netns exec` execs it: same pid, same signals)."""
@@ -351,14 +504,16 @@ class SwarmHosts:
 
 @contextlib.contextmanager
 def swarm_on_testbed(cfg: Any, nodes: int, rate_mbit: float | None, *, hosts: int | None = None,
-                     forever: bool = False) -> Iterator[tuple[Testbed, Any]]:
+                     forever: bool = False,
+                     nat: Iterable[str] = ()) -> Iterator[tuple[Testbed, Any]]:
     """A test bed with hosts `bootstrap` (uncapped: DHT only) and `node-0..` (at `rate_mbit`),
     and a not yet started `LocalSwarm` of `nodes` nodes placed on them; both torn down after.
-    `hosts` (default `nodes`) adds spare node hosts, for nodes started later."""
+    `hosts` (default `nodes`) adds spare node hosts, for nodes started later; the hosts
+    named in `nat` sit behind a NAT router each (no port forwards)."""
     from dilonode.swarm.local import LocalSwarm
 
     names = ["bootstrap", *(f"node-{i}" for i in range(hosts or nodes))]
-    with Testbed(names, rate_mbit, rates={"bootstrap": None}) as bed:
+    with Testbed(names, rate_mbit, rates={"bootstrap": None}, nat=nat) as bed:
         swarm = LocalSwarm(cfg, nodes, forever, placement=SwarmHosts(bed))
         try:
             yield bed, swarm
@@ -426,20 +581,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     up = sub.add_parser("up", help="build a test bed and hold it until Ctrl+C")
     up.add_argument("--hosts", type=int, default=3, help="number of hosts")
     up.add_argument("--rate", type=float, default=None, help="Mbit/s each way per host")
-    up.add_argument("--subnet", default="10.77.0.0/24")
+    up.add_argument("--subnet", default=None,
+                    help=f"default {PRIVATE_SUBNET}, with NAT hosts {PUBLIC_SUBNET}")
+    up.add_argument("--nat", type=int, default=0,
+                    help="put the last N hosts behind a NAT router each")
     sub.add_parser("sweep", help="remove leftovers of test beds whose owner died")
-    sub.add_parser("check", help="say whether a test bed can be built here")
+    check = sub.add_parser("check", help="say whether a test bed can be built here")
+    check.add_argument("--nat", action="store_true", help="with NAT hosts")
     args = ap.parse_args(argv)
     if args.cmd == "check":
-        reason = unavailable_reason()
+        reason = unavailable_reason(nat=args.nat)
         print(reason or "ok")
         return 1 if reason else 0
     if args.cmd == "sweep":
         print("\n".join(sweep()) or "nothing to remove")
         return 0
-    with Testbed(args.hosts, args.rate, args.subnet) as bed:
+    natted = [f"h{i}" for i in range(max(args.hosts - args.nat, 0), args.hosts)]
+    with Testbed(args.hosts, args.rate, args.subnet, nat=natted) as bed:
         for h in bed.hosts.values():
-            print(f"{h.name}: {h.addr} (netns {h.netns}, {h.rate_mbit or 'no'} Mbit/s cap)")
+            behind = f", behind NAT {h.public_addr} (router netns {h.router})" if h.router else ""
+            print(f"{h.name}: {h.addr} (netns {h.netns}, {h.rate_mbit or 'no'} Mbit/s cap"
+                  f"{behind})")
         print(f"run inside a host: ip netns exec {next(iter(bed.hosts.values())).netns} CMD")
         print("Ctrl+C tears it down")
         with contextlib.suppress(KeyboardInterrupt):

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--status-refresh", type=float, default=2.0, metavar="SECONDS",
                       help="how often the swarm view reads the peer records")
     boot.add_argument("--no-status", action="store_true", help="no status endpoint")
+    boot.add_argument("--no-relay", action="store_true",
+                      help="do not relay data and state-sync streams to nodes behind NATs")
     boot.add_argument("--maddrs-file", metavar="PATH",
                       help="also write the multiaddrs there, one per line (for scripts)")
 

@@ -266,7 +266,10 @@ def bootstrap(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     close_status = None
+    close_relay = None
     try:
+        if not args.no_relay:
+            close_relay = _serve_relay(dht)
         maddrs = dht.visible_maddrs()
         url, close_status = (None, None) if args.no_status else _serve_swarm_view(dht, maddrs,
                                                                                  args)
@@ -280,8 +283,37 @@ def bootstrap(args: argparse.Namespace) -> int:
     finally:
         if close_status is not None:
             close_status()
+        if close_relay is not None:
+            close_relay()
         dht.close()
     return 0
+
+
+def _serve_relay(dht: Any) -> Callable[[], None]:
+    """The bootstrap's relay for data streams between nodes behind NATs (swarm/tunnel.py),
+    on a loop of its own; admits peers with a live record. Returns close()."""
+    import concurrent.futures
+    import contextlib
+
+    from dilonode.allreduce.driver import LoopThread
+    from dilonode.swarm.tunnel import LivePeers, Relay
+
+    thread = LoopThread("dilonode-relay")
+    thread.start()
+    live = LivePeers(dht.fetch_peers)
+    try:
+        relay = thread.run(Relay.attach(dht.p2p_daemon_maddr(), dht.run_id, live), timeout=30.0)
+    except BaseException:
+        thread.stop()
+        raise
+    refresh = thread.submit(live.refresh_forever())
+
+    def close() -> None:
+        refresh.cancel()
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            thread.run(relay.aclose(), timeout=15.0)
+        thread.stop()
+    return close
 
 
 def _serve_swarm_view(dht: Any, maddrs: list[str],

@@ -299,6 +299,12 @@ class NetworkConfig(_Frozen):
     p2p_fallback: bool = Field(
         True, description="when a peer's data address cannot be reached, carry the frames "
         "over a libp2p stream through the DHT's daemon (reaches peers behind NAT; more CPU)")
+    reachable: Literal["auto", "public", "private"] = Field(
+        "auto", description="whether peers can dial this node: 'private' behind a NAT with "
+        "no port forward (DHT client mode, relay slots at the initial peers, peers reach its "
+        "data plane and state server by libp2p streams); 'auto' decides by the addresses: private "
+        "when listening on a non-global address, with no announce_host, while an initial "
+        "peer has a global one (dilonode/swarm/reach.py)")
     leave_timeout: float = Field(
         5.0, gt=0.0, description="seconds a stopping node waits for its in-flight rounds "
         "before abandoning them (they are never half-applied)")

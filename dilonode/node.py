@@ -41,6 +41,7 @@ from dilonode.config import RunConfig
 from dilonode.statesync.keeper import StateKeeper
 from dilonode.status.alone import AloneWatch
 from dilonode.status.snapshot import NodeStatus, ObservedCollective, device_summary
+from dilonode.swarm import reach
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
 
@@ -92,6 +93,10 @@ class NodeSummary:
     # Bounded groups: whether the swarm averaged in groups at the end, the largest group.
     grouped: bool = False
     largest_group: int = 0
+    # network.reachable as resolved ("public" / "private"), and how the data plane reached
+    # peers: connections out (direct TCP or libp2p stream), streams accepted, failed dials.
+    reachability: str = "public"
+    data_paths: dict[str, int] = field(default_factory=dict)
     devices: str = ""  # the node's devices, one per rank ("2 x cpu ...")
 
 
@@ -122,6 +127,7 @@ class Node:
                                  live_others=self._live_others, health=self._health)
         self.status_server: Any = None
         self.clock: Any = None  # ClockKeeper: the swarm clock (pacing = "time")
+        self.reachability: reach.Reachability = "public"  # resolved in start()
         self.verdict: Any = None  # the end-of-run agreement Verdict
         self.supervisor: Any = None  # dilonode.supervise.Supervisor, once started
         self.remerger: Any = None  # dilonode.swarm.remerge.Remerger, once started
@@ -133,9 +139,17 @@ class Node:
     def start(self) -> None:
         net = self.cfg.network
         self.admission.setup(self.cfg.admission)  # before the DHT forks: it inherits the limit
+        self.reachability = reach.resolve(net.reachable, net.host, net.announce_host,
+                                          net.initial_peers)
+        p2p_options, p2pd_flags = reach.dht_options(self.reachability, net.initial_peers)
         self.dht = SwarmDHT(self.cfg.run_id, list(net.initial_peers), net.identity_path,
                             net.host, net.dht_port, secret=self._secret,
-                            allowed=self.cfg.auth.allowed()).start()
+                            allowed=self.cfg.auth.allowed(), p2p_options=p2p_options,
+                            p2pd_flags=p2pd_flags).start()
+        if self.reachability == "private":
+            log.info("reachability: private (network.reachable = %s): DHT client, relay "
+                     "slots at the initial peers, peers reach this node (data, state) by "
+                     "libp2p streams", net.reachable)
         policy = RoundPolicy(codec=self.cfg.codec.name, block_size=self.cfg.codec.block_size,
                              chunk_numel=net.chunk_numel, timeout=net.allreduce_timeout,
                              max_attempts=net.max_attempts,
@@ -149,9 +163,15 @@ class Node:
                                          # rotating groups: idle peers' connections close
                                          "max_idle_inbound": 4 * net.max_group_size}
         if net.p2p_fallback:
-            from dilonode.swarm.tunnel import Tunnel
+            from dilonode.swarm.tunnel import Tunnel, relay_peers
 
-            self.tunnel = Tunnel(self.dht.p2p_daemon_maddr(), self.cfg.run_id)
+            private = self.reachability == "private"
+            # Streams to private nodes go through a relay at our initial peers unless p2pd
+            # holds a direct connection; public nodes relay for others (swarm/tunnel.py).
+            self.tunnel = Tunnel(self.dht.p2p_daemon_maddr(), self.cfg.run_id,
+                                 private=private, relays=relay_peers(net.initial_peers),
+                                 private_peers=self._private_peers,
+                                 admitted=None if private else self._is_live)
             plane_options["fallback"] = self.tunnel.open
         self.collective = NetworkCollective(self.dht.peer_id, self.cfg.run_id, self._form,
                                             policy, host=net.host, port=net.port,
@@ -172,8 +192,15 @@ class Node:
                                      settings=policy.settings(), gone=plane.gone.copy,
                                      local_state=self._local_state)
         self.keeper.source.counts = self.membership.counts
+        self.membership.reachable = self.reachability == "public"
         self.membership.state_addr = self.keeper.start_server(
             self.collective.thread, self.dht.credentials, self.admission.gate("state"))
+        if self.tunnel is not None:
+            # Peers behind a NAT serve and fetch state over libp2p streams too.
+            self.keeper.opener = self.tunnel.open_state
+            if self.keeper.server is not None:
+                self.collective.thread.run(
+                    self.tunnel.serve_state(self.keeper.server.accept_stream), timeout=30.0)
         self._start_clock()
         self.keeper.prepare(self.worker, self.collective.thread, self.dht,
                             publish=self.membership.start)
@@ -322,10 +349,31 @@ class Node:
     async def _form(self, fragment: int, round_no: int, attempt: int,
                     exclude: set[str]) -> FormedGroup:
         # The collective is created before membership (membership needs its address).
-        assert self.membership is not None
+        assert self.membership is not None and self.collective is not None
         if self._away() is not None and (away := await self._wait_back(attempt)) is not None:
             raise ConnectionError(f"sitting this round out: {away}")  # do not register
-        return await self.membership.form(fragment, round_no, attempt, exclude)
+        if self.tunnel is not None and self.tunnel.private:
+            # Before we register: the public peers' streams to us must find a direct
+            # libp2p connection, not a limited relayed one (swarm/tunnel.py).
+            seen = self.membership.live_peers(max_age=math.inf)  # the last read
+            await self.tunnel.reach_out(r.peer_id for r in seen
+                                        if r.reachable and r.peer_id != self.peer_id)
+        group = await self.membership.form(fragment, round_no, attempt, exclude)
+        # Peers behind a NAT, as of the records just read: stream to them, no dial first.
+        self.collective.plane.stream_only = self._private_peers()
+        return group
+
+    def _private_peers(self) -> frozenset[str]:
+        """Peers whose last read record says they cannot be dialled (behind a NAT)."""
+        if self.membership is None:
+            return frozenset()
+        seen = self.membership.live_peers(max_age=math.inf)  # the last read, no DHT call
+        return frozenset(r.peer_id for r in seen if not r.reachable)
+
+    def _is_live(self, peer_id: str) -> bool:
+        """Whether `peer_id` has a live record (the relay serves only peers of the run)."""
+        return self.membership is not None and any(
+            r.peer_id == peer_id for r in self.membership.live_peers(max_age=math.inf))
 
     async def _wait_back(self, attempt: int) -> str | None:
         """While we sit rounds out, a round's first attempt waits as long as forming a
@@ -574,7 +622,21 @@ class Node:
             agreement=self.verdict.as_dict() if self.verdict is not None else {},
             grouped=self.worker.grouped, largest_group=st.largest_group,
             checkpoint_age_s=self.keeper.checkpointer.age_s(),
-            devices=device_summary(self.status.devices))
+            devices=device_summary(self.status.devices),
+            reachability=self.reachability, data_paths=self._data_paths())
+
+    def _data_paths(self) -> dict[str, int]:
+        st = self.collective.plane.stats if self.collective and self.collective.plane else {}
+        out = {k: st.get(k, 0) for k in ("connections_out", "fallback_connections",
+                                         "fallback_accepts", "direct_failures")}
+        tunnel = self.tunnel.stats if self.tunnel is not None else {}
+        relay = self.tunnel.relay.stats if self.tunnel and self.tunnel.relay else {}
+        return {"direct_out": out["connections_out"] - out["fallback_connections"],
+                "stream_out": out["fallback_connections"],
+                "stream_in": out["fallback_accepts"],
+                "direct_failures": out["direct_failures"],
+                "relayed_out": tunnel.get("relayed_out", 0),
+                "relayed_for_others": relay.get("relayed", 0)}
 
     def save_outer(self, path: Path) -> None:
         """Write the outer weights (state dict) for comparisons and evaluation."""

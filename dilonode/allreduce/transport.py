@@ -417,20 +417,30 @@ class _Outbound:
         self.plane.stats["frames_out"] += 1
 
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A direct TCP connection, or else the plane's fallback stream if it has one."""
+        """A direct TCP connection, or else the plane's fallback stream if it has one; a
+        peer that cannot be dialled (`DataPlane.skips_direct`) gets the stream at once."""
         plane = self.plane
-        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
-        # races with the connect completing, and aclose() would then wait for a live task.
-        try:
-            host, port = parse_address(self.address)
-            async with asyncio.timeout(plane.connect_timeout):
-                return await asyncio.open_connection(host, port, limit=_READ_LIMIT)
-        except (OSError, TimeoutError, ValueError) as exc:
-            if plane.fallback is None:
-                raise
-            direct = one_line(f"{type(exc).__name__}: {exc}".rstrip(": "), 120)
-        log.info("data plane %s: no direct connection to %s at %s (%s); trying a libp2p "
-                 "stream", plane.peer_id, self.peer_id, self.address, direct)
+        direct = plane.skips_direct(self.peer_id)
+        if direct is None:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+            # that races with the connect completing, and aclose() would then wait for a
+            # live task.
+            try:
+                host, port = parse_address(self.address)
+                async with asyncio.timeout(plane.connect_timeout):
+                    return await asyncio.open_connection(host, port, limit=_READ_LIMIT)
+            except (OSError, TimeoutError, ValueError) as exc:
+                if plane.fallback is None:
+                    raise
+                direct = one_line(f"{type(exc).__name__}: {exc}".rstrip(": "), 120)
+            plane.stats["direct_failures"] += 1
+            plane._direct_failed[self.peer_id] = time.monotonic()
+            log.info("data plane %s: no direct connection to %s at %s (%s); trying a "
+                     "libp2p stream", plane.peer_id, self.peer_id, self.address, direct)
+        else:
+            log.debug("data plane %s: %s: libp2p stream to %s", plane.peer_id, direct,
+                      self.peer_id)
+        t0 = time.monotonic()
         try:
             async with asyncio.timeout(plane.connect_timeout):
                 pair = await plane.fallback(self.peer_id)
@@ -438,6 +448,8 @@ class _Outbound:
             raise PeerUnreachable(f"direct: {direct}; libp2p stream: "
                                   f"{type(exc).__name__}: {exc}") from None
         plane.stats["fallback_connections"] += 1
+        log.info("data plane %s: libp2p stream to %s open in %.2f s", plane.peer_id,
+                 self.peer_id, time.monotonic() - t0)
         return pair
 
     async def _connect(self) -> None:
@@ -536,6 +548,9 @@ class DataPlane:
     handshake in trust mode (made-up peer ids, tests and benchmarks only; see `channel`).
     `fallback(peer_id)`, if given, opens a stream by another path when a direct connection
     fails (`dilonode.swarm.tunnel`); the other side hands such streams to `accept_stream`.
+    With a fallback, peers in `stream_only` (behind a NAT, as their records say) and peers
+    a direct dial failed to within `direct_retry` seconds get the stream without a dial
+    first, so an undialable peer costs at most one `connect_timeout` per `direct_retry`.
     `tune_malloc` lets `start()` call `tune_allocator()` (process-wide; off for a process
     that must return freed memory to the kernel at once). `gate` admits incoming
     connections (the node's `Admission.gate("data")`; None: a gate of its own with the
@@ -551,13 +566,18 @@ class DataPlane:
                  auth: Credentials | None = None,
                  fallback: StreamOpener | None = None, tune_malloc: bool = True,
                  gate: Gate | None = None, max_idle_inbound: int = 0,
-                 idle_close_s: float = 30.0) -> None:
+                 idle_close_s: float = 30.0, direct_retry: float = 600.0) -> None:
         Hello(run_id=run_id, peer_id=peer_id)  # validates both ids (ValidationError)
         if auth is not None and (auth.peer_id, auth.run_id) != (peer_id, run_id):
             raise ValueError(f"DataPlane: credentials of {auth.peer_id}@{auth.run_id} for "
                              f"{peer_id}@{run_id}")
         self.auth = auth
         self.fallback = fallback
+        self.direct_retry = direct_retry
+        # Peers to reach by the fallback only (set by the node from peer records), and
+        # when a direct dial to a peer last failed (time.monotonic()).
+        self.stream_only: frozenset[str] = frozenset()
+        self._direct_failed: dict[str, float] = {}
         self.tune_malloc = tune_malloc
         self.peer_id = peer_id
         self.run_id = run_id
@@ -579,7 +599,8 @@ class DataPlane:
             ("bytes_in", "bytes_in_direct", "bytes_out", "frames_in", "frames_out",
              "connections_in", "connections_out", "rejected_connections", "rejected_hellos",
              "dropped_frames", "late_frames", "stray_frames", "send_failures", "unauthorized",
-             "fallback_connections", "fallback_accepts", "idle_closed"), 0)
+             "fallback_connections", "fallback_accepts", "idle_closed", "direct_failures"),
+            0)
         self._acceptor: Acceptor | None = None
         self._rounds: dict[RoundKey, Inbox] = {}
         self._pending: dict[RoundKey, _Pending] = {}
@@ -697,6 +718,17 @@ class DataPlane:
                     self.stats["stray_frames"] += event.kind == "message"
             self._drop_pending(key, None)
         return inbox
+
+    def skips_direct(self, peer_id: str) -> str | None:
+        """Why a connection to `peer_id` goes straight to the fallback (None: dial first)."""
+        if self.fallback is None:
+            return None
+        if peer_id in self.stream_only:
+            return "peer is not dialable (behind a NAT)"
+        failed = self._direct_failed.get(peer_id)
+        if failed is not None and time.monotonic() - failed < self.direct_retry:
+            return f"direct dial failed {time.monotonic() - failed:.0f}s ago"
+        return None
 
     def is_registered(self, key: RoundKey) -> bool:
         return key in self._rounds

@@ -29,6 +29,7 @@ from dilonode.algo.replay import replay_round
 from dilonode.algo.schedule import SyncPlan
 from dilonode.auth import Credentials
 from dilonode.config import RunConfig
+from dilonode.statesync.link import StreamOpener
 from dilonode.statesync.plan import Replayer
 from dilonode.statesync.service import (
     Recovery,
@@ -74,6 +75,10 @@ class StateKeeper:
         self.resumed_from: Path | None = None
         self._alone_seen = 0
         self._refused = 0  # peers our recoveries refused (impostor, tampered frame)
+        # Streams to the state servers of peers behind a NAT (the node's libp2p tunnel),
+        # and which peers of the last read those are.
+        self.opener: StreamOpener | None = None
+        self._streamed: frozenset[str] = frozenset()
 
     # -- start -------------------------------------------------------------------------
     @property
@@ -116,8 +121,8 @@ class StateKeeper:
             # Publish so that the wait ends about when the transfer does: rounds the peers
             # start after it wait for us while we read manifests once more, as they did
             # when we published after the transfer.
-            self._recover(worker, thread, _serving_peers(dht), dht.credentials, before_final,
-                          final_lead=_PEER_VIEW_S)
+            self._recover(worker, thread, _serving_peers(dht, self), dht.credentials,
+                          before_final, final_lead=_PEER_VIEW_S)
         if not published:
             publish()
         self.checkpointer.start_from(worker.step)
@@ -159,7 +164,8 @@ class StateKeeper:
                       min_rounds=sum(local.rounds) - int(same_rounds),
                       before_final=before_final, auth=auth, final_lead=final_lead,
                       own_candidate=same_rounds and not prefer, wait_behind=wait,
-                      wait_from_step=started, replayer=self._replayer(), prefer=prefer)
+                      wait_from_step=started, replayer=self._replayer(), prefer=prefer,
+                      opener=self.opener, streamed=self._streamed)
         try:
             got = thread.run(asyncio.wait_for(job, sc.recover_timeout),
                              timeout=sc.recover_timeout + 10.0)
@@ -238,7 +244,7 @@ class StateKeeper:
         if not (self.active and self.cfg.statesync.enabled):
             return False
         try:
-            peers = _serving_peers(dht)
+            peers = _serving_peers(dht, self)
         except (RuntimeError, TimeoutError) as exc:  # the DHT is down or restarting
             log.warning("cannot read the peers now to re-sync: %s", exc)
             return False
@@ -299,10 +305,18 @@ class StateKeeper:
         self.checkpointer.wait(timeout=30.0)
 
 
-def _serving_peers(dht: Any) -> dict[str, str]:
-    """Live peers (not us, not leaving) that advertise a state listener."""
-    out = {}
+def _serving_peers(dht: Any, keeper: StateKeeper | None = None) -> dict[str, str]:
+    """Live peers (not us, not leaving) that advertise a state listener. With `keeper`,
+    note there which of them are behind a NAT (reached through `keeper.opener`; without
+    an opener they are left out: nobody could dial them)."""
+    out, private = {}, set()
     for r in dht.fetch_peers():
         if r.peer_id != dht.peer_id and r.state_addr and not (r.status or {}).get("leaving"):
+            if not r.reachable:
+                if keeper is None or keeper.opener is None:
+                    continue
+                private.add(r.peer_id)
             out[r.peer_id] = r.state_addr
+    if keeper is not None:
+        keeper._streamed = frozenset(private)
     return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Awaitable, Callable
 
 from dilonode.allreduce.channel import (
     HANDSHAKE_FRAME_MAX,
@@ -42,7 +43,13 @@ from dilonode.statesync.protocol import (
 )
 from dilonode.wire.errors import RemoteProtocolError
 
-__all__ = ["Link", "reply_key"]
+__all__ = ["CONNECT_TIMEOUT_S", "Link", "StreamOpener", "reply_key"]
+
+# peer id -> a byte stream to that peer's state server by another path (swarm/tunnel.py)
+StreamOpener = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+# A TCP connect answers within a round trip or two; an address that drops the SYN (a peer
+# behind a NAT, a firewall) is given up on after this, not after the request timeout.
+CONNECT_TIMEOUT_S = 5.0
 
 _REPLY_LABEL = b"dilonode/v3/statesync/reply\0"
 
@@ -73,11 +80,20 @@ class Link:
 
     @classmethod
     async def connect(cls, addr: str, auth: Credentials | None, run_id: str, peer_id: str,
-                      expected_peer: str, timeout: float) -> Link:
-        """Dial `addr` and prove that `expected_peer` answers (HandshakeError otherwise)."""
+                      expected_peer: str, timeout: float,
+                      opener: StreamOpener | None = None) -> Link:
+        """Dial `addr` and prove that `expected_peer` answers (HandshakeError otherwise).
+        The TCP connect itself gets at most `CONNECT_TIMEOUT_S` (an address behind a NAT
+        or a firewall that drops the SYN is given up on then), the handshake the rest of
+        `timeout`. With `opener` (a peer behind a NAT) the stream comes from it (a libp2p
+        stream, `dilonode.swarm.tunnel`) instead of a dial; the handshake is the same."""
         host, _, port = addr.rpartition(":")
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, int(port))
+            async with asyncio.timeout(min(timeout, CONNECT_TIMEOUT_S)):
+                if opener is not None:
+                    reader, writer = await opener(expected_peer)
+                else:
+                    reader, writer = await asyncio.open_connection(host, int(port))
             try:
                 shake = OutboundHandshake(auth, run_id, peer_id, expected_peer)
                 writer.write(shake.hello_frame())

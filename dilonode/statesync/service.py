@@ -41,7 +41,7 @@ from dilonode.allreduce.channel import HandshakeError
 from dilonode.auth import Credentials
 from dilonode.config import StateSyncConfig
 from dilonode.listener import Acceptor, bind_listener
-from dilonode.statesync.link import Link
+from dilonode.statesync.link import Link, StreamOpener
 from dilonode.statesync.plan import (
     Assembler,
     FetchPlan,
@@ -271,6 +271,16 @@ class StateServer:
             for task in late:
                 task.cancel()
 
+    async def accept_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                            remote: str) -> None:
+        """Serve one joiner that came by another path than our listening socket (a libp2p
+        stream to a node behind a NAT): the same gate, handshake and requests."""
+        ticket = self.gate.admit(remote)
+        if ticket is None or self._acceptor is None:
+            writer.transport.abort()
+            return
+        await self._handle(reader, writer, ticket)
+
     def _protocol(self, ticket: Ticket) -> asyncio.StreamReaderProtocol:
         """The protocol of one admitted connection: a stream pair served by `_handle`."""
         reader = asyncio.StreamReader(limit=_STREAM_LIMIT)
@@ -426,12 +436,16 @@ class _Client:
     """One recovery: connections to the serving peers and the passes over them."""
 
     def __init__(self, peers: dict[str, str], run_id: str, digest: str,
-                 cfg: StateSyncConfig, auth: Credentials | None, peer_id: str) -> None:
+                 cfg: StateSyncConfig, auth: Credentials | None, peer_id: str,
+                 opener: StreamOpener | None = None,
+                 streamed: Collection[str] = ()) -> None:
         # A random subset, so that many joiners spread over a large swarm.
         chosen = random.sample(sorted(peers), min(len(peers), MAX_SOURCES))
         self.addrs = {p: peers[p] for p in sorted(chosen)}
         self.run_id, self.digest, self.cfg = run_id, digest, cfg
         self.auth, self.peer_id = auth, peer_id
+        # Peers behind a NAT are reached through `opener` (libp2p streams), not dialled.
+        self.opener, self.streamed = opener, frozenset(streamed)
         self.replayer: Replayer | None = None  # replays a round on a fragment (plan.py)
         self.conns: dict[str, Link] = {}
         self.watch: dict[str, Link | None] = {}  # second connections for manifests mid-fetch
@@ -443,6 +457,9 @@ class _Client:
         self.near_end: Callable[[], None] | None = None
         self.lead = 0.0
         self.result = Recovery(state=WorkerState(0, (), ()))
+
+    def _opener(self, peer: str) -> StreamOpener | None:
+        return self.opener if peer in self.streamed else None
 
     def _drop(self, peer: str, why: str, refused: bool = False) -> None:
         self.result.refused += refused
@@ -458,7 +475,8 @@ class _Client:
                 # `peer` is the id its signed record names: the handshake refuses anyone else.
                 self.conns[peer] = await Link.connect(self.addrs[peer], self.auth, self.run_id,
                                                       self.peer_id, peer,
-                                                      self.cfg.request_timeout)
+                                                      self.cfg.request_timeout,
+                                                      self._opener(peer))
             conn = self.conns[peer]
             conn.send(ManifestRequest(run_id=self.run_id))
             msg = await conn.recv()
@@ -490,7 +508,8 @@ class _Client:
                 return None
             if link is False:
                 link = self.watch[peer] = await Link.connect(
-                    addr, self.auth, self.run_id, self.peer_id, peer, self.cfg.request_timeout)
+                    addr, self.auth, self.run_id, self.peer_id, peer, self.cfg.request_timeout,
+                    self._opener(peer))
             assert isinstance(link, Link)
             link.send(ManifestRequest(run_id=self.run_id))
             msg = await link.recv()
@@ -693,7 +712,8 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                   final_lead: float = 0.0, own_candidate: bool = False,
                   wait_behind: float = 0.0, wait_from_step: int = 0,
                   replayer: Replayer | None = None,
-                  prefer: Collection[str] = ()) -> Recovery | None:
+                  prefer: Collection[str] = (), opener: StreamOpener | None = None,
+                  streamed: Collection[str] = ()) -> Recovery | None:
     """Fetch the swarm's current outer state from `peers` (peer id -> state address).
 
     Each connection proves that the peer id it was looked up under answers, and proves us
@@ -731,10 +751,13 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
 
     `prefer` (a node left out of a round for holding another state than its group's):
     only the manifests of these peers are considered while any of them answers.
+
+    `streamed`: peers behind a NAT, reached through `opener` (peer id -> a libp2p stream to
+    its state server, `dilonode.swarm.tunnel`) instead of a dial of their address.
     """
     t0 = time.perf_counter()
     me = _whoami(auth, peer_id)
-    client = _Client(peers, run_id, config_digest, cfg, auth, me)
+    client = _Client(peers, run_id, config_digest, cfg, auth, me, opener, streamed)
     client.replayer = replayer
     own = ({me: await asyncio.to_thread(manifest_of, local, run_id, config_digest,
                                         cfg.chunk_bytes)}  # hashes the whole state

@@ -426,6 +426,8 @@ def _orphan_safe(dht_class: Any) -> Any:
     (`_hold_current_task`)."""
 
     class OrphanSafeDHT(dht_class):  # type: ignore[misc, valid-type]
+        _dilonode_p2pd_flags: dict[str, Any] = {}
+
         async def _get(self, *args: Any, **kwargs: Any) -> Any:
             _hold_current_task()
             return await super()._get(*args, **kwargs)
@@ -448,6 +450,10 @@ def _orphan_safe(dht_class: Any) -> Any:
         def run(self) -> None:
             _die_with_parent(self._dilonode_parent, self._dilonode_by_main)
             _release_parent_sockets()
+            if self._dilonode_p2pd_flags:  # before the node starts its p2pd
+                from dilonode.swarm.reach import add_p2pd_flags
+
+                add_p2pd_flags(self._dilonode_p2pd_flags)
             super().run()
 
         def run_in_background(self, *args: Any, **kwargs: Any) -> Any:
@@ -474,6 +480,8 @@ class SwarmDHT:
         shutdown_timeout: float = 3.0,
         secret: bytes = b"",
         allowed: frozenset[str] | None = None,
+        p2p_options: dict[str, Any] | None = None,
+        p2pd_flags: dict[str, Any] | None = None,
     ) -> None:
         if not re.fullmatch(RUN_ID_PATTERN, run_id):
             raise ValueError(f"run_id {run_id!r} does not match {RUN_ID_PATTERN}")
@@ -488,6 +496,9 @@ class SwarmDHT:
         self.unauthorized_records = 0
         self._secret = secret
         self._allowed = allowed
+        # Reachability (swarm/reach.py): hivemind DHT/P2P keywords, extra p2pd flags.
+        self.p2p_options = dict(p2p_options or {})
+        self.p2pd_flags = dict(p2pd_flags or {})
         self._credentials: Credentials | None = None
         self._owner_subkey = ""
         self._dht: Any = None
@@ -551,7 +562,9 @@ class SwarmDHT:
             record_validators=[_owner_validator(identity)],
             shutdown_timeout=self.shutdown_timeout,
             startup_timeout=timeout,
+            **self.p2p_options,  # reachability (swarm/reach.py)
         )
+        dht._dilonode_p2pd_flags = self.p2pd_flags
         try:
             dht.run_in_background(await_ready=True, timeout=timeout)
             if self._closed:

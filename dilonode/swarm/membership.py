@@ -44,6 +44,7 @@ class Membership:
         # to group only nodes holding the same state (algo/chain.py).
         self.local_state = local_state or (lambda _fragment: ("", 0))
         self.state_addr: str | None = None  # advertised state-sync listener, if any
+        self.reachable = True  # False: behind a NAT, dial us by libp2p stream (swarm/reach)
         # Peer records can be briefly missing from a DHT read: peers that were in our groups
         # within one record ttl are expected too (a dead one costs a window, as its record does).
         self._seen: dict[str, float] = {}
@@ -82,7 +83,7 @@ class Membership:
         record = PeerRecord(peer_id=self.dht.peer_id, run_id=self.run_id,
                             data_addr=self.data_addr, bandwidth_mbps=self.net.bandwidth_mbps,
                             step=int(status.get("step", 0)), status=status,
-                            state_addr=self.state_addr)
+                            state_addr=self.state_addr, reachable=self.reachable)
         # hivemind keeps the value expiring last: the leaving record must outlive the last one.
         self.dht.publish(record, ttl=self.net.peer_ttl + (1.0 if leaving else 0.0))
 

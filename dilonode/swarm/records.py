@@ -113,6 +113,10 @@ class PeerRecord(Record):
     expires_at: float = Field(0.0, description="DHT time after which the record is void")
     # Where joiners fetch this node's outer state (dilonode/statesync); None: not serving.
     state_addr: str | None = None
+    # False: behind a NAT (network.reachable, swarm/reach.py): `data_addr` cannot be
+    # dialled, peers open a libp2p stream to the peer id instead. Optional, so readers of
+    # the same protocol version that predate it ignore it.
+    reachable: bool = True
 
     @field_validator("bandwidth_mbps", "expires_at")
     @classmethod

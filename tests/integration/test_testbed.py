@@ -147,3 +147,71 @@ def test_three_nodes_train_across_namespaces_and_agree(tmp_path):
         # 2 rounds each, plus the end-of-run round of fragments 0 and 1
         assert s["rounds_per_fragment"] == {"0": 3, "1": 3, "2": 2}
         assert s["bytes_sent"] > 0
+
+
+# A TCP listener that prints the address of the first client, and a client that connects
+# (3 s) and prints "ok" or why not; both run inside test bed hosts.
+_WHO = """
+import socket, sys
+s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+s.settimeout(float(sys.argv[3]))
+print(s.accept()[1][0], flush=True)
+"""
+_DIAL = """
+import socket, sys, time
+deadline = time.monotonic() + 10
+while True:
+    try:
+        socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()
+        print("ok")
+        break
+    except ConnectionRefusedError:  # the listener is still starting: retry
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+    except OSError as exc:
+        print(type(exc).__name__)
+        break
+"""
+
+
+def _dial(bed: Testbed, src: str, addr: str, port: int = 7100) -> str:
+    done = bed.run(src, [sys.executable, "-c", _DIAL, addr, str(port)], timeout=20,
+                   capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+@pytest.mark.timeout(120)
+def test_nat_hosts_dial_out_from_their_router_and_cannot_be_dialled():
+    if (why := unavailable_reason(nat=True)) is not None:
+        pytest.skip(why)
+    with Testbed(["pub", "home", "away"], rate_mbit=20, nat=["home", "away"]) as bed:
+        tag = bed.tag
+        home, away = bed.hosts["home"], bed.hosts["away"]
+        assert home.router and home.addr.startswith("192.168.") and not bed.hosts["pub"].router
+        assert bed.public_addr("home") == home.wan_addr != home.addr
+        assert bed.natted() == ["home", "away"]
+        # out through the router: the public host sees the router's address
+        who = bed.popen("pub", [sys.executable, "-c", _WHO, bed.addr("pub"), "7100", "20"],
+                        stdout=subprocess.PIPE, text=True)
+        assert _dial(bed, "home", bed.addr("pub")) == "ok"
+        assert who.communicate(timeout=20)[0].strip() == bed.public_addr("home")
+        # in: nothing reaches a NATed host, neither at its private address nor at its
+        # router's; the bed drops the SYNs, as the internet does (a timeout, not a refusal)
+        listener = bed.popen("home", [sys.executable, "-c", _WHO, "0.0.0.0", "7100", "30"],
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            assert _dial(bed, "pub", home.addr) == "TimeoutError"
+            assert _dial(bed, "pub", bed.public_addr("home")) == "TimeoutError"
+            assert _dial(bed, "away", home.addr) == "TimeoutError"
+            assert _dial(bed, "away", bed.public_addr("home")) == "TimeoutError"
+            assert _dial(bed, "home", bed.addr("home")) == "ok"  # it was listening
+            assert listener.communicate(timeout=10)[0].strip() == home.addr
+        finally:
+            listener.kill()
+            listener.wait(timeout=5)
+        # the host's cap sits on its LAN link
+        assert 0.8 * 20 <= measure_mbit(bed, "away", "pub", 4_000_000) <= 1.05 * 20
+        routers = [home.router, away.router]
+        assert all(r in leftovers([tag]) for r in routers)
+    assert leftovers([tag]) == []
