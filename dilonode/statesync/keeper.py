@@ -165,7 +165,8 @@ class StateKeeper:
                       before_final=before_final, auth=auth, final_lead=final_lead,
                       own_candidate=same_rounds and not prefer, wait_behind=wait,
                       wait_from_step=started, replayer=self._replayer(), prefer=prefer,
-                      opener=self.opener, streamed=self._streamed)
+                      opener=self.opener, streamed=self._streamed,
+                      floor_patience=net.matchmaking_timeout + net.allreduce_timeout)
         try:
             got = thread.run(asyncio.wait_for(job, sc.recover_timeout),
                              timeout=sc.recover_timeout + 10.0)
@@ -282,17 +283,17 @@ class StateKeeper:
             self.checkpointer.maybe_save(worker)
 
     def finish(self, worker: Any, abandoned: int = 0) -> None:
-        """Clean stop: write a last checkpoint, unless a round was abandoned (the state
-        would then claim a round it does not hold)."""
+        """Clean stop: write a last checkpoint. Rounds abandoned while stopping are not in
+        it: the worker's counters were set back to the rounds that landed, so the state is
+        the one after those (a resumed node takes part in the next rounds, or re-syncs)."""
         if abandoned:
-            self.source.detach()  # its counters claim the abandoned rounds: serve nothing
+            self.source.detach()  # stopping with rounds unfinished: serve nothing more
         if not (self.active and self.cfg.checkpoint.on_exit):
             self.checkpointer.wait()
             return
         if abandoned:
-            log.warning("no exit checkpoint: %d round(s) abandoned while stopping", abandoned)
-            self.checkpointer.wait()
-            return
+            log.info("exit checkpoint: the rounds that landed; %d round(s) abandoned while "
+                     "stopping are not in it", abandoned)
         self.checkpointer.save_now(worker)
 
     def close(self, thread: Any) -> None:

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import random
 import threading
 import time
@@ -713,7 +714,8 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                   wait_behind: float = 0.0, wait_from_step: int = 0,
                   replayer: Replayer | None = None,
                   prefer: Collection[str] = (), opener: StreamOpener | None = None,
-                  streamed: Collection[str] = ()) -> Recovery | None:
+                  streamed: Collection[str] = (),
+                  floor_patience: float = math.inf) -> Recovery | None:
     """Fetch the swarm's current outer state from `peers` (peer id -> state address).
 
     Each connection proves that the peer id it was looked up under answers, and proves us
@@ -754,6 +756,12 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
 
     `streamed`: peers behind a NAT, reached through `opener` (peer id -> a libp2p stream to
     its state server, `dilonode.swarm.tunnel`) instead of a dial of their address.
+
+    `floor_patience`: how long (s) the state held may stay below the peers' step before it
+    is taken anyway. A round that may exclude us lands within a round's time; a peer whose
+    state does not move for longer is not landing one (it may itself be blocked, adopting
+    a state), and waiting on it would make two nodes wait on each other. Chains catch a
+    round missed this way at the next round.
     """
     t0 = time.perf_counter()
     me = _whoami(auth, peer_id)
@@ -766,6 +774,7 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     held_target: Target | None = None  # the state `held` is, with its freshest step
     floor: int | None = None  # after publishing: rounds started by then may exclude us
     fetches, failures, published = 0, 0, False
+    below_floor_since: float | None = None  # when the held state was first below `floor`
     final: asyncio.Future[None] | None = None  # before_final, started during a fetch
 
     async def publish_and_wait() -> None:
@@ -823,6 +832,13 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                     continue
                 if floor is None or target.step >= floor:
                     break
+                now = time.perf_counter()
+                below_floor_since = below_floor_since or now
+                if now - below_floor_since >= floor_patience:
+                    log.info("state sync: the peers' state stayed at step %d, below their "
+                             "step %d, for %.1f s: no round is landing; taking it",
+                             target.step, floor, now - below_floor_since)
+                    break
                 await asyncio.sleep(_RETRY_S)  # a round that may exclude us is landing
                 continue
             t_fetch = time.perf_counter()
@@ -840,7 +856,7 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
             fetches += 1
             if got is None:  # a round landed mid-fetch: go on with the newer state
                 continue
-            held, held_target = got, target
+            held, held_target, below_floor_since = got, target, None
             known = {t.name: list(t.chunks) for t in target.manifest.tensors}
             if final is not None and before_final is not None:
                 t_wait = time.perf_counter()
