@@ -37,7 +37,7 @@ lint: $(STAMP)
 
 # About 2.5 h on the 2-core box (docs/benchmarks.md); --resume continues an interrupted run.
 bench-quality: $(STAMP)
-	OMP_NUM_THREADS=1 nice -n 10 $(PY) benchmarks/quality.py --sweep 1.5e-3,3e-3,6e-3 \
+	OMP_NUM_THREADS=1 nice -n 10 $(PY) benchmarks/quality.py --sweep 1.875e-4,3.75e-4,7.5e-4,1.5e-3,3e-3,6e-3 \
 		--seeds 3 --jobs 2 --json runs/bench/quality.json --plot docs/img/quality.png --resume
 
 bench-overlap: $(STAMP)

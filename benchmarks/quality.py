@@ -18,7 +18,7 @@ DiLoCo fp32 of the same seed; payload bytes each worker sent, the ratio to DDP, 
 bytes of one sync). `--json` is rewritten after every finished run, and `--resume` reuses
 the runs in it whose settings match, so an interrupted benchmark continues where it stopped.
 
-    nice -n 10 python benchmarks/quality.py --sweep 1.5e-3,3e-3,6e-3 --seeds 3 --jobs 2 \
+    nice -n 10 python benchmarks/quality.py --sweep 1.875e-4,3.75e-4,7.5e-4,1.5e-3,3e-3,6e-3 --seeds 3 --jobs 2 \
         --json runs/bench/quality.json --plot docs/img/quality.png --resume
 """
 
@@ -88,7 +88,9 @@ def _simulate(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     from dilonode.config import load_config
     from dilonode.sim import simulate
 
-    return asdict(simulate(load_config(overrides=cfg_dict)))
+    cpu0 = time.process_time()
+    report = asdict(simulate(load_config(overrides=cfg_dict)))
+    return report | {"cpu_s": time.process_time() - cpu0}
 
 
 def _key(job: Job) -> str:
@@ -143,8 +145,9 @@ class Runner:
         self.runs[_key(job)] = {"row": job[0], "lr": job[1], "seed": job[2], "config": cfg,
                                 "load_avg": os.getloadavg(), "report": report}
         print(f"[{time.strftime('%H:%M:%S')}] done {_key(job)}: eval loss "
-              f"{report['final_eval_loss']:.4f}, {report['wall_s']:.0f} s, load average "
-              f"{os.getloadavg()[0]:.1f}", flush=True)
+              f"{report['final_eval_loss']:.4f}, {report['wall_s']:.0f} s "
+              f"({report['cpu_s']:.0f} CPU s), load average {os.getloadavg()[0]:.1f}",
+              flush=True)
         self.save()
 
     def report(self, row: str, lr: float, seed: int) -> dict[str, Any]:
@@ -228,6 +231,35 @@ def bytes_per_value(codec: str, block_size: int) -> float:
     return get_codec(codec, block_size).encoded_size(n) / n
 
 
+def markdown(summary: dict[str, dict[str, Any]], runner: Runner, args: argparse.Namespace,
+             lr: float) -> str:
+    """The sweep and the table as Markdown, for docs/benchmarks.md."""
+    out = []
+    if args.sweep:
+        out += ["| inner lr | " + " | ".join(LABELS[r] for r in args.sweep_rows) + " |",
+                "|---" * (len(args.sweep_rows) + 1) + "|"]
+        for s_lr in args.sweep:
+            cells = [f"{runner.report(r, s_lr, 0)['final_eval_loss']:.4f}"
+                     for r in args.sweep_rows]
+            out.append(f"| {s_lr:g}{' (picked)' if s_lr == lr else ''} | "
+                       + " | ".join(cells) + " |")
+        out.append("")
+    out += ["| run | eval loss, mean ± std (min..max) | vs DiLoCo fp32, mean (min..max) | "
+            "sent per worker | fewer bytes than DDP | peak bytes in one sync | "
+            "rounds per fragment |", "|---|---|---|---|---|---|---|"]
+    for s in summary.values():
+        rel = s["rel_vs_diloco"]
+        rel_s = (f"{statistics.fmean(rel) * 100:+.2f}% ({min(rel) * 100:+.2f}.."
+                 f"{max(rel) * 100:+.2f})") if rel else "-"
+        ratio = f"{s['ratio_vs_ddp']:.1f}x" if "ratio_vs_ddp" in s else "-"
+        rounds = ", ".join(str(v) for v in s["rounds_per_fragment"].values()) or "-"
+        out.append(f"| {s['label']} | {s['mean']:.4f} ± {s['std']:.4f} "
+                   f"({min(s['losses']):.4f}..{max(s['losses']):.4f}) | {rel_s} | "
+                   f"{_fmt_bytes(s['bytes_sent_per_worker'])} | {ratio} | "
+                   f"{_fmt_bytes(s['peak_sync_bytes'])} | {rounds} |")
+    return "\n".join(out)
+
+
 def targets(summary: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     """The two targets, met or not, and the byte ratio the schedule allows."""
     lines = []
@@ -303,7 +335,7 @@ def _rows(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workers", type=int, default=4, help="M")
+    ap.add_argument("--workers", type=int, default=2, help="M")
     ap.add_argument("--steps", type=int, default=800, help="inner steps per worker")
     ap.add_argument("--sync-every", type=int, default=50, help="H")
     ap.add_argument("--fragments", type=int, default=2, help="P for streaming (strided)")
@@ -311,10 +343,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=64, help="values per int4/fp4 scale")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=4, help="sequences per worker per step")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per worker per step")
     ap.add_argument("--warmup", type=int, default=20, help="inner lr warm-up steps")
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--eval-batches", type=int, default=48)
+    ap.add_argument("--eval-batches", type=int, default=24)
     ap.add_argument("--lr", type=float, default=3e-3, help="inner lr when there is no --sweep")
     ap.add_argument("--sweep", type=_floats, default=None, help="inner lrs to sweep (seed 0)")
     ap.add_argument("--sweep-rows", type=_rows, default=["ddp", "diloco-fp32", "s-fp32-a0.5"])
@@ -327,6 +359,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="write every run and the summary here")
     ap.add_argument("--resume", action="store_true", help="reuse matching runs from --json")
     ap.add_argument("--plot", type=Path, help="write the loss vs tokens/bytes plot here (PNG)")
+    ap.add_argument("--markdown", action="store_true", help="also print the tables as Markdown")
     args = ap.parse_args(argv)
     args.seed_list = list(range(args.seeds))
     if args.sweep and args.pick_row not in args.sweep_rows:
@@ -346,6 +379,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpus": os.cpu_count(), "processor": _cpu_model(), "torch": torch.__version__,
         "python": platform.python_version(), "load_avg_start": load0,
         "args": {k: str(v) for k, v in vars(args).items()}}}
+
+    if args.resume and args.json and args.json.exists():  # keep how the runs began
+        earlier = json.loads(args.json.read_text()).get("meta", {})
+        doc["meta"]["earlier"] = [*earlier.pop("earlier", []), earlier]
 
     def save() -> None:
         if args.json:
@@ -367,6 +404,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\ninner lr {lr:g}, {len(args.seed_list)} seeds:")
     print(table(summary))
     print(targets(summary, args))
+    if args.markdown:
+        print("\n" + markdown(summary, runner, args, lr))
     doc["lr"], doc["summary"] = lr, summary
     doc["meta"] |= {"finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                     "wall_s": time.time() - t0, "load_avg_end": os.getloadavg()}
