@@ -18,8 +18,8 @@ DiLoCo fp32 of the same seed; payload bytes each worker sent, the ratio to DDP, 
 bytes of one sync). `--json` is rewritten after every finished run, and `--resume` reuses
 the runs in it whose settings match, so an interrupted benchmark continues where it stopped.
 
-    nice -n 10 python benchmarks/quality.py --sweep 1.875e-4,3.75e-4,7.5e-4,1.5e-3,3e-3,6e-3 --seeds 3 --jobs 2 \
-        --json runs/bench/quality.json --plot docs/img/quality.png --resume
+    nice -n 10 python benchmarks/quality.py --sweep 1.875e-4,3.75e-4,7.5e-4,1.5e-3,3e-3,6e-3 \
+        --seeds 3 --jobs 2 --json runs/bench/quality.json --plot docs/img/quality.png --resume
 """
 
 from __future__ import annotations

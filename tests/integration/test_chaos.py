@@ -32,7 +32,10 @@ CFG = {
     "run_id": "chaos-test", "seed": 3, "total_steps": 420, "eval_every": 5, "device": "cpu",
     "model": {"preset": "nano"}, "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 1},
     "diloco": {"mode": "streaming", "sync_every": 12, "num_fragments": 3,
-               "fragment_sync_delay": 1, "fragment_update_alpha": 0.5},
+               "fragment_sync_delay": 1, "fragment_update_alpha": 0.5,
+               # A fixed clock (420 reference steps: about 3 minutes, what the faults need):
+               # rounds stalled by the faults would otherwise slow it and stretch the run.
+               "step_seconds": 0.42, "retune_clock": False},
     "network": {"matchmaking_window": 3.0, "matchmaking_timeout": 8.0,
                 "allreduce_timeout": 8.0, "max_attempts": 3, "peer_ttl": 6.0},
     "supervise": {"check_interval": 1.0, "check_timeout": 3.0, "give_up_after": 12.0},

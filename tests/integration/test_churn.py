@@ -21,7 +21,10 @@ CFG = {
     "run_id": "churn-test", "seed": 11, "total_steps": 400, "eval_every": 2, "device": "cpu",
     "model": {"preset": "nano"}, "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 1},
     "diloco": {"mode": "streaming", "sync_every": 24, "num_fragments": 3,
-               "fragment_sync_delay": 1, "fragment_update_alpha": 0.5},
+               "fragment_sync_delay": 1, "fragment_update_alpha": 0.5,
+               # A fixed clock (400 reference steps: under 3 minutes): rounds stalled by the
+               # kills would otherwise slow it and stretch the run.
+               "step_seconds": 0.4, "retune_clock": False},
     "codec": {"name": "int4"},
     # Short record lifetimes so a killed peer stops being expected at matchmaking soon. Until
     # then every attempt waits the whole window for it (up to 3 attempts a round), so the

@@ -1,4 +1,7 @@
-"""Soak: 4 nodes, over 1,000 fragment rounds on loopback while every core is kept busy.
+"""Soak: 4 nodes, many fragment rounds on loopback while every core is kept busy.
+
+`make test` runs 3 x 100 rounds (about a minute); the soak of docs/benchmarks.md runs
+3 x 334, over 1,000 rounds: `DILONODE_SOAK_ROUNDS=334 pytest -q -s tests/integration/test_soak.py`.
 
 Every completed round is checked exactly: its result must equal the butterfly average,
 recomputed here, of the tensors of the members it reports (so no partial average can pass),
@@ -25,7 +28,8 @@ from tests.integration.soak_node import tensor_for
 pytest.importorskip("hivemind")
 pytestmark = pytest.mark.slow
 
-NODES, ROUNDS, FRAGMENTS, NUMEL = 4, 334, 3, 4096
+NODES, FRAGMENTS, NUMEL = 4, 3, 4096
+ROUNDS = int(os.environ.get("DILONODE_SOAK_ROUNDS", "100"))  # per fragment
 
 
 def _burn(stop) -> None:
@@ -39,7 +43,7 @@ def _burn(stop) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_soak_1000_rounds_under_cpu_load(tmp_path):
+def test_soak_rounds_under_cpu_load(tmp_path):
     from dilonode.config import load_config
 
     swarm = LocalSwarm(load_config(overrides={"run_id": "soak",
@@ -81,7 +85,7 @@ def _check(outputs: list[str]) -> None:
                 peer_index[ev["peer_id"]] = i
             elif ev["event"] == "round":
                 results[(ev["fragment"], ev["round"])].append(ev)
-    assert len(results) == ROUNDS * FRAGMENTS >= 1000
+    assert len(results) == ROUNDS * FRAGMENTS
     codec = get_codec("int4")
     skipped = shared = retried = 0
     for (p, r), evs in results.items():
