@@ -364,7 +364,9 @@ def _follow(swarm: LocalSwarm, inject: _Injector, pending: list[Fault], deadline
         elif kind == "eof":
             open_nodes.discard(name)
         elif kind == "progress":
-            steps[name] = ev["step"]
+            # The swarm's step (the clock every node follows), so faults fall at the same
+            # point of the run however fast a node's own steps are.
+            steps[name] = ev.get("progress", ev["step"])
             progress.setdefault(name, []).append((time.time(), ev["step"],
                                                   ev.get("utilization", 1.0)))
         if pending and _due(pending[0], steps, current, seen["faults"], gap_s):

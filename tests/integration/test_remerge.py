@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=RE
 
 MERGE_BOUND_S = 20.0  # the re-merge backoff (8 s here), a dial, a heartbeat and a read
 CFG = {
-    "run_id": "remerge-test", "seed": 4, "total_steps": 200, "eval_every": 5, "device": "cpu",
+    "run_id": "remerge-test", "seed": 4, "total_steps": 160, "eval_every": 5, "device": "cpu",
     "model": {"preset": "nano"}, "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 1},
     "diloco": {"mode": "streaming", "sync_every": 12, "num_fragments": 3,
                "fragment_sync_delay": 1, "fragment_update_alpha": 0.5,
