@@ -39,7 +39,7 @@ from typing import Any
 import blake3
 import torch
 
-from dilonode.algo.butterfly import part_bounds
+from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import Codec, CodecMeta
 from dilonode.algo.robust import aggregate
 from dilonode.algo.torch_codecs import decode_torch, encode_torch
@@ -75,28 +75,9 @@ def device_butterfly(contributions: list[torch.Tensor], weights: list[float], co
                      token_weights: list[float]) -> tuple[torch.Tensor, list[int], list[int]]:
     """`dilonode.algo.butterfly.butterfly_average` with its output on the contributions'
     device and the device codecs: the same parts, chunks, order and byte counts."""
-    dev = _DeviceCodec(codec)
-    n, numel = len(contributions), contributions[0].numel()
-    out = torch.empty(numel, dtype=torch.float32, device=contributions[0].device)  # [numel]
-    sent, received = [0] * n, [0] * n
-    for owner, (s, e) in enumerate(part_bounds(numel, weights, align=align or codec.block_size)):
-        step = chunk_numel or max(e - s, 1)
-        for lo in range(s, e, step):
-            hi = min(lo + step, e)
-            decoded = []
-            for i, c in enumerate(contributions):
-                data, meta = dev.encode(c[lo:hi])
-                decoded.append(dev.decode(data, meta))
-                if i != owner:
-                    sent[i] += len(data)
-                    received[owner] += len(data)
-            data, meta = dev.encode(reduce(decoded, token_weights))
-            out[lo:hi] = dev.decode(data, meta)
-            sent[owner] += len(data) * (n - 1)
-            for i in range(n):
-                if i != owner:
-                    received[i] += len(data)
-    return out, sent, received
+    return butterfly_average(contributions, weights, _DeviceCodec(codec),  # type: ignore[arg-type]
+                             reduce=reduce, chunk_numel=chunk_numel, align=align,
+                             token_weights=token_weights)
 
 
 class DeviceGroup(LocalGroup):

@@ -184,7 +184,8 @@ def butterfly_average(contributions: Sequence[torch.Tensor], weights: Sequence[f
     tokens = list(token_weights) if token_weights is not None else [1.0] * n
     numel = contributions[0].numel()
     bounds = part_bounds(numel, weights, align=align or codec.block_size)
-    out = torch.empty(numel, dtype=torch.float32)  # [numel]
+    # On the contributions' device: a codec with torch ops keeps the whole reduction there.
+    out = torch.empty(numel, dtype=torch.float32, device=contributions[0].device)  # [numel]
     sent = [0] * n
     received = [0] * n
     for owner, (s, e) in enumerate(bounds):
