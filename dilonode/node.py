@@ -594,12 +594,14 @@ class Node:
         adopted = False
         if stands != mine.digest:
             holders = tuple(p for p, r in records.items() if r.digest == stands)
+            board.publish(mine.model_copy(update={"adopting": stands}))  # holders wait
             adopted = self.keeper.adopt(self.worker, self.collective.thread, self.dht,
                                         prefer=holders)
             mine = self._final_record()
             board.publish(mine)
         # Ours stands (or is now the standing one): give the others time to adopt it.
-        return board.collect(mine, expected, wait, settle=True), mine, adopted
+        return board.collect(mine, expected, wait, settle=True,
+                             patience=self.cfg.statesync.recover_timeout), mine, adopted
 
     def _summary(self, rep: Any) -> NodeSummary:
         st = self.worker.stats

@@ -103,17 +103,25 @@ class FinalBoard:
         return decode_entries(self.dht, key, raw, FinalRecord, self.dht.credentials)
 
     def collect(self, mine: FinalRecord, expected: Collection[str], timeout: float,
-                poll: float = 0.5, settle: bool = False) -> Verdict:
+                poll: float = 0.5, settle: bool = False, patience: float = 0.0) -> Verdict:
         """Read until every expected peer has published for our end step (and, with
-        `settle`, until none of them differs any more) or `timeout` passes."""
-        deadline = time.monotonic() + timeout
+        `settle`, until none of them differs any more) or `timeout` passes. With `settle`,
+        while every peer that differs says it is adopting our weights, wait up to
+        `patience` instead: a state fetch on a loaded host outlasts a round's timeouts."""
+        start = time.monotonic()
         while True:
+            others: Mapping[str, FinalRecord] = {}
             try:
-                got = verdict(mine, self.read(timeout=min(5.0, max(timeout, 0.1))), expected)
+                others = self.read(timeout=min(5.0, max(timeout, 0.1)))
             except (TimeoutError, RuntimeError) as exc:
                 log.debug("end-of-run check: DHT read failed: %s", exc)
-                got = verdict(mine, {}, expected)
-            done = not got.missing and not (settle and got.differ)
-            if done or time.monotonic() >= deadline:
+            got = verdict(mine, others, expected)
+            if not got.missing and not (settle and got.differ):
+                return got
+            limit = timeout
+            if settle and got.differ and all(others[p].adopting == mine.digest
+                                             for p in got.differ):
+                limit = max(timeout, patience)
+            if time.monotonic() - start >= limit:
                 return got
             time.sleep(poll)

@@ -171,6 +171,10 @@ class FinalRecord(SignedRecord):
     chains: list[str] = Field(max_length=4096)
     tokens: int = Field(ge=0, lt=2**63)
     end_step: int = Field(ge=0, lt=2**63)
+    # The digest this node is fetching through state sync right now ("" when none): the
+    # holders of those weights wait for it rather than give up after a round's timeout.
+    # Optional, so readers of the same protocol version that predate it ignore it.
+    adopting: str = Field("", pattern=r"^([0-9a-f]{64})?$")
 
 
 # Longest roster a leader may publish: keeps an entry well under MAX_RECORD_BYTES.

@@ -5,6 +5,7 @@ end-of-run verdict, and the swarm view's agreement line."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import pytest
 
@@ -12,7 +13,7 @@ from dilonode.algo.chain import chain_next, chain_start
 from dilonode.algo.pacing import TimePacer
 from dilonode.auth import Credentials, Identity
 from dilonode.status.swarm import swarm_agreement
-from dilonode.swarm.agreement import standing_digest, verdict
+from dilonode.swarm.agreement import FinalBoard, standing_digest, verdict
 from dilonode.swarm.clock import ClockKeeper, standing_clock
 from dilonode.swarm.matchmaking import form_group, standing_chain
 from dilonode.swarm.records import ClockRecord, FinalRecord, GroupEntry
@@ -123,6 +124,39 @@ def test_end_of_run_verdict_names_who_differs_and_which_weights_stand():
     assert standing_digest(records) == "a" * 64
     assert standing_digest({IDS[0].peer_id: _final(0, "a" * 64, 5),
                             IDS[1].peer_id: _final(1, "b" * 64, 9)}) == "b" * 64
+
+
+def test_holders_of_the_standing_weights_wait_for_peers_adopting_them_and_no_longer():
+    board = Board()
+    holder = FinalBoard(View(board, Credentials(IDS[0], RUN)), RUN)
+    peer = FinalBoard(View(board, Credentials(IDS[1], RUN)), RUN)
+    mine, theirs = _final(0, "a" * 64), _final(1, "b" * 64)
+    holder.publish(mine)
+
+    def settle(patience: float) -> tuple:
+        t0 = time.monotonic()
+        got = holder.collect(mine, {IDS[1].peer_id}, 0.2, poll=0.02, settle=True,
+                             patience=patience)
+        return got, time.monotonic() - t0
+
+    # A peer that differs and is not adopting ours (or adopts other weights): one timeout.
+    for adopting in ("", "c" * 64):
+        peer.publish(theirs.model_copy(update={"adopting": adopting}))
+        got, took = settle(patience=30.0)
+        assert got.agrees is False and took < 5.0
+    # A peer adopting ours: waited for past the timeout, until it holds them.
+    peer.publish(theirs.model_copy(update={"adopting": "a" * 64}))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(settle, 30.0)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            waiting.result(timeout=1.0)  # five times the timeout and still waiting
+        peer.publish(_final(1, "a" * 64))
+        got, took = waiting.result(timeout=10.0)
+    assert got.agrees is True and got.same == [IDS[1].peer_id] and took < 10.0
+    # The wait is bounded by `patience` even if the adopter never finishes.
+    peer.publish(theirs.model_copy(update={"adopting": "a" * 64}))
+    got, took = settle(patience=0.5)
+    assert got.agrees is False and 0.5 <= took < 5.0
 
 
 def test_swarm_view_says_whether_nodes_hold_one_model():
