@@ -770,107 +770,167 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     own = ({me: await asyncio.to_thread(manifest_of, local, run_id, config_digest,
                                         cfg.chunk_bytes)}  # hashes the whole state
            if own_candidate and local is not None else {})
-    held, known = local, dict[str, list[bytes]]()
+    passes = _Passes(client, cfg, me, own, local, min_rounds, before_final, wait_behind,
+                     wait_from_step, tuple(prefer), floor_patience, t0)
+    if before_final is not None and final_lead > 0:
+        client.near_end, client.lead = passes.start_final, final_lead
+    try:
+        while await passes.next():
+            pass
+    finally:
+        passes.close()
+    return passes.outcome()
+
+
+@dataclass
+class _Passes:
+    """One `recover` call's passes and what they carry from one to the next. Each pass
+    reads the manifests and picks the state to take (`_read`); stops when there is none
+    newer than ours (`_nothing_newer`); when the state held is current, publishes our
+    record once and keeps it unless a round that may exclude us is landing (`_settle`);
+    otherwise fetches what changed (`_fetch`)."""
+
+    client: _Client
+    cfg: StateSyncConfig
+    me: str
+    own: dict[str, Manifest]  # our own state's manifest when it competes (own_candidate)
+    held: WorkerState | None  # the state we hold: `local`, then each fetched one
+    min_rounds: int
+    before_final: Callable[[], Awaitable[None]] | None  # None once it has run
+    wait_behind: float
+    wait_from_step: int
+    prefer: tuple[str, ...]
+    floor_patience: float
+    t0: float = field(default_factory=time.perf_counter)
+    known: dict[str, list[bytes]] = field(default_factory=dict)  # chunk digests of `held`
     held_target: Target | None = None  # the state `held` is, with its freshest step
     floor: int | None = None  # after publishing: rounds started by then may exclude us
-    fetches, failures, published = 0, 0, False
+    fetches: int = 0
+    failures: int = 0
+    published: bool = False
     below_floor_since: float | None = None  # when the held state was first below `floor`
     final: asyncio.Future[None] | None = None  # before_final, started during a fetch
 
-    async def publish_and_wait() -> None:
-        assert before_final is not None
+    async def next(self) -> bool:
+        """One pass; False when the state held is the one to keep (or none is newer)."""
+        manifests = await self._read()
+        if not manifests and self.client.busy:
+            await asyncio.sleep(_RETRY_S)  # a trainer is mid-step; ask again
+            return True
+        target = choose_target({**manifests, **self.own} if self.held_target is None
+                               else manifests)
+        if target is None or (self.held_target is None and
+                              sum(target.manifest.rounds) <= self.min_rounds):
+            return await self._nothing_newer(target, manifests)
+        if self.me in target.supporters and self.held_target is None:
+            return False  # our own state is the one the others pick too: keep it
+        if self.floor is None and self.published and self.before_final is None:
+            self.floor = max(m.current_step for m in manifests.values())
+        current = self.held_target is not None and \
+            target.manifest.content_key() == self.held_target.manifest.content_key()
+        if current or (self.before_final is not None and self.fetches >= self.cfg.max_passes):
+            return await self._settle(target, current)
+        return await self._fetch(target, manifests)
+
+    async def _read(self) -> dict[str, Manifest]:
+        client = self.client
+        client.result.passes += 1
+        t_pass = time.perf_counter()
+        watched = client.newer is not None
+        manifests, client.newer = client.newer or await client.manifests(), None
+        if self.prefer and (chosen := {p: m for p, m in manifests.items()
+                                       if p in self.prefer}):
+            manifests = chosen
+        client.result.manifest_seconds += time.perf_counter() - t_pass
+        log.info("state sync: pass %d: %d manifest(s)%s in %.2f s, %.2f s since start",
+                 client.result.passes, len(manifests), " (read while fetching)"
+                 if watched else "", time.perf_counter() - t_pass,
+                 time.perf_counter() - self.t0)
+        return manifests
+
+    async def _nothing_newer(self, target: Target | None,
+                             manifests: dict[str, Manifest]) -> bool:
+        """No state to take: stop, unless a peer has trained to the round we went through
+        alone (`wait_from_step`) and is most likely still landing it."""
+        if (target is not None and time.perf_counter() - self.t0 < self.wait_behind
+                and any(m.current_step >= self.wait_from_step for m in manifests.values())):
+            await asyncio.sleep(_RETRY_S)  # their round is still landing
+            return True
+        return False
+
+    async def _settle(self, target: Target, current: bool) -> bool:
+        """The state held is current (or we fetched `max_passes` times): publish our record
+        and wait once; then keep the state unless it is below the peers' step (`floor`),
+        where a round that may exclude us is landing, for no longer than `floor_patience`."""
+        if current:
+            self.held_target = target  # same content, fresher step
+        if self.before_final is not None:
+            await self._published(self.final if self.final is not None
+                                  else self.before_final())
+            return True
+        if self.floor is None or target.step >= self.floor:
+            return False
+        now = time.perf_counter()
+        self.below_floor_since = self.below_floor_since or now
+        if now - self.below_floor_since >= self.floor_patience:
+            log.info("state sync: the peers' state stayed at step %d, below their step %d, "
+                     "for %.1f s: no round is landing; taking it",
+                     target.step, self.floor, now - self.below_floor_since)
+            return False
+        await asyncio.sleep(_RETRY_S)  # a round that may exclude us is landing
+        return True
+
+    async def _fetch(self, target: Target, manifests: dict[str, Manifest]) -> bool:
+        t_fetch = time.perf_counter()
+        try:
+            got = await self.client.fetch(
+                target, manifests, self.held, self.known,
+                self.held_target.manifest if self.held_target else None)
+        except RecoveryError as exc:  # e.g. every peer holding a chunk moved on: re-read
+            self.failures += 1
+            if self.failures >= _MAX_FAILED_FETCHES or not self.client.addrs:
+                raise
+            log.warning("%s; asking for manifests again", exc)
+            return True
+        finally:
+            self.client.result.fetch_seconds += time.perf_counter() - t_fetch
+        self.fetches += 1
+        if got is None:  # a round landed mid-fetch: go on with the newer state
+            return True
+        self.held, self.held_target, self.below_floor_since = got, target, None
+        self.known = {t.name: list(t.chunks) for t in target.manifest.tensors}
+        if self.final is not None and self.before_final is not None:
+            await self._published(self.final)  # published near the end of this fetch
+        return True
+
+    def start_final(self) -> None:
+        """Publish our record while the last fetch ends (the client's near-end hook)."""
+        if self.final is None and self.before_final is not None:
+            self.final = asyncio.ensure_future(self._publish_and_wait(self.before_final))
+
+    @staticmethod
+    async def _publish_and_wait(before_final: Callable[[], Awaitable[None]]) -> None:
         t_pub = time.perf_counter()
         await before_final()
         log.info("state sync: published our record and waited %.2f s",
                  time.perf_counter() - t_pub)
 
-    def start_final() -> None:
-        nonlocal final
-        if final is None and before_final is not None:
-            final = asyncio.ensure_future(publish_and_wait())
+    async def _published(self, waiting: Awaitable[None]) -> None:
+        t_wait = time.perf_counter()
+        await waiting
+        self.client.result.publish_wait_seconds += time.perf_counter() - t_wait
+        self.before_final, self.published, self.client.near_end = None, True, None
 
-    if before_final is not None and final_lead > 0:
-        client.near_end, client.lead = start_final, final_lead
-    try:
-        while True:
-            client.result.passes += 1
-            t_pass = time.perf_counter()
-            watched = client.newer is not None
-            manifests, client.newer = client.newer or await client.manifests(), None
-            if prefer and (chosen := {p: m for p, m in manifests.items() if p in prefer}):
-                manifests = chosen
-            client.result.manifest_seconds += time.perf_counter() - t_pass
-            log.info("state sync: pass %d: %d manifest(s)%s in %.2f s, %.2f s since start",
-                     client.result.passes, len(manifests), " (read while fetching)"
-                     if watched else "", time.perf_counter() - t_pass,
-                     time.perf_counter() - t0)
-            if not manifests and client.busy:
-                await asyncio.sleep(_RETRY_S)  # a trainer is mid-step; ask again
-                continue
-            target = choose_target({**manifests, **own} if held_target is None else manifests)
-            if target is None or (held_target is None and
-                                  sum(target.manifest.rounds) <= min_rounds):
-                if (target is not None and time.perf_counter() - t0 < wait_behind
-                        and any(m.current_step >= wait_from_step for m in manifests.values())):
-                    await asyncio.sleep(_RETRY_S)  # their round is still landing
-                    continue
-                break
-            if me in target.supporters and held_target is None:
-                break  # our own state is the one the others pick too: keep it
-            if floor is None and published and before_final is None:
-                floor = max(m.current_step for m in manifests.values())
-            current = held_target is not None and \
-                target.manifest.content_key() == held_target.manifest.content_key()
-            if current or (before_final is not None and fetches >= cfg.max_passes):
-                if current:
-                    held_target = target  # same content, fresher step
-                if before_final is not None:
-                    t_wait = time.perf_counter()
-                    await (final if final is not None else before_final())
-                    client.result.publish_wait_seconds += time.perf_counter() - t_wait
-                    before_final, published, client.near_end = None, True, None
-                    continue
-                if floor is None or target.step >= floor:
-                    break
-                now = time.perf_counter()
-                below_floor_since = below_floor_since or now
-                if now - below_floor_since >= floor_patience:
-                    log.info("state sync: the peers' state stayed at step %d, below their "
-                             "step %d, for %.1f s: no round is landing; taking it",
-                             target.step, floor, now - below_floor_since)
-                    break
-                await asyncio.sleep(_RETRY_S)  # a round that may exclude us is landing
-                continue
-            t_fetch = time.perf_counter()
-            try:
-                got = await client.fetch(target, manifests, held, known,
-                                         held_target.manifest if held_target else None)
-            except RecoveryError as exc:  # e.g. every peer holding a chunk moved on: re-read
-                failures += 1
-                if failures >= _MAX_FAILED_FETCHES or not client.addrs:
-                    raise
-                log.warning("%s; asking for manifests again", exc)
-                continue
-            finally:
-                client.result.fetch_seconds += time.perf_counter() - t_fetch
-            fetches += 1
-            if got is None:  # a round landed mid-fetch: go on with the newer state
-                continue
-            held, held_target, below_floor_since = got, target, None
-            known = {t.name: list(t.chunks) for t in target.manifest.tensors}
-            if final is not None and before_final is not None:
-                t_wait = time.perf_counter()
-                await final  # published near the end of this fetch
-                client.result.publish_wait_seconds += time.perf_counter() - t_wait
-                before_final, published, client.near_end = None, True, None
-    finally:
-        if final is not None and not final.done():
-            final.cancel()
-        client.close()
-    if held_target is None or held is None:
-        return None
-    held.step = held_target.step
-    client.result.state = held
-    client.result.agreed_by = held_target.supporters
-    client.result.seconds = time.perf_counter() - t0
-    return client.result
+    def close(self) -> None:
+        if self.final is not None and not self.final.done():
+            self.final.cancel()
+        self.client.close()
+
+    def outcome(self) -> Recovery | None:
+        if self.held_target is None or self.held is None:
+            return None
+        result = self.client.result
+        self.held.step = self.held_target.step
+        result.state, result.agreed_by = self.held, self.held_target.supporters
+        result.seconds = time.perf_counter() - self.t0
+        return result

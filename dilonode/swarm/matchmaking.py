@@ -373,78 +373,120 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
     view = _Board(board, group_key(run_id, fragment, round, attempt, key_index), me,
                   timeout + window, poll_interval)
     _register(view, deadline)
-    reserve = min(_READ_RESERVE_S, timeout - window)
-    window_end = min(time.monotonic() + window, deadline - reserve)
-    skip = frozenset(exclude) - {me.peer_id}
-
-    def dead() -> frozenset[str]:
-        return frozenset(gone() if gone is not None else ()) - {me.peer_id}
-
-    def wanted() -> frozenset[str]:
-        return frozenset(expected() if callable(expected) else expected) - {me.peer_id}
-
-    def closed_or_complete(entries: dict[str, GroupEntry]) -> bool:
-        if _roster_for(entries, me.peer_id)[1]:
-            return True
-        want = wanted()
-        return bool(want) and want <= entries.keys()
-
-    def lonely(entries: dict[str, GroupEntry]) -> bool:
-        return not entries.keys() - skip - {me.peer_id}
-
-    if not view.watch(window_end, closed_or_complete):
-        try:  # the leader decides on a fresh read, not on the last poll
-            view.read(deadline)
-        except TimeoutError as exc:
-            raise MatchmakingError(f"could not read the group under {view.key}: {exc}") from None
-        if wanted() and lonely(view.entries) and not _roster_for(view.entries, me.peer_id)[1]:
-            # Alone while others are expected (they lag, e.g. on a loaded host): nobody
-            # waits on us yet, so wait on for the first of them, then a window for the rest.
-            # Closing alone would leave every late peer alone too.
-            last = deadline - reserve
-            if view.watch(last, lambda got: _roster_for(got, me.peer_id)[1] or not lonely(got)
-                          or not wanted()):
-                view.watch(min(time.monotonic() + window, last), closed_or_complete)
-            with contextlib.suppress(TimeoutError):
-                view.read(deadline)
-    entries = view.entries
-    roster, any_roster = _roster_for(entries, me.peer_id)
-    grouped = _is_grouped(entries, me, max_group_size)
+    steps = _Attempt(view, window, start, deadline, min(_READ_RESERVE_S, timeout - window),
+                    frozenset(exclude) - {me.peer_id}, expected, gone, max_group_size)
+    steps.gather()
+    roster, any_roster = _roster_for(view.entries, me.peer_id)
+    grouped = _is_grouped(view.entries, me, max_group_size)
     if roster is None and not any_roster:
-        # Not `dead()` here: peers that do not know yet would pick another leader.
-        valid = {p: e for p, e in entries.items() if p not in skip} | {me.peer_id: me}
-        if grouped:  # replicas differ by design: nobody is left out for its chain
-            leader = min(valid)
-        else:
-            chain = standing_chain(valid)
-            leader = min(p for p, e in valid.items() if e.chain == chain)
+        leader = steps.leader(grouped)
         if leader == me.peer_id:
-            group = _close(view, skip, deadline, grouped, max_group_size)
+            group = _close(view, steps.skip, deadline, grouped, max_group_size)
             log.info("group %s: closed with %d member(s), digest %s", view.key, group.size,
                      group.digest()[:12])
             return group
+        roster = steps.follow(leader)
+    return steps.joined(roster, grouped)
+
+
+@dataclass
+class _Attempt:
+    """The steps of one `form_group` call after registering: gather entries for the
+    window (`gather`), pick the leader among them (`leader`), as a follower wait for its
+    roster (`follow`), and read our group off the roster, or go alone (`joined`)."""
+
+    view: _Board
+    window: float
+    start: float
+    deadline: float
+    reserve: float  # kept after the window for the leader's fresh read
+    skip: frozenset[str]  # peers we will not group with (honoured when we lead)
+    expected: Collection[str] | Callable[[], Collection[str]]
+    gone: Callable[[], Collection[str]] | None
+    max_group_size: int | None
+
+    def dead(self) -> frozenset[str]:
+        return frozenset(self.gone() if self.gone is not None else ()) - {self.view.me.peer_id}
+
+    def wanted(self) -> frozenset[str]:
+        got = self.expected() if callable(self.expected) else self.expected
+        return frozenset(got) - {self.view.me.peer_id}
+
+    def _closed_or_complete(self, entries: dict[str, GroupEntry]) -> bool:
+        if _roster_for(entries, self.view.me.peer_id)[1]:
+            return True
+        want = self.wanted()
+        return bool(want) and want <= entries.keys()
+
+    def _lonely(self, entries: dict[str, GroupEntry]) -> bool:
+        return not entries.keys() - self.skip - {self.view.me.peer_id}
+
+    def gather(self) -> None:
+        """Watch the key for one window (less if every expected peer registered or a
+        roster appeared), then read it afresh: the leader decides on that read."""
+        view, me, last = self.view, self.view.me.peer_id, self.deadline - self.reserve
+        if view.watch(min(time.monotonic() + self.window, last), self._closed_or_complete):
+            return
+        try:
+            view.read(self.deadline)
+        except TimeoutError as exc:
+            raise MatchmakingError(f"could not read the group under {view.key}: {exc}") from None
+        if self.wanted() and self._lonely(view.entries) and not _roster_for(view.entries, me)[1]:
+            # Alone while others are expected (they lag, e.g. on a loaded host): nobody
+            # waits on us yet, so wait on for the first of them, then a window for the rest.
+            # Closing alone would leave every late peer alone too.
+            if view.watch(last, lambda got: _roster_for(got, me)[1] or not self._lonely(got)
+                          or not self.wanted()):
+                view.watch(min(time.monotonic() + self.window, last), self._closed_or_complete)
+            with contextlib.suppress(TimeoutError):
+                view.read(self.deadline)
+
+    def leader(self, grouped: bool) -> str:
+        """The smallest peer id among those we group with (in an ungrouped key, among the
+        holders of the chain that stands). Not `dead()` here: peers that do not know yet
+        would pick another leader."""
+        me = self.view.me
+        valid = {p: e for p, e in self.view.entries.items() if p not in self.skip}
+        valid[me.peer_id] = me
+        if grouped:  # replicas differ by design: nobody is left out for its chain
+            return min(valid)
+        chain = standing_chain(valid)
+        return min(p for p, e in valid.items() if e.chain == chain)
+
+    def follow(self, leader: str) -> GroupEntry | None:
+        """Wait for `leader`'s roster; the roster naming us, None if one closed without
+        us; MatchmakingError blaming the leader if none came."""
+        view = self.view
         # The leader registered before we first read its entry, so it closes by one window
         # after that (plus DHT latency and its poll), not one window after our own wait:
         # a leader that died costs the others a window and the slack, not two windows.
-        closes_by = view.first_seen.get(leader, time.monotonic()) + window
-        wait_end = min(deadline, max(closes_by, time.monotonic())
-                       + _ROSTER_SLACK_S + poll_interval)
-        view.watch(wait_end, lambda got: _roster_for(got, me.peer_id)[1] or leader in dead())
-        roster, any_roster = _roster_for(view.entries, me.peer_id)
+        closes_by = view.first_seen.get(leader, time.monotonic()) + self.window
+        wait_end = min(self.deadline, max(closes_by, time.monotonic())
+                       + _ROSTER_SLACK_S + view.poll_interval)
+        view.watch(wait_end, lambda got: _roster_for(got, view.me.peer_id)[1]
+                   or leader in self.dead())
+        roster, any_roster = _roster_for(view.entries, view.me.peer_id)
         if roster is None and not any_roster:
-            why = " (it hung up)" if leader in dead() else ""
+            why = " (it hung up)" if leader in self.dead() else ""
             raise MatchmakingError(f"no roster from leader {leader} under {view.key} within "
-                                   f"{time.monotonic() - start:.1f}s{why}", blame=leader)
-    if roster is None:
-        stood = None if grouped else _standing_roster(view.entries)
-        if stood is not None and stood[1] != me.chain:
-            log.warning("group %s: our outer state differs from the one that stands (held "
-                        "by %s); alone this round, then adopting theirs", view.key,
-                        ", ".join(stood[0]))
-            return _alone(me, diverged=stood[0])
-        log.info("group %s: closed without us (late or excluded); alone this round", view.key)
-        return _alone(me)
-    group = _member_group(roster, me, max_group_size)
-    log.info("group %s: %d member(s), I am #%d, digest %s", view.key, group.size,
-             group.my_index, group.digest()[:12])
-    return group
+                                   f"{time.monotonic() - self.start:.1f}s{why}", blame=leader)
+        return roster
+
+    def joined(self, roster: GroupEntry | None, grouped: bool) -> Group:
+        """Our group from the roster that names us; alone when the group closed without
+        us (and, if our state is not the one that stands, told whose is)."""
+        view, me = self.view, self.view.me
+        if roster is None:
+            stood = None if grouped else _standing_roster(view.entries)
+            if stood is not None and stood[1] != me.chain:
+                log.warning("group %s: our outer state differs from the one that stands "
+                            "(held by %s); alone this round, then adopting theirs", view.key,
+                            ", ".join(stood[0]))
+                return _alone(me, diverged=stood[0])
+            log.info("group %s: closed without us (late or excluded); alone this round",
+                     view.key)
+            return _alone(me)
+        group = _member_group(roster, me, self.max_group_size)
+        log.info("group %s: %d member(s), I am #%d, digest %s", view.key, group.size,
+                 group.my_index, group.digest()[:12])
+        return group
