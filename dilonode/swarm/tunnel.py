@@ -48,13 +48,15 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from dilonode.allreduce.transport import DataPlane
 
-__all__ = ["LivePeers", "Relay", "Tunnel", "relay_name", "relay_peers", "stream_name"]
+__all__ = ["LivePeers", "Relay", "Tunnel", "relay_name", "relay_peers", "relayed_name",
+           "stream_name"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ _PIPE_BYTES = 1 << 18  # one read of a relayed stream
 _OK, _REFUSED, _NO_TARGET = b"\x00", b"\x01", b"\x02"
 # What a stream reaches: a service byte in relay requests.
 _SERVICES = {"data": 0, "state": 1}
+
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58, as in records
 
 Pair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 Accept = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
@@ -79,6 +83,13 @@ def stream_name(run_id: str, service: str = "data") -> str:
 def relay_name(run_id: str) -> str:
     """The libp2p stream handler of a run's relay for streams to private nodes."""
     return f"dilonode/{run_id}/relay/v1"
+
+
+def relayed_name(run_id: str, service: str = "data") -> str:
+    """The handler a relay opens on the target: the stream starts with the requester's
+    peer id (one length byte, then base58), so the target's admission caps count the
+    requester, not the relay, as the connection's source."""
+    return f"dilonode/{run_id}/relayed/{service}/v1"
 
 
 def relay_peers(maddrs: Iterable[str]) -> list[str]:
@@ -103,6 +114,26 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
         await writer.drain()
     if writer.can_write_eof():
         writer.write_eof()
+
+
+async def _accept_relayed(accept: Accept, relay: str, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+    """Serve a stream a relay opened for a requester it names first (`relayed_name`); a
+    stream without a valid name is dropped. The name is the relay's word: it only sorts
+    connections for the admission caps, the handshake still proves who is on the line."""
+    try:
+        async with asyncio.timeout(_OP_TIMEOUT):
+            size = (await reader.readexactly(1))[0]
+            requester = (await reader.readexactly(size)).decode("ascii", "replace")
+    except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+        log.debug("relayed stream from %s: no requester: %s", relay, exc)
+        writer.transport.abort()
+        return
+    if not _PEER_ID.fullmatch(requester):
+        log.info("relayed stream from %s: bad requester name %r", relay, requester[:64])
+        writer.transport.abort()
+        return
+    await accept(reader, writer, f"libp2p:{requester} via {relay}")
 
 
 async def _handler_task(tasks: set[asyncio.Task[Any]], serve: Awaitable[None]) -> None:
@@ -210,6 +241,21 @@ class Relay:
         got = self.admitted(peer_id)
         return bool(await got) if inspect.isawaitable(got) else bool(got)
 
+    async def _open(self, target: Any, service: str, requester: str) -> Pair:
+        """A stream to `target` that names `requester` first; to a target that predates
+        `relayed_name`, the plain one (it then counts us as the source)."""
+        try:
+            _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(
+                target, relayed_name(self.run_id, service)), _OP_TIMEOUT)
+        except Exception as exc:  # p2pd's own error types: e.g. no such handler there
+            if isinstance(exc, TimeoutError):
+                raise
+            _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(
+                target, stream_name(self.run_id, service)), _OP_TIMEOUT)
+            return reader, writer
+        writer.write(bytes([len(requester)]) + requester.encode("ascii"))
+        return reader, writer
+
     @staticmethod
     async def _answer(writer: asyncio.StreamWriter, answer: bytes) -> None:
         writer.write(answer)
@@ -232,10 +278,8 @@ class Relay:
         from hivemind.p2p import PeerID
 
         try:
-            _, out_reader, out_writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(
-                    PeerID.from_base58(target), stream_name(self.run_id, names[service])),
-                _OP_TIMEOUT)
+            out_reader, out_writer = await self._open(PeerID.from_base58(target),
+                                                      names[service], requester)
         except Exception as exc:  # p2pd's own error types, timeouts, a bad peer id
             self.stats["no_target"] += 1
             log.info("relay: no stream from %s to %s: %s", requester, target, exc)
@@ -298,7 +342,7 @@ class Tunnel:
 
         self._plane = plane
         self._p2p = await asyncio.wait_for(P2P.replicate(self.daemon_maddr), _OP_TIMEOUT)
-        await self._serve(self.name, plane.accept_stream)
+        await self._serve("data", plane.accept_stream)
         if self.admitted is not None:
             old, self.relay = self.relay, Relay(self._p2p, self.run_id, self.admitted)
             if old is not None:  # re-attached: the counts go on
@@ -308,16 +352,25 @@ class Tunnel:
     async def serve_state(self, accept: Accept) -> None:
         """Also accept streams for the state server (`StateServer.accept_stream`)."""
         self._state_accept = accept
-        await self._serve(stream_name(self.run_id, "state"), accept)
+        await self._serve("state", accept)
 
-    async def _serve(self, name: str, accept: Accept) -> None:
+    async def _serve(self, service: str, accept: Accept) -> None:
+        """Accept `service`'s streams: straight from the opener, or from a relay that
+        names the opener first."""
         async def on_stream(info: Any, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
             await _handler_task(self._streams,
                                 accept(reader, writer, f"libp2p:{info.peer_id}"))
 
-        await asyncio.wait_for(self._p2p.add_binary_stream_handler(name, on_stream),
-                               _OP_TIMEOUT)
+        async def on_relayed(info: Any, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+            await _handler_task(self._streams,
+                                _accept_relayed(accept, str(info.peer_id), reader, writer))
+
+        for name, handler in ((stream_name(self.run_id, service), on_stream),
+                              (relayed_name(self.run_id, service), on_relayed)):
+            await asyncio.wait_for(self._p2p.add_binary_stream_handler(name, handler),
+                                   _OP_TIMEOUT)
 
     async def open(self, peer_id: str, service: str = "data",
                    private: bool | None = None) -> Pair:
@@ -439,7 +492,8 @@ class Tunnel:
             await self.relay.aclose(timeout)
         for task in list(self._streams):
             task.cancel()
-        for name in (self.name, stream_name(self.run_id, "state")):
+        for name in (self.name, stream_name(self.run_id, "state"),
+                     relayed_name(self.run_id, "data"), relayed_name(self.run_id, "state")):
             try:
                 await asyncio.wait_for(p2p.remove_binary_stream_handler(name), timeout)
             except Exception as exc:  # the daemon may be gone, or the handler never set

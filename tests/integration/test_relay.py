@@ -68,13 +68,22 @@ def test_two_private_nodes_average_and_sync_state_through_the_relay():
                       for d, t in zip((da, db), tunnels, strict=True)]
             server = StateServer(SnapshotSource(_FixedWorker(truth)), RUN, digest,
                                  cfg.statesync, HOST, auth=db.credentials)
+            sources: list[str] = []  # what the targets' admission gates counted
+
+            def counted(accept):
+                async def wrapped(reader, writer, remote):
+                    sources.append(remote)
+                    await accept(reader, writer, remote)
+                return wrapped
+
             try:
                 for plane, tunnel in zip(planes, tunnels, strict=True):
                     plane.stream_only = frozenset(ids)
                     await plane.start()
+                    plane.accept_stream = counted(plane.accept_stream)
                     await tunnel.start(plane)
                 await server.start()
-                await tunnels[1].serve_state(server.accept_stream)
+                await tunnels[1].serve_state(counted(server.accept_stream))
                 # the two daemons hold no direct connection: everything goes by the relay
                 assert not await tunnels[0]._connected(db.peer_id)
                 members = tuple(sorted(ids))
@@ -96,7 +105,7 @@ def test_two_private_nodes_average_and_sync_state_through_the_relay():
                 with pytest.raises(ConnectionError, match="refused"):
                     await tunnels[0].open(db.peer_id)
                 return outs, rec, [p.stats for p in planes], dict(relay.stats), \
-                    [t.stats for t in tunnels]
+                    [t.stats for t in tunnels], sources
             finally:
                 await server.aclose()
                 for plane, tunnel in zip(planes, tunnels, strict=True):
@@ -104,7 +113,10 @@ def test_two_private_nodes_average_and_sync_state_through_the_relay():
                     await plane.aclose()
                 await relay.aclose()
 
-        outs, rec, plane_stats, relay_stats, tunnel_stats = asyncio.run(main())
+        outs, rec, plane_stats, relay_stats, tunnel_stats, sources = asyncio.run(main())
+        # each target counted the requester the relay named, not the relay, as the source
+        assert sorted(sources) == sorted([f"libp2p:{db.peer_id} via {boot.peer_id}"]
+                                         + [f"libp2p:{da.peer_id} via {boot.peer_id}"] * 2)
     want = butterfly_average([_inputs(0), _inputs(1)], (1.0, 1.0), get_codec("float32", 64))[0]
     for out in outs:
         assert out.state is RoundState.DONE, out.failure

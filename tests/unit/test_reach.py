@@ -206,3 +206,33 @@ def test_the_relay_refuses_targets_without_a_live_record_and_bad_requests():
     answers, stats, once, ids = asyncio.run(main())
     assert answers == [b"\x01"] * 4 and stats["refused"] == 4 and stats["relayed"] == 0
     assert once == 1 and ids == {"QmLive"} and len(reads) == 2
+
+
+def test_a_relayed_stream_is_counted_as_the_requester_it_names():
+    from dilonode.swarm.tunnel import _accept_relayed
+
+    class _Transport:
+        aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    async def one(head: bytes, eof: bool = True):
+        reader, writer = asyncio.StreamReader(), _Writer()
+        writer.transport = _Transport()
+        reader.feed_data(head + b"rest")
+        if eof:
+            reader.feed_eof()
+        seen = []
+
+        async def accept(r, w, remote):
+            seen.append((remote, await r.read()))
+
+        await _accept_relayed(accept, "QmRelay", reader, writer)
+        return seen, writer.transport.aborted
+
+    name = b"QmAsker"
+    assert asyncio.run(one(bytes([len(name)]) + name)) == (
+        [("libp2p:QmAsker via QmRelay", b"rest")], False)
+    assert asyncio.run(one(bytes([4]) + b"0O/l")) == ([], True)  # not base58
+    assert asyncio.run(one(bytes([40]) + name)) == ([], True)  # cut short
