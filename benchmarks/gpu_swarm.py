@@ -33,6 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `deploy` lives at the root
+
+from deploy.testbed import pid_alive  # noqa: E402
+
 DEFAULT_DIR = Path("runs/gpu/swarm")
 SAMPLE_S = 5.0
 
@@ -83,19 +87,6 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie of ours counts as gone
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 def last_line(path: Path) -> str:
     """The newest line of a log a progress bar rewrites with carriage returns."""
     try:
@@ -111,7 +102,7 @@ def wait(args: argparse.Namespace) -> int:
     info = json.loads((args.dir / "pids.json").read_text())
     deadline = time.monotonic() + args.max_s
     next_print = 0.0
-    while alive(info["swarm_pid"]):
+    while pid_alive(info["swarm_pid"]):
         if time.monotonic() >= deadline:
             print(f"swarm still running after {time.time() - info['started']:.0f} s", flush=True)
             return 3
@@ -127,7 +118,7 @@ def wait(args: argparse.Namespace) -> int:
 def stop(args: argparse.Namespace) -> None:
     """SIGTERM the swarm (its nodes land their rounds and stop)."""
     info = json.loads((args.dir / "pids.json").read_text())
-    if alive(info["swarm_pid"]):
+    if pid_alive(info["swarm_pid"]):
         os.kill(info["swarm_pid"], signal.SIGTERM)
 
 
@@ -159,7 +150,7 @@ def sample(args: argparse.Namespace) -> None:
         out = csv.writer(fh)
         out.writerow(["t", "what", "util_pct", "memory_mib", "power_w"])
         t0 = time.time()
-        while alive(args.pid):
+        while pid_alive(args.pid):
             t = round(time.time() - t0, 1)
             try:
                 for util, mem, power in _smi("utilization.gpu,memory.used,power.draw", "gpu"):
@@ -218,7 +209,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
               if p.name not in nodes}
     return {"nodes": nodes, "expected_nodes": info["nodes"], "errors": errors,
             "identical_outer_weights": len(digests) == 1 and len(nodes) == info["nodes"],
-            "swarm_running": alive(info["swarm_pid"]),
+            "swarm_running": pid_alive(info["swarm_pid"]),
             "run_s": max((v["wall_s"] for v in nodes.values()), default=None),
             "total_tokens_per_s": sum(v["tokens_per_s"] for v in nodes.values()),
             "gpu": _gpu_figures(args.dir / "gpu.csv"), "start": info,

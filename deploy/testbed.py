@@ -64,7 +64,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 __all__ = ["PARTITION_CHAIN", "Host", "SwarmHosts", "Testbed", "TestbedError", "leftovers",
-           "measure_mbit", "swarm_on_testbed", "sweep", "unavailable_reason"]
+           "measure_mbit", "pid_alive", "swarm_on_testbed", "sweep", "unavailable_reason"]
 
 PREFIX = "dtb"  # every namespace and link of a test bed starts with this
 _NS_RE = re.compile(rf"^{PREFIX}-({PREFIX}[0-9a-f]{{5}})-(\d+)-")
@@ -553,7 +553,7 @@ def sweep() -> list[str]:
     for line in _ip("netns", "list").stdout.splitlines():
         ns = line.split()[0] if line.strip() else ""
         m = _NS_RE.match(ns)
-        if m and not _alive(int(m.group(2))):
+        if m and not pid_alive(int(m.group(2))):
             dead_tags.add(m.group(1))
             _kill_netns_pids(ns)
             _ip("netns", "del", ns, check=False)
@@ -565,14 +565,19 @@ def sweep() -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie counts as gone: it ran to its end)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # Linux only, as the test bed itself
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:  # reaped meanwhile
+        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

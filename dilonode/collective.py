@@ -96,10 +96,10 @@ class Collective(Protocol):
 
 @dataclass
 class _Slot:
+    key: SyncKey
     contributions: dict[int, torch.Tensor] = field(default_factory=dict)
     tokens: dict[int, float] = field(default_factory=dict)
     states: dict[int, StateSource] = field(default_factory=dict)
-    key: SyncKey | None = None
     results: dict[int, ReduceResult] | None = None
     skipped: set[int] = field(default_factory=set)  # members that started a later round
     done_at: float = 0.0  # virtual time the result reaches the members (`LocalGroup.now`)
@@ -161,7 +161,7 @@ class LocalGroup:
 
     def _contribute(self, key: SyncKey, worker: int, flat: torch.Tensor,
                     weight: float, state: StateSource | None = None) -> _Slot:
-        slot = self._slots.setdefault(key, _Slot(key=key))
+        slot = self._slots.setdefault(key, _Slot(key))
         if worker in slot.contributions:
             raise RuntimeError(f"worker {worker} contributed twice to {key}")
         slot.contributions[worker] = self._keep(flat)
@@ -203,7 +203,6 @@ class LocalGroup:
         return [sorted(int(w) for w in g) for g in split]
 
     def _reduce(self, slot: _Slot) -> None:
-        assert slot.key is not None
         everyone = sorted(slot.contributions)
         split = self.groups(slot.key, everyone)
         slot.results = {}
@@ -217,7 +216,6 @@ class LocalGroup:
                  grouped_round: bool) -> dict[int, ReduceResult]:
         """One group's round: the butterfly mean of its members' contributions (and, in a
         mixing round, of their states); the results of its members."""
-        assert slot.key is not None
         if slot.key in self.orders:
             everyone = sorted(everyone, key=self.orders[slot.key].index)
         if slot.key.kind == "mix":

@@ -6,7 +6,6 @@ Needs root, `ip` and `tc`; skipped with the reason otherwise.
 
 from __future__ import annotations
 
-import os
 import select
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from deploy.testbed import (
     Testbed,
     leftovers,
     measure_mbit,
+    pid_alive,
     swarm_on_testbed,
     sweep,
     unavailable_reason,
@@ -56,15 +56,6 @@ def _start_owner() -> tuple[subprocess.Popen, str, int]:
     return proc, tag, int(inner)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # a killed child of a dead owner is reaped by init; until then it is a zombie
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-
-
 @pytest.mark.timeout(120)
 def test_tbf_caps_a_tcp_stream_at_the_host_rate():
     with Testbed(["a", "b", "c"], rate_mbit=20, rates={"c": 80}) as bed:
@@ -99,7 +90,7 @@ def test_sigterm_to_the_owner_tears_the_bed_down():
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM  # the default disposition still acts
     assert leftovers([tag]) == []
-    assert _gone(inner)
+    assert not pid_alive(inner)
 
 
 @pytest.mark.timeout(60)
@@ -111,7 +102,7 @@ def test_sweep_removes_what_a_sigkilled_owner_left():
     removed = sweep()
     assert any(tag in name for name in removed), removed
     assert leftovers([tag]) == []
-    assert _gone(inner)
+    assert not pid_alive(inner)
 
 
 @pytest.mark.timeout(420)
