@@ -14,13 +14,15 @@ mid-run. Per run: compute utilization (share of wall time not blocked on the net
 mean and worst node), round latency, rounds per fragment, the clock's retunings, final
 eval loss and agreement. Needs root (network namespaces).
 
-    sudo .venv/bin/python benchmarks/autotune.py --rates 100,20 --json runs/bench/autotune.json
+    sudo .venv/bin/python benchmarks/autotune.py --rates 100,20 --steps 600 \
+        --json runs/bench/autotune.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import queue
 import statistics
 import sys
 import time
@@ -45,7 +47,8 @@ VARIANTS = {
 def run_config(args: argparse.Namespace, name: str, rate: float, out: Path) -> Any:
     return load_config(overrides={
         "run_id": f"auto-{rate:g}-{name.replace('=', '').replace('+', '-')}", "seed": 0,
-        "total_steps": args.steps, "eval_every": 10**9, "device": "cpu",
+        # Progress events come at evaluations: the slow joiner starts on them.
+        "total_steps": args.steps, "eval_every": args.eval_every, "device": "cpu",
         "model": {"preset": args.preset},
         "data": {"seq_len": args.seq_len, "batch_size": args.batch_size},
         "diloco": {"mode": "streaming", "sync_every": args.sync_every,
@@ -70,20 +73,56 @@ def run(args: argparse.Namespace, name: str, rate: float) -> dict[str, Any]:
         swarm.start()
         if joiner:
             _join_midway(swarm, args)
-        summaries = swarm.follow()
+        training: dict[str, float] = {}  # utilization at the last progress event
+
+        def on_event(node: str, ev: dict[str, Any]) -> None:
+            if ev.get("event") == "progress":
+                training[node] = ev["utilization"]
+
+        summaries = swarm.follow(on_event)
     wall = time.perf_counter() - t0
-    nodes = list(summaries.values())
+    # The swarm's figures are the initial nodes'; the joiner's own are reported apart.
+    nodes = [summaries[f"node-{i}"] for i in range(args.nodes) if f"node-{i}" in summaries]
     retunes = sum(_retunes(out / n) for n in summaries)
-    return summarize(name, rate, nodes, retunes) | {"wall_s": round(wall, 1)}
+    row = summarize(name, rate, nodes, retunes) | {"wall_s": round(wall, 1)}
+    # Without the end of the run (the last rounds, the agreement check), which a short
+    # benchmark run weighs far more than a real one.
+    during = [training[f"node-{i}"] for i in range(args.nodes) if f"node-{i}" in training]
+    row["utilization_training"] = statistics.mean(during) if during else None
+    if joiner:  # did it get the state in time and take part, or say why not
+        mine = summaries.get(f"node-{args.nodes}")
+        row["joiner"] = ({"finished": True, "steps": mine["steps"],
+                          "rounds": mine["rounds_per_fragment"],
+                          "utilization": mine["compute_utilization"],
+                          "same_outer": mine["outer_digest"] == nodes[0]["outer_digest"]}
+                         if mine else
+                         {"finished": False, "why": _last_error(out / f"node-{args.nodes}")})
+    return row
+
+
+def _last_error(node_dir: Path) -> str:
+    log = node_dir / "stderr.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return next((ln for ln in reversed(lines) if ln.startswith("dilonode:")), "no summary")
 
 
 def _join_midway(swarm: Any, args: argparse.Namespace) -> None:
-    """Start the slow node once the others have trained a third of the run."""
+    """Start the slow node once the swarm's clock has passed a third of the run; the other
+    events read meanwhile go back for `follow()`."""
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        name, ev = swarm.events.get(timeout=600)
-        if ev.get("event") == "progress" and ev.get("progress", 0) >= args.steps // 3:
-            break
+    seen = []
+    try:
+        while True:
+            name, ev = swarm.events.get(timeout=max(deadline - time.monotonic(), 0.1))
+            if ev.get("event") == "progress" and ev.get("progress", 0) >= args.steps // 3:
+                break
+            seen.append((name, ev))
+    except queue.Empty:
+        raise SystemExit("autotune: the swarm sent no progress past a third of the run "
+                         "within 600 s") from None
+    finally:
+        for item in seen:
+            swarm.events.put(item)
     swarm.n += 1  # follow() waits for it too
     swarm.start_node(args.nodes, ["--set", "network.min_peers=1"])
 
@@ -104,21 +143,28 @@ def summarize(name: str, rate: float, nodes: list[dict[str, Any]],
             "rounds": nodes[0]["rounds_per_fragment"], "clock_retunes": retunes,
             "late_rounds": sum(s.get("late_rounds", 0) for s in nodes),
             "final_eval_loss": statistics.mean(s["final_eval_loss"] for s in nodes),
+            # Paced by the clock a node trains the steps it fits in the run's reference
+            # steps: compare losses knowing the tokens behind them.
+            "steps_mean": statistics.mean(s["steps"] for s in nodes),
+            "tokens_mean": statistics.mean(s["tokens"] for s in nodes),
             "identical_outer": len({s["outer_digest"] for s in nodes}) == 1}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| link | run | utilization mean (min) | round latency | late rounds | clock "
-            "retunes | final eval loss | vs best hand-tuned | agree |")
-    out = [head, "|" + "---|" * 9]
+    head = ("| link | run | utilization mean (min) | while training | round latency | "
+            "late rounds | clock "
+            "retunes | steps per node | final eval loss | vs best hand-tuned | agree | wall |")
+    out = [head, "|" + "---|" * 12]
     for r in rows:
         hand = [x["final_eval_loss"] for x in rows
                 if x["rate_mbit"] == r["rate_mbit"] and x["run"].startswith("tau")]
         rel = f"{(r['final_eval_loss'] / min(hand) - 1) * 100:+.2f}%" if hand else "-"
         out.append(f"| {r['rate_mbit']:g} Mbit/s | {r['run']} | {r['utilization_mean']:.1%} "
-                   f"({r['utilization_min']:.1%}) | {r['latency_mean_s'] or 0:.2f} s "
-                   f"| {r['late_rounds']} | {r['clock_retunes']} | {r['final_eval_loss']:.4f} "
-                   f"| {rel} | {'yes' if r['identical_outer'] else 'NO'} |")
+                   f"({r['utilization_min']:.1%}) | {r['utilization_training'] or 0:.1%} "
+                   f"| {r['latency_mean_s'] or 0:.2f} s "
+                   f"| {r['late_rounds']} | {r['clock_retunes']} | {r['steps_mean']:.0f} "
+                   f"| {r['final_eval_loss']:.4f} | {rel} "
+                   f"| {'yes' if r['identical_outer'] else 'NO'} | {r['wall_s']:.0f} s |")
     return "\n".join(out)
 
 
@@ -134,6 +180,8 @@ def main() -> None:
     ap.add_argument("--preset", default="small")  # as benchmarks/wan.py: network-bound
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--eval-every", type=int, default=30, help="also the progress events' "
+                    "interval, on which the slow joiner starts")
     ap.add_argument("--out", type=Path, default=Path("runs/bench/autotune"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -148,6 +196,10 @@ def main() -> None:
             rows.append(run(args, name, rate))
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
+    for r in rows:
+        if "joiner" in r:
+            print(f"joiner on {args.joiner_rate:g} Mbit/s, swarm on {r['rate_mbit']:g} Mbit/s: "
+                  f"{json.dumps(r['joiner'])}")
     save_rows(args.json, args, rows)
 
 
