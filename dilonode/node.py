@@ -595,10 +595,12 @@ class Node:
         if stands != mine.digest:
             holders = tuple(p for p, r in records.items() if r.digest == stands)
             board.publish(mine.model_copy(update={"adopting": stands}))  # holders wait
-            adopted = self.keeper.adopt(self.worker, self.collective.thread, self.dht,
-                                        prefer=holders)
-            mine = self._final_record()
-            board.publish(mine)
+            try:
+                adopted = self.keeper.adopt(self.worker, self.collective.thread, self.dht,
+                                            prefer=holders)
+            finally:  # adopted or not, we are no longer adopting: nobody waits on us
+                mine = self._final_record()
+                board.publish(mine)
         # Ours stands (or is now the standing one): give the others time to adopt it.
         return board.collect(mine, expected, wait, settle=True,
                              patience=self.cfg.statesync.recover_timeout), mine, adopted
