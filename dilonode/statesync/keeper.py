@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from dilonode.statesync.service import (
 from dilonode.train.checkpoint import Checkpointer, load_latest
 from dilonode.train.state import config_digest, snapshot_error
 
-__all__ = ["StateKeeper", "checkpoint_dir"]
+__all__ = ["StateKeeper", "checkpoint_dir", "min_rounds"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,16 @@ _PEER_VIEW_S = 2.0
 
 def checkpoint_dir(cfg: RunConfig) -> Path:
     return cfg.checkpoint.dir or cfg.paths.checkpoint_dir or Path(cfg.paths.out_dir) / "ckpt"
+
+
+def min_rounds(ours: Sequence[int], same_rounds: bool, prefer: Sequence[str]) -> int:
+    """The rounds (summed over fragments) a state must exceed to be taken: more than ours;
+    as many will do after a lone round (`same_rounds`); any count from the peers whose
+    state stands (`prefer`): rounds we went through alone, at the end of a run above all,
+    may have taken our counters past theirs, and theirs are still the weights to hold."""
+    if prefer:
+        return -1
+    return sum(ours) - int(same_rounds)
 
 
 class StateKeeper:
@@ -161,7 +171,7 @@ class StateKeeper:
         wait = net.matchmaking_timeout + net.allreduce_timeout if same_rounds else 0.0
         started = local.step - self.cfg.diloco.effective().fragment_sync_delay - 1
         job = recover(peers, local, self.cfg.run_id, self.digest, sc,
-                      min_rounds=sum(local.rounds) - int(same_rounds),
+                      min_rounds=min_rounds(local.rounds, same_rounds, prefer),
                       before_final=before_final, auth=auth, final_lead=final_lead,
                       own_candidate=same_rounds and not prefer, wait_behind=wait,
                       wait_from_step=started, replayer=self._replayer(), prefer=prefer,

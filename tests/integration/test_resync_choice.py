@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from dilonode.auth import Credentials, Identity
+from dilonode.statesync.keeper import min_rounds
 from dilonode.statesync.service import SnapshotSource, StateServer, recover
 from dilonode.train.state import WorkerState
 from tests.integration.test_join import _assert_same, _FixedWorker, _state
@@ -108,3 +109,31 @@ def test_after_a_lone_round_slower_peers_are_not_waited_for() -> None:
     got, served = asyncio.run(_resync_after_lone_round(peer_step=44, land=False))
     assert got is None
     assert served == [1, 1]
+
+
+@pytest.mark.timeout(120)
+def test_the_standing_state_is_taken_even_with_fewer_rounds_than_ours() -> None:
+    # At the end of a run a late joiner's lone rounds took its counters to (9, 7, 6) while
+    # the swarm stands at (8, 7, 6): told whose state stands, it takes theirs anyway.
+    ids = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id)
+    creds = {i.peer_id: Credentials(i, CFG.run_id, b"resync-choice-secret") for i in ids}
+    me, peers = ids[0].peer_id, [i.peer_id for i in ids[1:]]
+    _, landed, mine = _lone_round_states()
+    mine = dataclasses.replace(mine, step=54, rounds=(9, 7, 6), outer_steps=(9, 7, 6))
+    assert min_rounds(mine.rounds, True, ()) >= sum(landed.rounds)  # not without `prefer`
+
+    async def main() -> Any:
+        servers = [StateServer(SnapshotSource(_FixedWorker(landed)), CFG.run_id, DIGEST,
+                               CFG.statesync, auth=creds[p]) for p in peers]
+        addrs = {p: await s.start() for p, s in zip(peers, servers, strict=True)}
+        try:
+            return await asyncio.wait_for(recover(
+                addrs, mine, CFG.run_id, DIGEST, CFG.statesync, auth=creds[me],
+                min_rounds=min_rounds(mine.rounds, True, tuple(peers)), prefer=peers), 60)
+        finally:
+            for s in servers:
+                await s.aclose()
+
+    got = asyncio.run(main())
+    assert got is not None
+    _assert_same(got.state, landed, "after adopting the standing state")
