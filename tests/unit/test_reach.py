@@ -63,7 +63,11 @@ def test_a_private_node_reserves_relay_slots_at_its_initial_peers():
 
 
 def test_p2pd_flags_go_only_to_daemons_with_static_relays(monkeypatch):
-    p2p = pytest.importorskip("hivemind.p2p")
+    pytest.importorskip("hivemind")
+    from dilonode.swarm.dht import _import_hivemind
+
+    _import_hivemind()  # as the node does: undoes hivemind's renaming of WARNING
+    from hivemind import p2p
     monkeypatch.setattr(p2p.P2P, "_make_process_args", p2p.P2P._make_process_args)
     reach.add_p2pd_flags({"relayDiscovery": False})
     reach.add_p2pd_flags({"relayDiscovery": False})  # once is enough: not wrapped twice
