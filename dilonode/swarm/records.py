@@ -37,6 +37,7 @@ from dilonode.auth import AuthError, Credentials, open_record, seal_record
 
 __all__ = [
     "MAX_RECORD_BYTES",
+    "PEER_ID_PATTERN",
     "RUN_ID_PATTERN",
     "ClockRecord",
     "FinalRecord",
@@ -60,7 +61,7 @@ MAX_RECORD_BYTES = 64 * 1024
 # Same rule as RunConfig.run_id: keeps keys and the group digest unambiguous.
 RUN_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 # libp2p peer ids in their base58 text form.
-_PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{1,128}$"
+PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{1,128}$"
 _KEY_PREFIX = "dilonode"
 
 R = TypeVar("R", bound="SignedRecord")
@@ -86,7 +87,7 @@ class SignedRecord(BaseModel):
     # breaking older readers; incompatible changes bump PROTOCOL_VERSION instead.
     model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
 
-    peer_id: str = Field(pattern=_PEER_ID_PATTERN)
+    peer_id: str = Field(pattern=PEER_ID_PATTERN)
     run_id: str = Field(pattern=RUN_ID_PATTERN)
     version: int = Field(PROTOCOL_VERSION, ge=1)
 
@@ -139,7 +140,7 @@ class ClockRecord(SignedRecord):
 
     t0: float
     step_seconds: float = Field(gt=0.0, le=86400.0)
-    origin: str = Field(pattern=_PEER_ID_PATTERN)
+    origin: str = Field(pattern=PEER_ID_PATTERN)
     # Later epochs: [reference step it starts at, seconds per step], increasing starts.
     epochs: list[list[float]] = Field(default_factory=list, max_length=1024)
 
@@ -188,7 +189,7 @@ class RosterMember(BaseModel):
 
     model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
 
-    peer_id: str = Field(pattern=_PEER_ID_PATTERN)
+    peer_id: str = Field(pattern=PEER_ID_PATTERN)
     data_addr: str
     bandwidth_mbps: float = Field(gt=0.0)
 

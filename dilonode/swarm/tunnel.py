@@ -54,6 +54,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from dilonode.allreduce.transport import DataPlane
+from dilonode.swarm.records import PEER_ID_PATTERN
 
 __all__ = ["LivePeers", "Relay", "Tunnel", "relay_name", "relay_peers", "relayed_name",
            "stream_name"]
@@ -67,8 +68,6 @@ _PIPE_BYTES = 1 << 18  # one read of a relayed stream
 _OK, _REFUSED, _NO_TARGET = b"\x00", b"\x01", b"\x02"
 # What a stream reaches: a service byte in relay requests.
 _SERVICES = {"data": 0, "state": 1}
-
-_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58, as in records
 
 Pair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 Accept = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
@@ -129,7 +128,7 @@ async def _accept_relayed(accept: Accept, relay: str, reader: asyncio.StreamRead
         log.debug("relayed stream from %s: no requester: %s", relay, exc)
         writer.transport.abort()
         return
-    if not _PEER_ID.fullmatch(requester):
+    if not re.fullmatch(PEER_ID_PATTERN, requester):
         log.info("relayed stream from %s: bad requester name %r", relay, requester[:64])
         writer.transport.abort()
         return
