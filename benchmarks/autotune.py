@@ -85,7 +85,7 @@ def run(args: argparse.Namespace, name: str, rate: float) -> dict[str, Any]:
     nodes = [summaries[f"node-{i}"] for i in range(args.nodes) if f"node-{i}" in summaries]
     retunes = sum(_retunes(out / n) for n in summaries)
     row = summarize(name, rate, nodes, retunes) | {"wall_s": round(wall, 1)}
-    # Without the end of the run (the last rounds, the agreement check), which a short
+    # Before the end-of-run rounds of every fragment, which a short
     # benchmark run weighs far more than a real one.
     during = [training[f"node-{i}"] for i in range(args.nodes) if f"node-{i}" in training]
     row["utilization_training"] = statistics.mean(during) if during else None
