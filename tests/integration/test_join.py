@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,8 @@ class _Proc:
                 continue
         self.events.put({"event": "eof"})
 
-    def wait_for(self, event: str, timeout: float, min_step: int = 0) -> dict:
+    def wait_for(self, event: str, timeout: float, min_step: int = 0,
+                 until: Callable[[dict], bool] = lambda ev: True) -> dict:
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -75,7 +77,7 @@ class _Proc:
                 break
             if ev.get("event") == "eof":
                 break
-            if ev.get("event") == event and ev.get("step", 0) >= min_step:
+            if ev.get("event") == event and ev.get("step", 0) >= min_step and until(ev):
                 return ev
         raise AssertionError(f"{self.out.name}: no {event!r} (step >= {min_step}) within "
                              f"{timeout} s")
@@ -110,7 +112,10 @@ def test_joiner_recovers_state_and_contributes(tmp_path):
         maddrs = swarm.start_bootstrap()
         procs = [_Proc(tmp_path, cfg_path, maddrs, i, "--set", "network.min_peers=2")
                  for i in range(2)]
-        procs[0].wait_for("progress", 180, min_step=12)  # two rounds per fragment done
+        # Two rounds of every fragment landed: the state is then labelled step 13 or later
+        # (paced by the clock a node's own step says nothing of its rounds).
+        procs[0].wait_for("progress", 180, until=lambda ev: len(ev["rounds"]) == 3
+                          and min(ev["rounds"].values()) >= 2)
         procs.append(_Proc(tmp_path, cfg_path, maddrs, 2))
         rec = procs[2].wait_for("recovered", 120)
         procs[2].wait_for("progress", 120, min_step=rec["step"] + 12)
