@@ -63,6 +63,7 @@ from dilonode.algo.codecs import get_codec
 from dilonode.allreduce.driver import run_round
 from dilonode.allreduce.round import GroupSpec, RoundState, group_digest
 from dilonode.allreduce.transport import DataPlane
+from dilonode.config import DEFAULT_CHUNK_NUMEL
 
 __all__ = ["main", "parse_args"]
 
@@ -76,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="measured rounds per method")
     p.add_argument("--codecs", default="float32,bfloat16,int8,int4")
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=1 << 18, help="values per frame")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_NUMEL,
+                   help="values per frame (default: the daemon's network.chunk_numel)")
     p.add_argument("--timeout", type=float, default=300.0, help="round timeout, s")
     p.add_argument("--sockbuf", type=int, default=4 << 20, help="SO_SNDBUF/RCVBUF, 0=kernel")
     p.add_argument("--inline", action="store_true", help="round work on the event loop")

@@ -30,7 +30,8 @@
 # QUALITY_ARGS (more gpu_quality.py arguments, e.g. "--batch-size 8": use the same for every
 # method), QUALITY_MAX_S (540: a quality run projected to last longer stops at step 50),
 # SWARM_MINUTES (11), SWARM_WAIT_S (480), SWARM_COLLECT_WAIT_S (540),
-# ROUNDS_50M (3), ROUNDS_500M (2), CHUNK_500M (1048576) for codecs.
+# ROUNDS_50M (3), ROUNDS_500M (2), CODEC_CHUNKS (the int4 chunk sweep at 50M: 262144 1048576
+# 2097152 4194304 8388608 16777216) for codecs; their other rows take the daemon's chunk.
 # Without a CUDA GPU a GPU stage says so and is skipped (exit 0), unless SMOKE=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -148,9 +149,16 @@ stage_codecs() {
   "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_codec_paths.py 2>&1 \
     | tail -3 | tee -a "$SUMMARY"
   bench cuda_50m --device cuda --numel 50000000 --codecs float32,int4 --rounds "${ROUNDS_50M:-3}"
-  bench cpu_50m --device cpu --numel 50000000 --codecs int4 --rounds "${ROUNDS_50M:-3}"
+  bench cpu_50m --device cpu --numel 50000000 --codecs int4,float32 --rounds "${ROUNDS_50M:-3}"
   bench cuda_500m --device cuda --numel 500000000 --codecs int4,float32 \
-    --rounds "${ROUNDS_500M:-2}" --chunk "${CHUNK_500M:-1048576}"
+    --rounds "${ROUNDS_500M:-2}"
+  # Every chunk costs kernel launches and host syncs on the GPU path; the daemon's default
+  # (network.chunk_numel) comes from this sweep (docs/codec-results.md).
+  local c
+  for c in ${CODEC_CHUNKS:-262144 1048576 2097152 4194304 8388608 16777216}; do
+    bench "cuda_50m_chunk$c" --device cuda --numel 50000000 --codecs int4 --rounds 5 \
+      --chunk "$c"
+  done
   "$PY" - "$out" <<'EOF' | tee -a "$SUMMARY"
 import json, sys
 from pathlib import Path

@@ -65,6 +65,7 @@ from dilonode.allreduce.round import (
 )
 from dilonode.allreduce.transport import DataPlane, Inbox, PeerEvent
 from dilonode.collective import ReduceResult, StateSource, SyncKey
+from dilonode.config import DEFAULT_CHUNK_NUMEL
 from dilonode.wire.errors import one_line
 from dilonode.wire.messages import Abort
 
@@ -274,10 +275,8 @@ class RoundPolicy:
 
     codec: str = "int4"
     block_size: int = 64
-    # Values per frame. Per-frame costs are fixed (codec calls, validation, a thread hop):
-    # at 10M values on loopback 64K-value chunks ran ~1.5x slower than 256K; 1M was ~10%
-    # faster still, but larger chunks delay the first results and buffer more per chunk.
-    chunk_numel: int = 1 << 18
+    # Values per frame, as `NetworkConfig.chunk_numel` (its description has the figures).
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL
     timeout: float = 30.0
     max_attempts: int = 3
     aggregator: AggregatorSpec = AggregatorSpec()
