@@ -323,28 +323,27 @@ class Node:
         return self.peer_id == min(live | {self.peer_id})
 
     def _retune(self, clock: Any, ref_now: float) -> float | None:
-        """Seconds per reference step the swarm needs: rounds (matchmaking included) should
-        land within half a round period at the 90th percentile on every node, so nobody
-        blocks on a result, within diloco.min/max_round_seconds, and never faster than the
-        clock was started (H reference steps stay about H steps of the node that started
-        it); None when the clock is within 25% (slower) or 2x (faster) of that."""
+        """Seconds per reference step the swarm needs (`pacing.retune_step_seconds`), from
+        the round latencies and, when the clock was measured rather than set by hand
+        (diloco.step_seconds unset), the step times that live nodes publish."""
+        from dilonode.algo.pacing import retune_step_seconds
         from dilonode.status.snapshot import p90
 
         a = self.cfg.diloco.effective()
+        measured = a.step_seconds is None
         own = p90(list(self.worker.stats.recent_latency))
-        seen = [own] if own is not None else []
+        latencies = [own] if own is not None else []
+        steps = [s] if measured and (s := self.worker.pacer.step_s) else []
         for rec in self.membership.live_peers(max_age=math.inf) if self.membership else []:
-            value = (rec.status or {}).get("round_p90_s")
-            if isinstance(value, int | float) and math.isfinite(value) and 0 < value < 1e5:
-                seen.append(float(value))
-        if not seen:
+            status = rec.status or {}
+            if (value := _positive(status.get("round_p90_s"))) is not None:
+                latencies.append(value)
+            if measured and (value := _positive(status.get("step_s"))) is not None:
+                steps.append(value)
+        if not latencies and not steps:
             return None
-        period = min(max(2.0 * max(seen), a.min_round_seconds), a.max_round_seconds)
-        want = max(period / a.sync_every, clock.step_seconds)
-        now = clock.current_step_seconds
-        if want > 1.25 * now or want < 0.5 * now:
-            return want
-        return None
+        return retune_step_seconds(clock, latencies, steps, a.sync_every,
+                                   a.min_round_seconds, a.max_round_seconds)
 
     async def _form(self, fragment: int, round_no: int, attempt: int,
                     exclude: set[str]) -> FormedGroup:
@@ -665,3 +664,11 @@ def _serves_replays(cfg: RunConfig) -> bool:
     Not for float32: the result is then as large as the fragment's weights, so keeping it
     would add the model's size in memory to save a joiner at most half a fragment."""
     return cfg.statesync.enabled and cfg.diloco.mode != "ddp" and cfg.codec.name != "float32"
+
+
+def _positive(value: Any) -> float | None:
+    """A finite positive number read off a peer's status, else None (peers' data)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) \
+            and math.isfinite(value) and 0 < value < 1e5:
+        return float(value)
+    return None

@@ -42,7 +42,8 @@ from dilonode.algo.schedule import SyncPlan, SyncStart
 # (equal-speed workers on an exact clock then start exactly where step pacing does).
 _HAIR = 1e-6
 
-__all__ = ["Pacer", "StepPacer", "SwarmClock", "TimePacer", "due_starts", "final_rounds"]
+__all__ = ["Pacer", "StepPacer", "SwarmClock", "TimePacer", "due_starts", "final_rounds",
+           "retune_step_seconds"]
 
 
 @dataclass(frozen=True)
@@ -195,3 +196,32 @@ def final_rounds(plan: SyncPlan, next_round: Sequence[int], end_step: int) -> li
             continue
         out.append(SyncStart(p, max(started, next_round[p])))
     return out
+
+
+def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
+                        step_times: Sequence[float], sync_every: int,
+                        min_round_s: float, max_round_s: float) -> float | None:
+    """Seconds per reference step the swarm needs now, or None to keep `clock` as it is.
+
+    Two needs; the slower clock wins, kept within min_round_s..max_round_s per round period
+    (`sync_every` reference steps):
+
+    * links (`round_p90s`: each node's 90th-percentile round latency, matchmaking
+      included): a round lands within half a round period, so nobody blocks on a result;
+    * throughput (`step_times`: live nodes' own step times; empty when the clock's rate
+      was set by hand): one reference step is one step of the fastest node, so a run of N
+      reference steps trains N of its steps. A clock proposed from a node's first steps
+      ran 15-23% ahead of the nodes on a shared host (docs/autotune-results.md).
+
+    Without step times the clock is never made faster than it started. Hysteresis: a need
+    set by throughput retunes past 10% either way (step times are medians, steady); one set
+    by the links past 25% slower or 2x faster (latencies jump with the rounds' traffic).
+    """
+    lo, hi = min_round_s / sync_every, max_round_s / sync_every
+    links = 2.0 * max(round_p90s) / sync_every if round_p90s else 0.0
+    pace = min(step_times) if step_times else clock.step_seconds
+    want = min(max(links, pace, lo), hi)
+    now = clock.current_step_seconds
+    if step_times and want > links:
+        return want if abs(want / now - 1.0) > 0.10 else None
+    return want if want > 1.25 * now or want < 0.5 * now else None

@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from dilonode.algo.pacing import StepPacer, SwarmClock, TimePacer, due_starts, final_rounds
+from dilonode.algo.pacing import (
+    StepPacer,
+    SwarmClock,
+    TimePacer,
+    due_starts,
+    final_rounds,
+    retune_step_seconds,
+)
 from dilonode.algo.schedule import SyncPlan, SyncStart
 from dilonode.config import load_config
 from dilonode.sim import simulate
@@ -121,3 +128,50 @@ def test_step_locked_pacing_makes_fast_workers_wait_for_the_slowest():
     assert fast["steps"] == slow["steps"] == 40
     assert fast["utilization"] < 0.4  # it waited for a worker 4x slower every round
     assert report.virtual_s == pytest.approx(160.0, abs=8.0)
+
+
+# ----------------------------------------------------------------- retuning the clock
+
+H, LO, HI = 30, 5.0, 3600.0  # sync_every, min/max round seconds
+
+
+def _retune(clock: SwarmClock, latencies=(), steps=()) -> float | None:
+    return retune_step_seconds(clock, list(latencies), list(steps), H, LO, HI)
+
+
+def test_retune_follows_the_fastest_nodes_measured_step_when_the_clock_ran_ahead():
+    # Proposed from a node's first steps (0.2 s); the nodes turned out to step at 0.24-0.5 s.
+    clock = SwarmClock(0.0, 0.2)
+    assert _retune(clock, latencies=[0.6], steps=[0.5, 0.24, 0.3]) == pytest.approx(0.24)
+    # ... and faster again when they speed up (the start rate is no floor with step times).
+    slow = clock.with_epoch(40.0, 0.3)
+    assert _retune(slow, latencies=[0.6], steps=[0.2, 0.4]) == pytest.approx(0.2)
+
+
+def test_retune_keeps_a_clock_within_ten_percent_of_the_nodes():
+    clock = SwarmClock(0.0, 0.2)
+    assert _retune(clock, latencies=[0.6], steps=[0.215, 0.3]) is None
+    assert _retune(clock, latencies=[0.6], steps=[0.185]) is None
+
+
+def test_retune_for_the_links_wins_over_throughput_when_rounds_take_longer():
+    # p90 of 9 s: rounds must come every 18 s at least = 0.6 s per reference step.
+    clock = SwarmClock(0.0, 0.2)
+    assert _retune(clock, latencies=[1.0, 9.0], steps=[0.25]) == pytest.approx(0.6)
+    # Within 25% slower of what the links need: kept (latencies jump with the traffic).
+    assert _retune(clock.with_epoch(40.0, 0.55), latencies=[9.0], steps=[0.25]) is None
+
+
+def test_retune_without_step_times_never_goes_faster_than_the_clock_started():
+    clock = SwarmClock(0.0, 0.5)  # step_seconds set by hand: no step times are used
+    assert _retune(clock, latencies=[0.1]) is None
+    assert _retune(clock.with_epoch(40.0, 2.0), latencies=[0.1]) == pytest.approx(0.5)
+    assert _retune(clock, latencies=[12.0]) == pytest.approx(0.8)
+
+
+def test_retune_stays_within_the_round_period_bounds():
+    clock = SwarmClock(0.0, 1.0)
+    # The fastest node steps at 1 ms: rounds would come every 30 ms, below min_round_s.
+    assert _retune(clock, latencies=[0.01], steps=[0.001]) == pytest.approx(LO / H)
+    # Links so slow that rounds would come every 2 h: capped at max_round_s.
+    assert _retune(clock, latencies=[3600.0]) == pytest.approx(HI / H)
