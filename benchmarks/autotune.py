@@ -46,7 +46,7 @@ VARIANTS = {
 
 def run_config(args: argparse.Namespace, name: str, rate: float, out: Path) -> Any:
     return load_config(overrides={
-        "run_id": f"auto-{rate:g}-{name.replace('=', '').replace('+', '-')}", "seed": 0,
+        "run_id": f"auto-{rate:g}-{name.replace('=', '').replace('+', '-')}", "seed": args.seed,
         # Progress events come at evaluations: the slow joiner starts on them.
         "total_steps": args.steps, "eval_every": args.eval_every, "device": "cpu",
         "model": {"preset": args.preset},
@@ -173,6 +173,7 @@ def main() -> None:
     ap.add_argument("--rates", default="100,20")
     ap.add_argument("--runs", default=",".join(VARIANTS))
     ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0, help="model init and data order")
     ap.add_argument("--joiner-rate", type=float, default=10.0)
     ap.add_argument("--steps", type=int, default=270)
     ap.add_argument("--sync-every", type=int, default=30)

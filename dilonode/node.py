@@ -333,7 +333,7 @@ class Node:
         measured = a.step_seconds is None
         own = p90(list(self.worker.stats.recent_latency))
         latencies = [own] if own is not None else []
-        steps = [s] if measured and (s := self.worker.pacer.step_s) else []
+        steps = [s] if measured and (s := self.worker.pacer.pace_s) else []
         for rec in self.membership.live_peers(max_age=math.inf) if self.membership else []:
             status = rec.status or {}
             if (value := _positive(status.get("round_p90_s"))) is not None:

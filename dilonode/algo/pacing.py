@@ -137,12 +137,13 @@ class TimePacer:
     timed = True
 
     def __init__(self, now: Callable[[], float], clock: SwarmClock | None = None,
-                 window: int = 9) -> None:
+                 window: int = 9, pace_window: int = 64) -> None:
         self.now = now
         self.clock = clock
         self._intervals: deque[float] = deque(maxlen=window)
         self._last: float | None = None
         self._pause = 0.0  # announced at the last boundary: not part of the step time
+        self._boundaries: deque[float] = deque(maxlen=pace_window + 1)  # for `pace_s`
 
     @property
     def step_s(self) -> float | None:
@@ -152,11 +153,23 @@ class TimePacer:
         ordered = sorted(self._intervals)
         return ordered[len(ordered) // 2]
 
+    @property
+    def pace_s(self) -> float | None:
+        """Wall seconds per own step over the last `pace_window` steps, evaluations and
+        waits included: how fast this worker gets through reference steps' worth of work,
+        what the swarm clock should not outrun (`retune_step_seconds`). None until the
+        window is full (the first steps carry warm-up)."""
+        b = self._boundaries
+        if len(b) < b.maxlen or b[-1] <= b[0]:
+            return None
+        return (b[-1] - b[0]) / (len(b) - 1)
+
     def at_step(self, own_step: int, pause_s: float = 0.0) -> tuple[float, float]:
         t = self.now()
         if self._last is not None and t > self._last:
             self._intervals.append(t - self._last - self._pause)
         self._last, self._pause = t, pause_s
+        self._boundaries.append(t)
         if self.clock is None:
             return -math.inf, 0.0
         lead = ((self.step_s or 0.0) + pause_s) / self.clock.step_seconds
@@ -165,6 +178,7 @@ class TimePacer:
     def restart(self) -> None:
         """Forget the last boundary (after a pause that was not a step: a re-sync)."""
         self._last = None
+        self._boundaries.clear()
 
 
 def due_starts(plan: SyncPlan, next_round: Sequence[int], ref_now: float,
@@ -208,14 +222,15 @@ def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
 
     * links (`round_p90s`: each node's 90th-percentile round latency, matchmaking
       included): a round lands within half a round period, so nobody blocks on a result;
-    * throughput (`step_times`: live nodes' own step times; empty when the clock's rate
-      was set by hand): one reference step is one step of the fastest node, so a run of N
-      reference steps trains N of its steps. A clock proposed from a node's first steps
-      ran 15-23% ahead of the nodes on a shared host (docs/autotune-results.md).
+    * throughput (`step_times`: live nodes' wall seconds per own step, `TimePacer.pace_s`;
+      empty when the clock's rate was set by hand): one reference step is one step of the
+      fastest node, so a run of N reference steps trains N of its steps. A clock proposed
+      from a node's first steps ran 12-23% ahead of the nodes on a shared host
+      (docs/autotune-results.md): evaluations, waits and contention come later.
 
     Without step times the clock is never made faster than it started. Hysteresis: a need
-    set by throughput retunes past 10% either way (step times are medians, steady); one set
-    by the links past 25% slower or 2x faster (latencies jump with the rounds' traffic).
+    set by throughput retunes past 5% either way (paces are averages over many steps); one
+    set by the links past 25% slower or 2x faster (latencies jump with the rounds' traffic).
     """
     lo, hi = min_round_s / sync_every, max_round_s / sync_every
     links = 2.0 * max(round_p90s) / sync_every if round_p90s else 0.0
@@ -223,5 +238,5 @@ def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
     want = min(max(links, pace, lo), hi)
     now = clock.current_step_seconds
     if step_times and want > links:
-        return want if abs(want / now - 1.0) > 0.10 else None
+        return want if abs(want / now - 1.0) > 0.05 else None
     return want if want > 1.25 * now or want < 0.5 * now else None

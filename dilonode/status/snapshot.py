@@ -125,7 +125,7 @@ class NodeStatus:
             if evals:
                 self._cur.update(eval_step=evals[-1][0], eval_loss=finite_or_none(evals[-1][1]))
             if getattr(worker, "plan", None) is not None:
-                step_s = getattr(worker.pacer, "step_s", None)  # TimePacer: own step time
+                step_s = getattr(worker.pacer, "pace_s", None)  # TimePacer: s per own step
                 self._cur.update(swarm_step=worker.swarm_step, state_chain=state_chain(worker),
                                  round_p90_s=p90(list(st.recent_latency)),
                                  step_s=round(step_s, 5) if step_s else None)

@@ -148,10 +148,28 @@ def test_retune_follows_the_fastest_nodes_measured_step_when_the_clock_ran_ahead
     assert _retune(slow, latencies=[0.6], steps=[0.2, 0.4]) == pytest.approx(0.2)
 
 
-def test_retune_keeps_a_clock_within_ten_percent_of_the_nodes():
+def test_retune_keeps_a_clock_within_five_percent_of_the_nodes():
     clock = SwarmClock(0.0, 0.2)
-    assert _retune(clock, latencies=[0.6], steps=[0.215, 0.3]) is None
-    assert _retune(clock, latencies=[0.6], steps=[0.185]) is None
+    assert _retune(clock, latencies=[0.6], steps=[0.209, 0.3]) is None
+    assert _retune(clock, latencies=[0.6], steps=[0.191]) is None
+    assert _retune(clock, latencies=[0.6], steps=[0.212]) == pytest.approx(0.212)
+
+
+def test_time_pacer_pace_counts_evaluations_and_waits_over_its_window():
+    t = [0.0]
+    pacer = TimePacer(lambda: t[0], SwarmClock(0.0, 0.1), pace_window=4)
+    # (seconds to the next boundary, evaluation announced at this one)
+    for step, (dt, pause) in enumerate([(0.1, 0.0), (0.6, 0.5), (0.1, 0.0), (0.1, 0.0),
+                                        (0.1, 0.0)]):
+        assert pacer.pace_s is None  # the window is not full yet
+        pacer.at_step(step, pause_s=pause)
+        t[0] += dt
+    pacer.at_step(5)
+    # 4 steps from t = 0.1 to 1.0, a 0.5 s evaluation among them: 0.225 s per step,
+    # while the step time proper (pauses left out) is 0.1 s.
+    assert pacer.pace_s == pytest.approx(0.225) and pacer.step_s == pytest.approx(0.1)
+    pacer.restart()  # a re-sync: the pause is not the worker's pace
+    assert pacer.pace_s is None
 
 
 def test_retune_for_the_links_wins_over_throughput_when_rounds_take_longer():
