@@ -15,14 +15,14 @@ states only (the end of a grouped run).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import blake3
 import torch
 
-from dilonode.algo.butterfly import butterfly_average
+from dilonode.algo.butterfly import butterfly_average, round_chunk_numel
 from dilonode.algo.codecs import Codec, get_codec
 from dilonode.algo.groups import grouped, mixes, num_keys, partition
 from dilonode.algo.replay import EncodedResult
@@ -238,7 +238,7 @@ class LocalGroup:
             return out.value
 
         mean, sent, recv = butterfly_average(contribs, weights, self.codec, reduce=reduce,
-                                             chunk_numel=self.chunk_numel, align=self.align,
+                                             chunk_numel=self._chunk(contribs), align=self.align,
                                              token_weights=tokens)
         names = tuple(str(w) for w in sorted(rejected))
         digest = _digest(mean)
@@ -263,7 +263,14 @@ class LocalGroup:
         """The float32 butterfly mean of packed states (the daemon's state round)."""
         weights = [self.weights[w] for w in order]
         return butterfly_average([s.to("cpu", torch.float32) for s in states], weights,
-                                 self._f32, chunk_numel=self.chunk_numel, align=self.align)
+                                 self._f32, chunk_numel=self._chunk(states), align=self.align)
+
+    def _chunk(self, contributions: Sequence[torch.Tensor]) -> int | None:
+        """The round's chunk size, as the daemon derives it (None: whole parts)."""
+        if self.chunk_numel is None:
+            return None
+        return round_chunk_numel(contributions[0].numel(), len(contributions),
+                                 self.chunk_numel, self.align or self.codec.block_size)
 
     def _mix_only(self, slot: _Slot, order: list[int],
                   grouped_round: bool) -> dict[int, ReduceResult]:

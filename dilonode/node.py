@@ -325,7 +325,8 @@ class Node:
     def _retune(self, clock: Any, ref_now: float) -> float | None:
         """Seconds per reference step the swarm needs (`pacing.retune_step_seconds`), from
         the round latencies and, when the clock was measured rather than set by hand
-        (diloco.step_seconds unset), the step times that live nodes publish."""
+        (diloco.step_seconds unset), the paces (wall seconds per own step) that live nodes
+        publish."""
         from dilonode.algo.pacing import retune_step_seconds
         from dilonode.status.snapshot import p90
 
@@ -338,7 +339,7 @@ class Node:
             status = rec.status or {}
             if (value := _positive(status.get("round_p90_s"))) is not None:
                 latencies.append(value)
-            if measured and (value := _positive(status.get("step_s"))) is not None:
+            if measured and (value := _positive(status.get("pace_s"))) is not None:
                 steps.append(value)
         if not latencies and not steps:
             return None

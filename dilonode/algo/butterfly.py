@@ -19,8 +19,30 @@ import torch
 if TYPE_CHECKING:
     from dilonode.algo.codecs import Codec
 
-__all__ = ["butterfly_average", "part_bounds", "reduce_mean", "reduce_weighted",
-           "reduction_steps", "weight_coefficients", "wire_bytes_ideal"]
+__all__ = ["CHUNK_FLOOR", "PIPELINE_CHUNKS", "butterfly_average", "part_bounds", "reduce_mean",
+           "reduce_weighted", "reduction_steps", "round_chunk_numel", "weight_coefficients",
+           "wire_bytes_ideal"]
+
+
+# A part is cut into at least this many chunks, so that while the owner reduces one chunk
+# the next is on the wire (on a slow link a part sent whole leaves the uplink idle while
+# the owner waits for it and reduces); and no chunk is smaller than CHUNK_FLOOR values,
+# because every chunk costs fixed work (codec calls, a thread hop, GPU launches and syncs).
+PIPELINE_CHUNKS = 3
+CHUNK_FLOOR = 1 << 18
+
+
+def round_chunk_numel(numel: int, members: int, cap: int, block: int) -> int:
+    """Values per chunk in a round of `numel` values among `members`: about a part's worth
+    divided by PIPELINE_CHUNKS, at least CHUNK_FLOOR and at most `cap` (the configured
+    `network.chunk_numel`; a cap at or below the floor is taken as it is), a multiple of
+    `block`. Every member derives the same from the round's spec (protocol section 4)."""
+    if cap <= CHUNK_FLOOR:
+        return cap
+    per_part = -(-numel // max(members, 1))
+    want = max(-(-per_part // PIPELINE_CHUNKS), CHUNK_FLOOR)
+    want = -(-want // block) * block  # chunks are whole codec blocks
+    return min(cap, want)
 
 
 def part_bounds(numel: int, weights: Sequence[float], align: int = 1) -> list[tuple[int, int]]:

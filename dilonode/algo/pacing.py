@@ -89,6 +89,11 @@ class SwarmClock:
                                if seg[0] <= ref_step or seg[0] == 0.0)
         return t_0 + (ref_step - ref0) * rate
 
+    def rate_at(self, ref_step: float) -> float:
+        """Seconds per reference step at reference step `ref_step` (its epoch's rate)."""
+        return next(rate for since, _, rate in reversed(self._segments())
+                    if since <= ref_step or since == 0.0)
+
     @property
     def current_step_seconds(self) -> float:
         """The rate of the last epoch (what a new epoch is compared with)."""
@@ -172,8 +177,10 @@ class TimePacer:
         self._boundaries.append(t)
         if self.clock is None:
             return -math.inf, 0.0
-        lead = ((self.step_s or 0.0) + pause_s) / self.clock.step_seconds
-        return self.clock.ref_step(t), max(lead - _HAIR, 0.0)
+        ref = self.clock.ref_step(t)
+        # In reference steps at the rate now: after a retune the start rate is not it.
+        lead = ((self.step_s or 0.0) + pause_s) / self.clock.rate_at(ref)
+        return ref, max(lead - _HAIR, 0.0)
 
     def restart(self) -> None:
         """Forget the last boundary (after a pause that was not a step: a re-sync)."""

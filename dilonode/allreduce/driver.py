@@ -49,6 +49,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from dilonode.algo.butterfly import CHUNK_FLOOR, PIPELINE_CHUNKS, round_chunk_numel
 from dilonode.algo.groups import mixes
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, BanTracker
@@ -268,6 +269,11 @@ class FormedGroup(NamedTuple):
 FormGroup = Callable[[int, int, int, set[str]], FormedGroup | Awaitable[FormedGroup]]
 
 
+# How a round's chunk size follows from its size (butterfly.round_chunk_numel), compared at
+# matchmaking: members that cut rounds differently must not form a group.
+CHUNKING = f"part/{PIPELINE_CHUNKS}, >= {CHUNK_FLOOR}"
+
+
 @dataclass(frozen=True)
 class RoundPolicy:
     """How rounds are run: codec, chunking, per-attempt timeout, the number of attempts and
@@ -289,12 +295,17 @@ class RoundPolicy:
             raise ValueError(f"RoundPolicy: max_attempts={self.max_attempts}, "
                              f"timeout={self.timeout}: need >= 1 and > 0")
 
+    def round_chunk(self, numel: int, members: int) -> int:
+        """The chunk size of a round (`butterfly.round_chunk_numel`, capped by ours)."""
+        return round_chunk_numel(numel, members, self.chunk_numel, self.block_size)
+
     def settings(self) -> dict[str, str | int | float]:
         """What every member of a group must share, as matchmaking compares it: the codec
         and chunking (the wire layout) and how owners check and combine contributions."""
         agg = self.aggregator
         return {"codec": self.codec, "block_size": self.block_size,
-                "chunk_numel": self.chunk_numel, "aggregator": agg.name,
+                "chunk_numel": self.chunk_numel, "chunking": CHUNKING,
+                "aggregator": agg.name,
                 "norm_bound": agg.norm_bound, "trim": agg.trim, "clip_tau": agg.clip_tau,
                 "clip_iters": agg.clip_iters, "max_weight_ratio": agg.max_weight_ratio,
                 "max_group_size": self.max_group_size, "mix_state_every": self.mix_every}
@@ -434,7 +445,8 @@ class SwarmRounds:
                          fragment=STATE_WIRE | fragment if mix_only else fragment,
                          round=round_no, members=members, weights=tuple(group.weights),
                          numel=local.numel(), codec="float32" if mix_only else p.codec,
-                         block_size=p.block_size, chunk_numel=p.chunk_numel,
+                         block_size=p.block_size,
+                         chunk_numel=p.round_chunk(local.numel(), len(members)),
                          attempt=attempt, group_digest=group.digest)
         me = group.my_index
         if not 0 <= me < len(members) or members[me] != self.plane.peer_id:
@@ -457,7 +469,7 @@ class SwarmRounds:
         spec = GroupSpec(run_id=self.plane.run_id, fragment=fragment, round=round_no,
                          members=me, weights=(1.0,), numel=local.numel(),
                          codec="float32" if mix_only else p.codec,
-                         block_size=p.block_size, chunk_numel=p.chunk_numel,
+                         block_size=p.block_size, chunk_numel=p.round_chunk(local.numel(), 1),
                          attempt=min(attempt, 2**32 - 1), group_digest=group_digest(me))
         t0 = self.clock()
         rnd = AllReduceRound(spec, 0, local, timeout=p.timeout)

@@ -98,7 +98,7 @@ class NodeStatus:
                                      "bytes_received": 0, "compute_utilization": 0.0,
                                      "sync_wait_s": 0.0, "swarm_step": 0, "state_chain": "",
                                      "agreement": None, "round_p90_s": None,
-                                     "step_s": None}
+                                     "pace_s": None}
         # Rates need two samples; None (null) until then rather than a misleading 0.
         self._rates: dict[str, float | None] = {"tokens_per_s": None, "sent_Bps": None,
                                                 "recv_Bps": None}
@@ -125,10 +125,10 @@ class NodeStatus:
             if evals:
                 self._cur.update(eval_step=evals[-1][0], eval_loss=finite_or_none(evals[-1][1]))
             if getattr(worker, "plan", None) is not None:
-                step_s = getattr(worker.pacer, "pace_s", None)  # TimePacer: s per own step
+                pace = getattr(worker.pacer, "pace_s", None)  # TimePacer: s per own step
                 self._cur.update(swarm_step=worker.swarm_step, state_chain=state_chain(worker),
                                  round_p90_s=p90(list(st.recent_latency)),
-                                 step_s=round(step_s, 5) if step_s else None)
+                                 pace_s=round(pace, 5) if pace else None)
             self._maybe_sample()
 
     def set_agreement(self, verdict: dict[str, Any]) -> None:
@@ -222,7 +222,7 @@ class NodeStatus:
                 "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps", "bytes_sent",
                 "bytes_received", "compute_utilization", "peers_seen", "skipped_rounds",
                 "uptime_s", "version", "swarm_step", "state_chain", "round_p90_s",
-                "step_s", "device_summary")
+                "pace_s", "device_summary")
         agreement = s.get("agreement") or {}
         return {**{k: s[k] for k in keys}, "agrees": agreement.get("agrees"),
                 "final_digest": agreement.get("digest")}

@@ -193,3 +193,15 @@ def test_retune_stays_within_the_round_period_bounds():
     assert _retune(clock, latencies=[0.01], steps=[0.001]) == pytest.approx(LO / H)
     # Links so slow that rounds would come every 2 h: capped at max_round_s.
     assert _retune(clock, latencies=[3600.0]) == pytest.approx(HI / H)
+
+
+def test_time_pacer_lead_is_in_reference_steps_at_the_current_rate():
+    t = [10.0]
+    clock = SwarmClock(0.0, 0.1).with_epoch(50.0, 0.4)  # 4x slower from reference step 50
+    pacer = TimePacer(lambda: t[0], clock)
+    for step in range(3):
+        ref, lead = pacer.at_step(step)
+        t[0] += 0.2  # the worker's own step: 0.2 s
+    assert ref == pytest.approx(50.0 + (10.4 - 5.0) / 0.4)
+    assert lead == pytest.approx(0.2 / 0.4, abs=1e-5)  # half a reference step, not two
+    assert clock.rate_at(49.0) == 0.1 and clock.rate_at(50.0) == 0.4
