@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from cpu_sampling import PerfSampler, format_shares  # noqa: E402  (benchmarks/ is on sys.path)
 
-from dilonode.algo.butterfly import wire_bytes_ideal
+from dilonode.algo.butterfly import round_chunk_numel, wire_bytes_ideal
 from dilonode.algo.codecs import get_codec
 from dilonode.allreduce.driver import run_round
 from dilonode.allreduce.round import GroupSpec, RoundState, group_digest
@@ -77,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="measured rounds per method")
     p.add_argument("--codecs", default="float32,bfloat16,int8,int4")
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_NUMEL,
-                   help="values per frame (default: the daemon's network.chunk_numel)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="values per frame (default: what the daemon's round picks with "
+                   "network.chunk_numel at its default, butterfly.round_chunk_numel)")
     p.add_argument("--timeout", type=float, default=300.0, help="round timeout, s")
     p.add_argument("--sockbuf", type=int, default=4 << 20, help="SO_SNDBUF/RCVBUF, 0=kernel")
     p.add_argument("--inline", action="store_true", help="round work on the event loop")
@@ -103,7 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--link-gbit", default="",
                    help="comma-separated link rates (Gbit/s) to show ideal round times for")
     p.add_argument("--json", type=Path, help="write the figures here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.chunk is None:
+        args.chunk = round_chunk_numel(args.numel, args.procs, DEFAULT_CHUNK_NUMEL,
+                                       args.block_size)
+    return args
 
 
 # ---------------------------------------------------------------------- per process

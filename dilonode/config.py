@@ -292,10 +292,12 @@ class NetworkConfig(_Frozen):
     allreduce_timeout: float = Field(30.0, gt=0.0, description="seconds per all-reduce attempt")
     max_attempts: int = Field(3, ge=1, le=10, description="attempts per round before skipping")
     chunk_numel: int = Field(
-        DEFAULT_CHUNK_NUMEL, ge=64, description="values per pipelined chunk (a frame: 16 "
-        "MiB in float32, 2 MiB in int4); every chunk costs fixed CPU and, on a GPU, kernel "
-        "launches and a host sync, so 4,194,304 ran fastest on the 2-core box and the H100 "
-        "host alike (docs/codec-results.md); smaller ones return first results sooner")
+        DEFAULT_CHUNK_NUMEL, ge=64, description="the most values per pipelined chunk (a "
+        "frame: 16 MiB in float32, 2 MiB in int4); each round cuts a member's part into 3 "
+        "chunks, at least 262,144 values and at most this many (a value at or below "
+        "262,144 is used as it is). Every chunk costs fixed CPU and, on a GPU, kernel "
+        "launches and a host sync: 4M-value chunks ran fastest on the 2-core box and the "
+        "H100 host alike (docs/codec-results.md)")
     bandwidth_mbps: float = Field(
         100.0, gt=0.0, description="advertised bandwidth; weights this node's butterfly part")
     min_peers: int = Field(

@@ -107,10 +107,17 @@ class ClockKeeper:
                 time.monotonic() - self._published_at > self.ttl / 3:
             self._publish()
 
+    @property
+    def read_every(self) -> float:
+        """Seconds between a node's reads of the clock once its rounds have started."""
+        return self.ttl / 6
+
     def _maybe_retune(self) -> None:
-        """As the swarm's pacemaker: add an epoch when the links call for another rate. It
-        starts `lead_steps` reference steps ahead (a round period), so every node reads it
-        before it applies; readings stay continuous, rounds keep their numbers."""
+        """As the swarm's pacemaker: add an epoch when the swarm calls for another rate. It
+        starts at least `lead_steps` reference steps (a round period) and 1.5 read
+        intervals plus 2 s ahead, so every node reads it before it applies (a node still
+        on the old rate past it reads other reference steps than its peers, and misses
+        their rounds); readings stay continuous, rounds keep their numbers."""
         assert self.following is not None and self.retune is not None
         clock = clock_of(self.following)
         now_ref = clock.ref_step(self.wall())
@@ -119,7 +126,9 @@ class ClockKeeper:
         rate = self.retune(clock, now_ref)
         if rate is None:
             return
-        since = float(math.ceil(now_ref + self.lead_steps))
+        ahead = max(self.lead_steps,
+                    (1.5 * self.read_every + 2.0) / clock.rate_at(now_ref))
+        since = float(math.ceil(now_ref + ahead))
         record = self.following.model_copy(update={
             "epochs": [*self.following.epochs, [since, float(rate)]]})
         log.info("swarm clock: one reference step = %.4g s from reference step %d (was %.4g s)",
@@ -170,7 +179,7 @@ class ClockKeeper:
                 self.tick()
             except Exception as exc:  # a DHT hiccup: read again at the next pass
                 log.debug("swarm clock: %s", exc)
-            wait = self.poll if not self.frozen() else self.ttl / 6
+            wait = self.poll if not self.frozen() else self.read_every
             self._stop.wait(wait)
 
     def close(self) -> None:

@@ -5,7 +5,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dilonode.algo.butterfly import butterfly_average, part_bounds, reduce_mean, wire_bytes_ideal
+from dilonode.algo.butterfly import (
+    CHUNK_FLOOR,
+    PIPELINE_CHUNKS,
+    butterfly_average,
+    part_bounds,
+    reduce_mean,
+    round_chunk_numel,
+    wire_bytes_ideal,
+)
 from dilonode.algo.codecs import get_codec
 
 
@@ -63,3 +71,32 @@ def test_int4_butterfly_is_close_and_compressed():
     mean, sent, _ = butterfly_average(contribs, [1, 2, 1], codec)
     assert (mean - reduce_mean(contribs)).abs().max() < 1.0
     assert sum(sent) < sum(butterfly_average(contribs, [1, 2, 1], get_codec("float32"))[1]) / 7
+
+
+CAP = 1 << 22
+
+
+def test_round_chunk_hand_values():
+    # 50M values among 4: a part of 12.5M in 3 chunks of 4,166,720 (whole 64-value blocks).
+    assert round_chunk_numel(50_000_000, 4, CAP, 64) == 4_166_720
+    assert round_chunk_numel(500_000_000, 4, CAP, 64) == CAP  # capped: 30 chunks a part
+    assert round_chunk_numel(10_000_000, 4, CAP, 64) == 833_344
+    # A small fragment (the test bed's 2.3M values): the floor, as the old fixed default.
+    assert round_chunk_numel(2_300_000, 4, CAP, 64) == CHUNK_FLOOR
+    # A configured chunk at or below the floor is used as it is (tests, small frames).
+    assert round_chunk_numel(10_000_000, 4, 4096, 64) == 4096
+
+
+@settings(max_examples=200, deadline=None)
+@given(numel=st.integers(1, 10**9), members=st.integers(1, 64),
+       cap_blocks=st.integers(1, 1 << 17), block=st.sampled_from([16, 32, 64, 128]))
+def test_round_chunk_is_whole_blocks_within_bounds_and_pipelines(numel, members,
+                                                                cap_blocks, block):
+    cap = cap_blocks * block
+    c = round_chunk_numel(numel, members, cap, block)
+    assert c % block == 0 and 0 < c <= cap
+    if cap > CHUNK_FLOOR:
+        assert c >= min(CHUNK_FLOOR, cap)
+        part = -(-numel // members)
+        if c < cap and c > CHUNK_FLOOR:  # neither bound holds it: the part is pipelined
+            assert -(-part // c) == PIPELINE_CHUNKS
