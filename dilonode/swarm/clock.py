@@ -10,7 +10,7 @@ speed meet in every round. Agreement without a coordinator:
   the same one.
 * A node that finds no clock proposes one once it knows its own step time (or
   `diloco.step_seconds` is set), starting now. Nodes started together may each propose;
-  every node keeps reading (every `poll` s until its first round, then every few
+  every node keeps reading (every `poll` s until its first round, then every 5
   seconds) and follows the clock that stands. A node that switches after it started
   rounds (two halves that started apart and met) jumps to the standing clock's newest
   round: the rounds in between count as missed, and the chains of its fragments (which
@@ -109,8 +109,9 @@ class ClockKeeper:
 
     @property
     def read_every(self) -> float:
-        """Seconds between a node's reads of the clock once its rounds have started."""
-        return self.ttl / 6
+        """Seconds between a node's reads of the clock once its rounds have started: often
+        enough that a retune applies within seconds (one small DHT read)."""
+        return min(self.ttl / 6, 5.0)
 
     def _maybe_retune(self) -> None:
         """As the swarm's pacemaker: add an epoch when the swarm calls for another rate. It
