@@ -7,7 +7,9 @@ retuned by its pacemaker) against hand-tuned tau, on the WAN test bed.
   clock: results merge when they arrive, and the clock slows if rounds take more than half
   a round period on any node);
 * `tau=5`, `tau=8`: paced by steps with a hand-set overlap (what docs/operations.md told
-  users to size by hand: tau x step time > round latency).
+  users to size by hand: tau x step time > round latency);
+* `timed-tau=8` (only when named in --runs): paced by the clock, merging no earlier than 8
+  steps after a round started.
 
 Plus `auto+slow-joiner`: the auto run with a fifth node on a 10 Mbit/s link joining
 mid-run. Per run: compute utilization (share of wall time not blocked on the network;
@@ -41,12 +43,16 @@ VARIANTS = {
     "tau=5": {"pacing": "steps", "fragment_sync_delay": 5},
     "tau=8": {"pacing": "steps", "fragment_sync_delay": 8},
     "auto+slow-joiner": {"pacing": "time", "fragment_sync_delay": "auto"},
+    # Paced by the clock as auto, but a result merges no earlier than 8 steps after its
+    # round started: separates the merge delay from the pacing.
+    "timed-tau=8": {"pacing": "time", "fragment_sync_delay": 8},
 }
 
 
 def run_config(args: argparse.Namespace, name: str, rate: float, out: Path) -> Any:
     return load_config(overrides={
-        "run_id": f"auto-{rate:g}-{name.replace('=', '').replace('+', '-')}", "seed": args.seed,
+        "run_id": f"auto-{rate:g}-{name.replace('=', '').replace('+', '-').replace(',', '-')}",
+        "seed": args.seed,
         # Progress events come at evaluations: the slow joiner starts on them.
         "total_steps": args.steps, "eval_every": args.eval_every, "device": "cpu",
         "model": {"preset": args.preset},
@@ -171,7 +177,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="100,20")
-    ap.add_argument("--runs", default=",".join(VARIANTS))
+    ap.add_argument("--runs", default="auto,tau=5,tau=8,auto+slow-joiner")
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0, help="model init and data order")
     ap.add_argument("--joiner-rate", type=float, default=10.0)

@@ -10,7 +10,7 @@ speed meet in every round. Agreement without a coordinator:
   the same one.
 * A node that finds no clock proposes one once it knows its own step time (or
   `diloco.step_seconds` is set), starting now. Nodes started together may each propose;
-  every node keeps reading (every `poll` s until its first round, then every 5
+  every node keeps reading (every `poll` s until its first round, then every min(ttl/6, 5)
   seconds) and follows the clock that stands. A node that switches after it started
   rounds (two halves that started apart and met) jumps to the standing clock's newest
   round: the rounds in between count as missed, and the chains of its fragments (which
