@@ -51,8 +51,7 @@ VARIANTS = {
 
 def run_config(args: argparse.Namespace, name: str, rate: float, out: Path) -> Any:
     return load_config(overrides={
-        "run_id": f"auto-{rate:g}-{name.replace('=', '').replace('+', '-').replace(',', '-')}",
-        "seed": args.seed,
+        "run_id": f"auto-{rate:g}-{name.replace('=', '').replace('+', '-')}", "seed": args.seed,
         # Progress events come at evaluations: the slow joiner starts on them.
         "total_steps": args.steps, "eval_every": args.eval_every, "device": "cpu",
         "model": {"preset": args.preset},

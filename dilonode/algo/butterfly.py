@@ -19,9 +19,9 @@ import torch
 if TYPE_CHECKING:
     from dilonode.algo.codecs import Codec
 
-__all__ = ["CHUNK_FLOOR", "PIPELINE_CHUNKS", "butterfly_average", "part_bounds", "reduce_mean",
-           "reduce_weighted", "reduction_steps", "round_chunk_numel", "weight_coefficients",
-           "wire_bytes_ideal"]
+__all__ = ["CHUNKING", "CHUNK_FLOOR", "PIPELINE_CHUNKS", "butterfly_average", "part_bounds",
+           "reduce_mean", "reduce_weighted", "reduction_steps", "round_chunk_numel",
+           "weight_coefficients", "wire_bytes_ideal"]
 
 
 # A part is cut into at least this many chunks, so that while the owner reduces one chunk
@@ -30,6 +30,9 @@ __all__ = ["CHUNK_FLOOR", "PIPELINE_CHUNKS", "butterfly_average", "part_bounds",
 # because every chunk costs fixed work (codec calls, a thread hop, GPU launches and syncs).
 PIPELINE_CHUNKS = 3
 CHUNK_FLOOR = 1 << 18
+# The rule's name, compared at matchmaking: members that cut rounds differently must not
+# form a group.
+CHUNKING = f"part/{PIPELINE_CHUNKS}, >= {CHUNK_FLOOR}"
 
 
 def round_chunk_numel(numel: int, members: int, cap: int, block: int) -> int:

@@ -84,15 +84,18 @@ class SwarmClock:
                                if seg[1] <= t or seg[0] == 0.0)
         return ref0 + (t - t_0) / rate
 
+    def _segment_of(self, ref_step: float) -> tuple[float, float, float]:
+        """The segment (see `_segments`) that reference step `ref_step` falls in."""
+        return next(seg for seg in reversed(self._segments())
+                    if seg[0] <= ref_step or seg[0] == 0.0)
+
     def time_of(self, ref_step: float) -> float:
-        ref0, t_0, rate = next(seg for seg in reversed(self._segments())
-                               if seg[0] <= ref_step or seg[0] == 0.0)
+        ref0, t_0, rate = self._segment_of(ref_step)
         return t_0 + (ref_step - ref0) * rate
 
     def rate_at(self, ref_step: float) -> float:
         """Seconds per reference step at reference step `ref_step` (its epoch's rate)."""
-        return next(rate for since, _, rate in reversed(self._segments())
-                    if since <= ref_step or since == 0.0)
+        return self._segment_of(ref_step)[2]
 
     @property
     def current_step_seconds(self) -> float:
@@ -146,9 +149,9 @@ class TimePacer:
         self.now = now
         self.clock = clock
         self._intervals: deque[float] = deque(maxlen=window)
-        self._last: float | None = None
         self._pause = 0.0  # announced at the last boundary: not part of the step time
-        self._boundaries: deque[float] = deque(maxlen=pace_window + 1)  # for `pace_s`
+        # Times of the recent step boundaries, the last one included (`pace_s`).
+        self._boundaries: deque[float] = deque(maxlen=pace_window + 1)
 
     @property
     def step_s(self) -> float | None:
@@ -171,9 +174,9 @@ class TimePacer:
 
     def at_step(self, own_step: int, pause_s: float = 0.0) -> tuple[float, float]:
         t = self.now()
-        if self._last is not None and t > self._last:
-            self._intervals.append(t - self._last - self._pause)
-        self._last, self._pause = t, pause_s
+        if self._boundaries and t > (last := self._boundaries[-1]):
+            self._intervals.append(t - last - self._pause)
+        self._pause = pause_s
         self._boundaries.append(t)
         if self.clock is None:
             return -math.inf, 0.0
@@ -183,8 +186,7 @@ class TimePacer:
         return ref, max(lead - _HAIR, 0.0)
 
     def restart(self) -> None:
-        """Forget the last boundary (after a pause that was not a step: a re-sync)."""
-        self._last = None
+        """Forget the boundaries so far (after a pause that was not a step: a re-sync)."""
         self._boundaries.clear()
 
 

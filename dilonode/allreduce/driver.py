@@ -49,7 +49,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from dilonode.algo.butterfly import CHUNK_FLOOR, PIPELINE_CHUNKS, round_chunk_numel
+from dilonode.algo.butterfly import CHUNKING, round_chunk_numel
 from dilonode.algo.groups import mixes
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, BanTracker
@@ -267,11 +267,6 @@ class FormedGroup(NamedTuple):
 
 
 FormGroup = Callable[[int, int, int, set[str]], FormedGroup | Awaitable[FormedGroup]]
-
-
-# How a round's chunk size follows from its size (butterfly.round_chunk_numel), compared at
-# matchmaking: members that cut rounds differently must not form a group.
-CHUNKING = f"part/{PIPELINE_CHUNKS}, >= {CHUNK_FLOOR}"
 
 
 @dataclass(frozen=True)
