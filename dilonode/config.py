@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from dilonode.algo.schedule import auto_merge_delay
 from dilonode.auth import allowed_peer_id
 
 # Values per all-reduce chunk (`NetworkConfig.chunk_numel`; `RoundPolicy` takes it too).
@@ -154,9 +155,11 @@ class DilocoConfig(_Frozen):
         "strided", description="block i -> fragment i mod P (strided) or contiguous groups")
     fragment_sync_delay: Annotated[int | Literal["auto"], BeforeValidator(_int_or_auto)] = Field(
         1, description="tau: inner steps between starting a sync and merging its "
-        "result; with pacing=time the least such delay (a result merges when it arrives, "
-        "however long that takes, without blocking: the overlap follows the links), and "
-        "'auto' means 1")
+        "result; with pacing=time the least such delay, in reference steps of the swarm "
+        "clock (a result merges when it arrives, however long that takes, without "
+        "blocking: the overlap follows the links); 'auto' (pacing=time): one step less than "
+        "the gap between two fragments' round starts (H/P - 1), the latest merge that keeps "
+        "one round in flight")
     fragment_update_alpha: float = Field(
         0.5, ge=0.0, le=1.0, description="alpha: w <- alpha*w + (1-alpha)*g_new on merge")
     outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
@@ -197,22 +200,27 @@ class DilocoConfig(_Frozen):
         if self.min_round_seconds > self.max_round_seconds:
             raise ValueError(f"diloco.min_round_seconds = {self.min_round_seconds}: must be <= "
                              f"diloco.max_round_seconds = {self.max_round_seconds}")
-        tau = 1 if self.fragment_sync_delay == "auto" else self.fragment_sync_delay
+        tau, named = self.fragment_sync_delay, f"{self.fragment_sync_delay}"
+        if tau == "auto":
+            tau = auto_merge_delay(self.sync_every, self.num_fragments)
+            named = f"'auto' ({tau})"
         if self.mode == "streaming" and tau >= self.sync_every:
             raise ValueError(
-                f"diloco.fragment_sync_delay = {tau}: must be < "
+                f"diloco.fragment_sync_delay = {named}: must be < "
                 f"diloco.sync_every = {self.sync_every} (a fragment's result must land before "
                 "its next sync starts)")
         return self
 
     def effective(self) -> DilocoConfig:
         """The plan actually run: mode=diloco pins P=1, tau=0, alpha=0 (plain DiLoCo); tau
-        'auto' is 1 (paced by the clock, results merge when they arrive)."""
+        'auto' is `auto_merge_delay(H, P)` (paced by the clock: a result merges at that
+        many reference steps after its round's start, or when it arrives if later)."""
         if self.mode == "diloco":
             return self.model_copy(update={
                 "num_fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0})
         if self.fragment_sync_delay == "auto":
-            return self.model_copy(update={"fragment_sync_delay": 1})
+            return self.model_copy(update={"fragment_sync_delay": auto_merge_delay(
+                self.sync_every, self.num_fragments)})
         return self
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SyncPlan", "SyncStart", "SyncLand"]
+__all__ = ["SyncLand", "SyncPlan", "SyncStart", "auto_merge_delay"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,15 @@ class SyncPlan:
         """How many rounds of `fragment` have started by the end of `step`."""
         o = self.offset(fragment)
         return 0 if step < o else (step - o) // self.sync_every + 1
+
+
+def auto_merge_delay(sync_every: int, num_fragments: int) -> int:
+    """tau for `fragment_sync_delay = "auto"`: one step less than the narrowest gap between
+    two fragments' round starts, so a result merges as late as it can while every round
+    still lands before the next fragment's round starts (the swarm then holds one round in
+    flight at a time). Paced by the clock a result that arrives later still merges when it
+    arrives. Merging late measured better than merging at once (docs/autotune-results.md:
+    the simulator, H = 30, P = 3, tau 1 to 9)."""
+    starts = [(p + 1) * sync_every // num_fragments for p in range(num_fragments)]
+    gaps = [b - a for a, b in zip(starts, [*starts[1:], starts[0] + sync_every], strict=True)]
+    return max(min(gaps) - 1, 1)

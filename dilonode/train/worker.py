@@ -377,13 +377,16 @@ class Worker:
                 self._land_fragment(p)
 
     def _lands_now(self, p: int, block: bool = False) -> bool:
-        """Whether pending fragment p lands at this boundary (`block`: waiting for it)."""
+        """Whether pending fragment p lands at this boundary (`block`: waiting for it).
+        Paced by steps: tau own steps after its round started. Paced by the clock: once its
+        result is there (never awaited) and the clock is tau reference steps past the
+        round's scheduled start (the same moment on every node, whatever its speed; the
+        lead as for starts: at the last boundary before that moment)."""
         tau = self.algo.fragment_sync_delay
-        if self.step - self._launched_at[p] < tau:
-            return False
-        if tau and self.pacer.timed:  # paced by the clock: landed when there, never awaited
-            return not block and self.pending[p][1].done()
-        return True
+        if tau and self.pacer.timed and self.plan is not None:
+            due = self.plan.start_step(p, self.pending[p][0]) + tau
+            return self.ref_now + self.lead >= due and not block and self.pending[p][1].done()
+        return self.step - self._launched_at[p] >= tau
 
     def final_sync(self) -> None:
         """The end of the run (after `drain`): one more round of every fragment trained

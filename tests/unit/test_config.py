@@ -58,6 +58,18 @@ def test_bad_override_syntax():
         parse_overrides(["diloco.sync_every"])
 
 
+def test_auto_merge_delay_resolves_from_h_and_p_and_names_itself_when_invalid():
+    cfg = load_config(overrides={"diloco": {"fragment_sync_delay": "auto", "sync_every": 30,
+                                            "num_fragments": 3}})
+    assert cfg.diloco.effective().fragment_sync_delay == 9
+    with pytest.raises(ConfigError, match=r"diloco.fragment_sync_delay = 'auto' \(1\): must "
+                                          r"be < diloco.sync_every = 1"):
+        load_config(overrides={"diloco": {"fragment_sync_delay": "auto", "sync_every": 1,
+                                          "num_fragments": 1}})
+    with pytest.raises(ConfigError, match="'auto': needs diloco.pacing = 'time'"):
+        load_config(overrides={"diloco": {"fragment_sync_delay": "auto", "pacing": "steps"}})
+
+
 def test_diloco_mode_pins_plain_diloco():
     cfg = load_config(overrides={"diloco": {"mode": "diloco", "num_fragments": 3,
                                             "fragment_sync_delay": 2}})

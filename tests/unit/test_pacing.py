@@ -16,7 +16,7 @@ from dilonode.algo.pacing import (
     final_rounds,
     retune_step_seconds,
 )
-from dilonode.algo.schedule import SyncPlan, SyncStart
+from dilonode.algo.schedule import SyncPlan, SyncStart, auto_merge_delay
 from dilonode.config import load_config
 from dilonode.sim import simulate
 
@@ -118,6 +118,68 @@ def test_mixed_speeds_every_worker_contributes_to_every_round_and_all_agree():
     assert all(w.stats.late == 0 for w in workers)
     assert report.worker_stats[0]["utilization"] > 0.95
     assert report.virtual_s == pytest.approx(40.0, abs=4.0)
+
+
+def test_auto_merge_delay_is_one_step_short_of_the_next_fragments_start():
+    # H = 30, P = 3: starts at 10, 20, 30 -> merge 9 steps after each.
+    assert auto_merge_delay(30, 3) == 9
+    assert auto_merge_delay(10, 2) == 4
+    assert auto_merge_delay(31, 3) == 9  # starts 10, 20, 31: the narrowest gap decides
+    assert auto_merge_delay(30, 1) == 29
+    assert auto_merge_delay(3, 3) == 1  # gaps of one step: never 0 (that would block)
+    for h, p in [(30, 3), (31, 3), (12, 5), (100, 7)]:
+        plan = SyncPlan(h, p, auto_merge_delay(h, p))
+        # Every round lands before any other round starts: one round in flight at a time.
+        starts = sorted(plan.start_step(f, r) for f in range(p) for r in range(3))
+        assert all(a + plan.delay < b for a, b in zip(starts, starts[1:], strict=False))
+
+
+def test_auto_merges_at_the_steps_of_the_same_hand_set_tau_when_results_come_in_time():
+    """Paced by the clock at equal speeds, with results back 1.5 reference steps after a
+    round starts, "auto" (H/P - 1 = 4 here) merges each result exactly where step-paced
+    tau = 4 does: the same weights, bit for bit."""
+    auto = simulate(_cfg(sim={"workers": 3, "latency": 1.5},
+                         diloco={"pacing": "time", "fragment_sync_delay": "auto",
+                                 "step_seconds": 1.0}))
+    hand = simulate(_cfg(sim={"workers": 3},
+                         diloco={"pacing": "steps", "fragment_sync_delay": 4}))
+    assert auto.fragment_sync_delay == 4
+    assert auto.outer_digest == hand.outer_digest and auto.workers_agree
+    # Merging as soon as the result is there (tau 1) is another run.
+    eager = simulate(_cfg(sim={"workers": 3, "latency": 1.5},
+                          diloco={"pacing": "time", "step_seconds": 1.0}))
+    assert eager.outer_digest != auto.outer_digest
+    # Holding results longer cost no waiting: in the run nobody waited for a result (the
+    # rounds at the end, landed at once, wait out the latency in both runs alike).
+    assert all(s["late"] == 0 for s in auto.worker_stats)
+    assert [s["utilization"] for s in auto.worker_stats] == [
+        s["utilization"] for s in eager.worker_stats]
+
+
+def test_a_result_later_than_the_delay_merges_when_it_arrives_without_waiting():
+    """Latency 4.5 reference steps, past auto's 4: the result is there at the boundary 5
+    steps after the start, where it merges (as step-paced tau = 5), and nobody waits."""
+    late = simulate(_cfg(sim={"workers": 3, "latency": 4.5},
+                         diloco={"pacing": "time", "fragment_sync_delay": "auto",
+                                 "step_seconds": 1.0}))
+    hand = simulate(_cfg(sim={"workers": 3},
+                         diloco={"pacing": "steps", "fragment_sync_delay": 5}))
+    assert late.outer_digest == hand.outer_digest and late.workers_agree
+    assert all(s["late"] == 0 for s in late.worker_stats)
+
+
+def test_clock_paced_delay_counts_reference_steps_whatever_a_workers_speed():
+    """Workers of speeds 1 and 0.5 (two reference steps per own step): both merge a round
+    once the clock is tau reference steps past its start, the slow one at its first
+    boundary from there, so they agree at the end and neither waited in the run."""
+    cfg = _cfg(sim={"workers": 2, "speeds": [1.0, 0.5], "latency": 0.5},
+               diloco={"pacing": "time", "fragment_sync_delay": "auto", "step_seconds": 1.0})
+    got = {}
+    report = simulate(cfg, on_step=lambda s, ws: got.update(w=ws))
+    assert report.workers_agree
+    fast, slow = got["w"]
+    assert fast.stats.late == slow.stats.late == 0
+    assert fast.step == pytest.approx(2 * slow.step, abs=2)
 
 
 def test_step_locked_pacing_makes_fast_workers_wait_for_the_slowest():
