@@ -74,6 +74,13 @@ class SyncPlan:
                 out.append(SyncLand(p, r))
         return out
 
+    def start_gaps(self) -> list[int]:
+        """Steps from each fragment's round start to the next start of any fragment, in
+        start order, the last one wrapping around to the first fragment's next round."""
+        starts = sorted(self.offset(p) for p in range(self.num_fragments))
+        return [b - a for a, b in zip(starts, [*starts[1:], starts[0] + self.sync_every],
+                                      strict=True)]
+
     def rounds_started(self, fragment: int, step: int) -> int:
         """How many rounds of `fragment` have started by the end of `step`."""
         o = self.offset(fragment)
@@ -83,10 +90,8 @@ class SyncPlan:
 def auto_merge_delay(sync_every: int, num_fragments: int) -> int:
     """tau for `fragment_sync_delay = "auto"`: one step less than the narrowest gap between
     two fragments' round starts, so a result merges as late as it can while every round
-    still lands before the next fragment's round starts (the swarm then holds one round in
-    flight at a time). Paced by the clock a result that arrives later still merges when it
-    arrives. Merging late measured better than merging at once (docs/autotune-results.md:
-    the simulator, H = 30, P = 3, tau 1 to 9)."""
-    starts = [(p + 1) * sync_every // num_fragments for p in range(num_fragments)]
-    gaps = [b - a for a, b in zip(starts, [*starts[1:], starts[0] + sync_every], strict=True)]
-    return max(min(gaps) - 1, 1)
+    still lands before the next fragment's round starts (the swarm holds one round in
+    flight at a time). Paced by the clock a result that arrives later merges when it
+    arrives. Why late: docs/autotune-results.md (merging at once was at the high end of the
+    losses; no delay from 5 to 9 stood out at H = 30, P = 3)."""
+    return max(min(SyncPlan(sync_every, num_fragments).start_gaps()) - 1, 1)

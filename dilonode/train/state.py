@@ -62,9 +62,7 @@ def settled_step(plan: SyncPlan, landed: list[int]) -> int:
 def snapshot_error(plan: SyncPlan) -> str:
     """'' when the schedule has steps with no round in flight (checkpoints and the states
     joiners adopt are taken at those), else a one-line reason naming the fix."""
-    starts = sorted(plan.offset(p) for p in range(plan.num_fragments))
-    widest = max(b - a for a, b in zip(starts, [*starts[1:], starts[0] + plan.sync_every],
-                                       strict=True))
+    widest = max(plan.start_gaps())
     if plan.delay < widest:
         return ""
     return (f"diloco.fragment_sync_delay = {plan.delay}: a round is always in flight with "
