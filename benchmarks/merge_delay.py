@@ -12,6 +12,9 @@ seq 64, batch 2, int4, H = 30, P = 3, alpha 0.5, 600 steps. Each method is one c
 * `auto`: paced by the clock with `fragment_sync_delay = "auto"` (H/P - 1 reference steps
   after the round's start, or when the result arrives if later), same latency.
 
+With --speeds the clock-paced methods run workers of those speeds (the test bed's nodes
+share 2 cores and step a few percent apart); the step-paced ones stay equal.
+
 Runs go --jobs at a time in separate processes, one torch thread each (the same thread
 count for every run: the figures repeat to the bit).
 
@@ -47,8 +50,14 @@ def config(args: argparse.Namespace, method: str, seed: int) -> dict[str, Any]:
             "diloco": {"mode": "streaming", "sync_every": args.sync_every,
                        "num_fragments": args.fragments, "fragment_update_alpha": 0.5,
                        **diloco},
-            "codec": {"name": "int4"}, "sim": {"workers": args.workers, "latency": latency},
+            "codec": {"name": "int4"},
+            "sim": {"workers": args.workers, "latency": latency,
+                    "speeds": _speeds(args) if latency else None},
             "status": {"enabled": False}}
+
+
+def _speeds(args: argparse.Namespace) -> list[float] | None:
+    return [float(v) for v in args.speeds.split(",")] if args.speeds else None
 
 
 def one(job: tuple[argparse.Namespace, str, int]) -> dict[str, Any]:
@@ -74,16 +83,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     seeds = sorted({r["seed"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     loss = {(r["method"], r["seed"]): r["final_eval_loss"] for r in rows}
-    best = {s: min(loss[m, s] for m in methods if m.startswith("tau=")) for s in seeds}
+    hand = [m for m in methods if m.startswith("tau=")]
+    best = {s: min(loss[m, s] for m in hand) for s in seeds} if hand else None
     head = ("| method | tau | " + " | ".join(f"seed {s}" for s in seeds)
             + " | mean | vs best hand-set tau, mean of seeds |")
     out = [head, "|" + "---|" * (len(seeds) + 4)]
     for m in methods:
         tau = next(r["tau"] for r in rows if r["method"] == m)
         vals = [loss[m, s] for s in seeds]
-        rel = statistics.mean(loss[m, s] / best[s] - 1 for s in seeds)
+        rel = (f"{statistics.mean(loss[m, s] / best[s] - 1 for s in seeds) * 100:+.2f}%"
+               if best else "-")
         out.append(f"| {m} | {tau} | " + " | ".join(f"{v:.4f}" for v in vals)
-                   + f" | {statistics.mean(vals):.4f} | {rel * 100:+.2f}% |")
+                   + f" | {statistics.mean(vals):.4f} | {rel} |")
     return "\n".join(out)
 
 
@@ -100,6 +111,9 @@ def main() -> None:
     ap.add_argument("--latency", type=float, default=2.0,
                     help="clock-paced methods: reference steps from a round's last "
                     "contribution to its result")
+    ap.add_argument("--speeds", default="",
+                    help="clock-paced methods: each worker's speed (1 = one reference step "
+                    "per step), comma-separated; empty: all equal")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=2)
