@@ -168,18 +168,35 @@ def test_a_result_later_than_the_delay_merges_when_it_arrives_without_waiting():
     assert all(s["late"] == 0 for s in late.worker_stats)
 
 
-def test_clock_paced_delay_counts_reference_steps_whatever_a_workers_speed():
-    """Workers of speeds 1 and 0.5 (two reference steps per own step): both merge a round
-    once the clock is tau reference steps past its start, the slow one at its first
-    boundary from there, so they agree at the end and neither waited in the run."""
+def test_clock_paced_delay_counts_reference_steps_whatever_a_workers_speed(monkeypatch):
+    """Workers of speeds 1 and 0.5 (two reference steps per own step), auto's tau = 4: the
+    fast one merges each round 4 own steps after starting it, the slow one 2 (4 reference
+    steps, the same moment of the clock), and neither waited for a result in the run."""
+    import dilonode.sim as sim
+
+    built = sim._build_workers
+
+    def traced(*args, **kwargs):
+        workers, group = built(*args, **kwargs)
+        for w in workers:
+            w.trace = []
+        return workers, group
+
+    monkeypatch.setattr(sim, "_build_workers", traced)
     cfg = _cfg(sim={"workers": 2, "speeds": [1.0, 0.5], "latency": 0.5},
                diloco={"pacing": "time", "fragment_sync_delay": "auto", "step_seconds": 1.0})
     got = {}
     report = simulate(cfg, on_step=lambda s, ws: got.update(w=ws))
     assert report.workers_agree
-    fast, slow = got["w"]
-    assert fast.stats.late == slow.stats.late == 0
-    assert fast.step == pytest.approx(2 * slow.step, abs=2)
+    delays = []
+    for w in got["w"]:
+        started = {(e["fragment"], e["round"]): e["step"] for e in w.trace
+                   if e["event"] == "start"}
+        # Rounds landed while training (the end-of-run ones land at once, after the end).
+        delays.append({e["step"] - started[e["fragment"], e["round"]] for e in w.trace
+                       if e["event"] == "land" and e["step"] < w.step})
+        assert w.stats.late == 0
+    assert delays == [{4}, {2}]
 
 
 def test_step_locked_pacing_makes_fast_workers_wait_for_the_slowest():
