@@ -92,6 +92,7 @@ def auto_merge_delay(sync_every: int, num_fragments: int) -> int:
     two fragments' round starts, so a result merges as late as it can while every round
     still lands before the next fragment's round starts (the swarm holds one round in
     flight at a time). Paced by the clock a result that arrives later merges when it
-    arrives. Why late: docs/autotune-results.md (merging at once was at the high end of the
-    losses; no delay from 5 to 9 stood out at H = 30, P = 3)."""
+    arrives, so the delay never costs waiting. Its effect on the loss, measured at H = 30,
+    P = 3 against merging at once and other delays, is inside the spread between runs
+    (docs/autotune-results.md)."""
     return max(min(SyncPlan(sync_every, num_fragments).start_gaps()) - 1, 1)
