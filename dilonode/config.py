@@ -512,6 +512,11 @@ class StateSyncConfig(_Frozen):
     max_passes: int = Field(
         6, ge=1, le=100, description="fetches before publishing our record even if rounds "
         "keep landing mid-fetch")
+    replay_rounds: int = Field(
+        16, ge=0, le=256, description="per fragment, the last rounds whose encoded results "
+        "a server keeps, so a joiner several rounds behind replays them on the chunks it "
+        "has instead of fetching those again; capped so that they never hold more bytes "
+        "than the fragment's outer state (int4: ~14 rounds); 0: none")
 
     @model_validator(mode="after")
     def _check(self) -> StateSyncConfig:

@@ -1,5 +1,6 @@
 """A round's averaged pseudo-gradient as the codec carried it, and replaying it on an outer
-state: how a joiner that holds a fragment one round old catches up without fetching it again.
+state: how a joiner that holds a fragment (or chunks of it) a few rounds old catches up
+without fetching it again.
 
 Every member of a round ends with decode(encoded result) for every chunk, bit for bit the
 same values (the round's digest checks it). Keeping those encoded chunks costs a fraction of
@@ -20,58 +21,61 @@ import torch
 from dilonode.algo.codecs import CodecMeta, get_codec
 from dilonode.algo.outer import OuterState
 
-__all__ = ["EncodedResult", "replay_round"]
+__all__ = ["EncodedResult", "keep_replay", "replay_round"]
 
 
 @dataclass(frozen=True)
 class EncodedResult:
-    """A result as pieces of codec output, in value order: piece i holds `pieces[i][0]`
-    values, encoded as `pieces[i][1]`. Decoding them one by one and concatenating gives the
-    result exactly (block boundaries are those the round used)."""
+    """A result as codec output, in value order: piece i holds `numels[i]` values, encoded
+    in `data` right after piece i - 1. Decoding the pieces one by one and concatenating
+    gives the result exactly (block boundaries are those the round used). One buffer, so a
+    server keeps and serves it without copies."""
 
     codec: str
     block_size: int
-    pieces: tuple[tuple[int, bytes], ...]
+    numels: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of_pieces(cls, codec: str, block_size: int,
+                  pieces: Sequence[tuple[int, bytes | memoryview]]) -> EncodedResult:
+        """From (values, encoded bytes) pieces in order."""
+        return cls(codec, block_size, tuple(n for n, _ in pieces),
+                   b"".join(bytes(b) for _, b in pieces))
 
     @property
     def numel(self) -> int:
-        return sum(n for n, _ in self.pieces)
-
-    @property
-    def numels(self) -> list[int]:
-        return [n for n, _ in self.pieces]
+        return sum(self.numels)
 
     @property
     def nbytes(self) -> int:
-        return sum(len(b) for _, b in self.pieces)
+        return len(self.data)
 
     def blob(self) -> bytes:
-        return b"".join(b for _, b in self.pieces)
+        return self.data
 
     @classmethod
     def from_blob(cls, codec: str, block_size: int, numels: Sequence[int],
                   blob: bytes | memoryview) -> EncodedResult:
-        """Cut `blob` into pieces of `numels` values; ValueError when the sizes disagree."""
+        """`blob` as pieces of `numels` values; ValueError when the sizes disagree."""
         c = get_codec(codec, block_size)
-        sizes = [c.encoded_size(n) for n in numels]
-        if sum(sizes) != len(blob):
+        size = sum(c.encoded_size(n) for n in numels)
+        if size != len(blob):
             raise ValueError(f"encoded result: {len(blob)} bytes, {codec}/{block_size} needs "
-                             f"{sum(sizes)} for {sum(numels)} values in {len(numels)} pieces")
-        pieces, at = [], 0
-        for n, size in zip(numels, sizes, strict=True):
-            pieces.append((n, bytes(blob[at:at + size])))
-            at += size
-        return cls(codec, block_size, tuple(pieces))
+                             f"{size} for {sum(numels)} values in {len(numels)} pieces")
+        return cls(codec, block_size, tuple(numels), bytes(blob))
 
     def decode(self) -> torch.Tensor:
         """The result values, float32 [numel]; CodecError on a malformed or non-finite piece."""
         c = get_codec(self.codec, self.block_size)
         out = torch.empty(self.numel, dtype=torch.float32)
-        at = 0
-        for n, payload in self.pieces:
-            c.decode_into(payload, CodecMeta(codec=c.name, numel=n, block_size=c.block_size),
+        view, at, pos = memoryview(self.data), 0, 0
+        for n in self.numels:
+            size = c.encoded_size(n)
+            c.decode_into(view[pos:pos + size],
+                          CodecMeta(codec=c.name, numel=n, block_size=c.block_size),
                           out[at:at + n])
-            at += n
+            at, pos = at + n, pos + size
         return out
 
 
@@ -87,3 +91,17 @@ def replay_round(weights: torch.Tensor, momentum: torch.Tensor, result: EncodedR
     state.momentum_buf = momentum.detach().to(torch.float32).clone()
     state.step(result.decode())
     return state.weights, state.momentum_buf
+
+
+def keep_replay(kept: Sequence[tuple[int, EncodedResult]], round_no: int,
+                result: EncodedResult, max_rounds: int, max_bytes: int
+                ) -> list[tuple[int, EncodedResult]]:
+    """The results a server keeps for a fragment after round `round_no` landed with
+    `result`: the consecutive rounds before it that `kept` holds, then it; the oldest go
+    first beyond `max_rounds` or `max_bytes` in all (a replay needs every round from the
+    version a joiner holds, so a gap empties the list)."""
+    out = list(kept) if kept and kept[-1][0] == round_no - 1 else []
+    out.append((round_no, result))
+    while out and (len(out) > max_rounds or sum(e.nbytes for _, e in out) > max_bytes):
+        out.pop(0)
+    return out

@@ -450,7 +450,7 @@ class AllReduceRound:
         s = self.spec
         pieces = tuple((s.chunk_span(j, k)[1], self._encoded[j, k])
                        for j in range(s.size) for k in range(s.n_chunks(j)))
-        return EncodedResult(s.codec, s.block_size, pieces)
+        return EncodedResult.of_pieces(s.codec, s.block_size, pieces)
 
     @property
     def rejected(self) -> tuple[int, ...]:

@@ -11,15 +11,12 @@ manifest to trust, scheduling chunk requests over several peers, and assembling 
   window per peer; a failed or dropped peer's chunks go back to the queue for the others.
 * `Assembler` holds the target tensors, fills them from chunks we already have (our own state,
   or an earlier pass) and from verified payloads, and yields the new `WorkerState`.
-* `ReplayJob` (`plan_replays`): a fragment of the target that a round changed after we
-  fetched (part of) its previous version; when cheaper, we fetch the rest of that version
-  and the round's encoded result instead, replay the outer step, and keep the outcome only
-  if it hashes to the target's digests.
+* Chunks fetched at an older version of their fragment are brought forward by replaying
+  the rounds since (`bank.py`).
 """
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -30,12 +27,11 @@ import torch
 
 from dilonode.algo.replay import EncodedResult
 from dilonode.statesync.protocol import Manifest, RoundReplay, TensorChunks, replay_name
-from dilonode.train.state import WorkerState, fragment_names, tensor_names
+from dilonode.train.state import WorkerState, tensor_names
 from dilonode.wire.errors import RemoteProtocolError
 
-__all__ = ["Assembler", "FetchPlan", "ReplayJob", "Replayer", "Target", "choose_target",
-           "chunk_bytes_of", "chunk_digest", "digests_of", "fetch_order", "manifest_of",
-           "plan_replays"]
+__all__ = ["Assembler", "FetchPlan", "Replayer", "Target", "choose_target", "chunk_bytes_of",
+           "chunk_digest", "digests_of", "fetch_order", "manifest_of"]
 
 # (weights, momentum, encoded result) -> the fragment's (weights, momentum) after the round
 Replayer = Callable[[torch.Tensor, torch.Tensor, EncodedResult],
@@ -83,10 +79,20 @@ def manifest_of(state: WorkerState, run_id: str, config_digest: str, chunk_bytes
         t = state.tensors[name]
         entries.append(TensorChunks(name=name, numel=t.numel(),
                                     chunks=hashed(name, t, lambda t=t: _bytes_view(t))))
-    replays = [RoundReplay(fragment=p, round=state.rounds[p] - 1, codec=enc.codec,
-                           block_size=enc.block_size, numels=enc.numels, nbytes=enc.nbytes,
-                           chunks=hashed(replay_name(p), enc, enc.blob))
-               for p, enc in sorted(state.replays.items()) if enc.nbytes]
+    replays = []
+    for p, kept in sorted(state.replays.items()):
+        if not all(enc.nbytes for enc in kept):
+            continue
+        first = state.rounds[p] - len(kept)
+        replays += [RoundReplay(fragment=p, round=first + j, codec=enc.codec,
+                                block_size=enc.block_size, numels=list(enc.numels),
+                                nbytes=enc.nbytes,
+                                chunks=hashed(replay_name(p, first + j), enc, enc.blob))
+                    for j, enc in enumerate(kept)]
+    if cache is not None:  # results no longer kept: forget their digests too
+        listed = {replay_name(r.fragment, r.round) for r in replays}
+        for name in [n for n in cache if n.startswith("replay.") and n not in listed]:
+            del cache[name]
     return Manifest(run_id=run_id, config_digest=config_digest, step=state.step,
                     current_step=state.step if state.taken_at is None else state.taken_at,
                     rounds=list(state.rounds), outer_steps=list(state.outer_steps),
@@ -135,12 +141,14 @@ def fetch_order(manifest: Manifest, digests: Iterable[bytes]) -> list[bytes]:
     rounds = manifest.rounds
     by_recency = sorted(range(len(rounds)), key=lambda p: (rounds[p], p), reverse=True)
     rank = {p: i for i, p in enumerate(by_recency)}
-    fragment_of: dict[bytes, int] = {}
-    for t in manifest.tensors:  # names are outer.{p}.weights / outer.{p}.momentum
+    # Within a fragment, weights chunk i next to momentum chunk i: a fetch cut short by a
+    # round leaves pairs, which the rounds since can be replayed on (`bank.ChunkBank`).
+    order: dict[bytes, tuple[int, int, int]] = {}
+    for k, t in enumerate(manifest.tensors):  # outer.{p}.weights, outer.{p}.momentum, ...
         p = int(t.name.split(".")[1])
-        for d in t.chunks:
-            fragment_of.setdefault(d, p)
-    return sorted(digests, key=lambda d: rank[fragment_of[d]])
+        for i, d in enumerate(t.chunks):
+            order.setdefault(d, (rank[p], i, k))
+    return sorted(digests, key=order.__getitem__)
 
 
 @dataclass
@@ -224,6 +232,7 @@ class Assembler:
         for t in target.tensors:
             for i, d in enumerate(t.chunks):
                 self._where.setdefault(d, []).append((t.name, i))
+        self._chunks = {t.name: t.chunks for t in target.tensors}
         self._filled: set[bytes] = set()
 
     def needed(self) -> list[bytes]:
@@ -232,11 +241,22 @@ class Assembler:
 
     def missing(self, names: Iterable[str]) -> list[bytes]:
         """Digests of the tensors `names` not filled yet, in order, each once."""
-        chunks = {t.name: t.chunks for t in self.manifest.tensors}
-        return list(dict.fromkeys(d for n in names for d in chunks[n] if d not in self._filled))
+        return list(dict.fromkeys(d for n in names for d in self._chunks[n]
+                                  if d not in self._filled))
 
     def digests(self, name: str) -> list[bytes]:
-        return next(list(t.chunks) for t in self.manifest.tensors if t.name == name)
+        return list(self._chunks[name])
+
+    def digest_at(self, name: str, index: int) -> bytes | None:
+        chunks = self._chunks.get(name, ())
+        return chunks[index] if 0 <= index < len(chunks) else None
+
+    def positions(self, digest: bytes) -> list[tuple[str, int]]:
+        """Where `digest` goes: (tensor, chunk index) pairs; [] if nowhere."""
+        return self._where.get(digest, [])
+
+    def filled(self, digest: bytes | None) -> bool:
+        return digest in self._filled
 
     def put(self, digest: bytes, payload: bytes | memoryview) -> None:
         """Write a verified chunk into every position that holds this digest (none: a
@@ -274,20 +294,6 @@ class Assembler:
                     reused += len(chunk) * len(self._where[d])
         return reused
 
-    def carry(self, other: Assembler) -> int:
-        """Fill the chunks that `other` (an unfinished fetch of an earlier target) already
-        holds; returns the bytes carried over."""
-        if other.cb != self.cb:
-            return 0
-        carried = 0
-        for d in other._filled:
-            if d in self._where and d not in self._filled:
-                name, i = other._where[d][0]
-                chunk = chunk_bytes_of(other.tensors[name], i, self.cb)
-                self.put(d, chunk)
-                carried += len(chunk) * len(self._where[d])
-        return carried
-
     def state(self) -> WorkerState:
         """The assembled state; only when every chunk is in place."""
         if self.needed():
@@ -295,79 +301,3 @@ class Assembler:
         m = self.manifest
         return WorkerState(m.step, tuple(m.rounds), tuple(m.outer_steps), dict(self.tensors),
                            chains=tuple(m.chains))
-
-
-@dataclass
-class ReplayJob:
-    """Fragment `fragment` of a target state, to be computed from its version one round
-    older (filled, or being filled, in `old`) and that round's encoded result (`spec`)."""
-
-    fragment: int
-    spec: RoundReplay
-    old: Assembler
-    got: dict[bytes, bytes] = field(default_factory=dict)  # result chunks received
-
-    @property
-    def names(self) -> list[str]:
-        return fragment_names(self.fragment)
-
-    def wants(self) -> list[bytes]:
-        """Chunks still to fetch: the old version's missing ones, then the result's."""
-        return self.old.missing(self.names) + \
-            [d for d in dict.fromkeys(self.spec.chunks) if d not in self.got]
-
-    def put(self, digest: bytes, payload: bytes | memoryview) -> None:
-        """Take a verified chunk if this job wants it."""
-        if digest in self._result_chunks:
-            self.got[digest] = bytes(payload)
-        elif digest in self._old_chunks:
-            self.old.put(digest, payload)
-
-    @functools.cached_property
-    def _result_chunks(self) -> frozenset[bytes]:
-        return frozenset(self.spec.chunks)
-
-    @functools.cached_property
-    def _old_chunks(self) -> frozenset[bytes]:
-        return frozenset(d for n in self.names for d in self.old.digests(n))
-
-    def run(self, target: Assembler, replayer: Replayer) -> str:
-        """Replay the round and fill the fragment in `target` if the outcome hashes to the
-        target's digests; returns '' then, else why not (`target` left as it was)."""
-        if wanted := self.wants():
-            return f"{len(wanted)} chunk(s) never arrived"
-        weights, momentum = self.names
-        try:
-            result = EncodedResult.from_blob(self.spec.codec, self.spec.block_size,
-                                             self.spec.numels,
-                                             b"".join(self.got[d] for d in self.spec.chunks))
-            outcome = replayer(self.old.tensors[weights], self.old.tensors[momentum], result)
-        except (ValueError, RuntimeError) as exc:  # codec errors, non-finite, sizes
-            return f"{type(exc).__name__}: {exc}"
-        for name, t in zip(self.names, outcome, strict=True):
-            if digests_of(t, target.cb) != target.digests(name):
-                return f"{name} comes out different from the peers' (digests differ)"
-        for name, t in zip(self.names, outcome, strict=True):
-            for i, d in enumerate(target.digests(name)):
-                target.put(d, chunk_bytes_of(t, i, target.cb))
-        return ""
-
-
-def plan_replays(target: Assembler, old: Assembler) -> list[ReplayJob]:
-    """Fragments of `target` that `old` holds (or is fetching) one round older and that
-    cost fewer bytes to replay (the rest of the old version plus the round's encoded
-    result) than to fetch again."""
-    t, o = target.manifest, old.manifest
-    if old.cb != target.cb or len(t.rounds) != len(o.rounds):
-        return []
-    jobs = []
-    for spec in t.replays:
-        p = spec.fragment
-        if (spec.round, t.outer_steps[p]) != (o.rounds[p], o.outer_steps[p] + 1):
-            continue  # not exactly the next round of what `old` holds
-        job = ReplayJob(p, spec, old)
-        names = job.names
-        replay_cost = len(old.missing(names)) * old.cb + spec.nbytes
-        if replay_cost < len(target.missing(names)) * target.cb:
-            jobs.append(job)
-    return jobs

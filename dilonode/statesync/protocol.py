@@ -9,15 +9,17 @@ and a msgpack map whose `type` names the message:
     chunk?     {digest}                          -> chunk | error
     manifest   {version, run_id, config_digest, step, current_step, rounds, outer_steps,
                 chunk_bytes, tensors: [{name, numel, chunks: [BLAKE3-256 bytes, ...]}, ...],
-                replays: [{fragment, round, codec, block_size, numels, nbytes, chunks}, ...]}
+                replays: [{fragment, round, codec, block_size, numels, nbytes, chunks}, ...],
+                chains}
     chunk      {digest, payload}                 (blake3(payload) == digest)
     error      {reason}
 
 Chunks are asked for by content (their BLAKE3 hash), so a chunk survives a newer snapshot when its
 fragment has not changed, and a joiner never downloads bytes it already holds. A manifest's
-`replays` name, per fragment, the encoded result of the round that fragment last landed
-(`algo/replay.py`), cut into chunks the same way: a joiner holding the fragment from before
-that round fetches those instead of the fragment. No I/O here.
+`replays` name, per fragment, the encoded results of the last rounds that fragment landed
+(`algo/replay.py`), cut into chunks the same way: a joiner holding chunks of the fragment
+from before those rounds fetches them and replays the rounds instead of fetching the
+chunks again. No I/O here.
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ def chunk_count(numel: int, chunk_bytes: int) -> int:
     return -(-numel * 4 // chunk_bytes)
 
 
-def replay_name(fragment: int) -> str:
+def replay_name(fragment: int, round_no: int) -> str:
     """How servers and the fetch plan name a replay's bytes among the state's tensors."""
-    return f"replay.{fragment}"
+    return f"replay.{fragment}.{round_no}"
 
 
 class RoundReplay(_Model):
@@ -124,29 +126,34 @@ class Manifest(_Model):
             if len(t.chunks) != chunk_count(t.numel, self.chunk_bytes):
                 raise ValueError(f"tensor {t.name}: {len(t.chunks)} chunks for {t.numel} "
                                  f"values at {self.chunk_bytes} bytes per chunk")
-        seen: set[int] = set()
+        last: dict[int, int] = {}  # fragment -> the round listed before
         for r in self.replays:
-            what = f"replay of fragment {r.fragment}"
-            if r.fragment >= len(self.rounds) or r.fragment in seen:
-                raise ValueError(f"{what}: not a fragment of this state, or listed twice")
-            seen.add(r.fragment)
-            if r.round + 1 != self.rounds[r.fragment]:
-                raise ValueError(f"{what}: round {r.round}, but the state has landed "
-                                 f"{self.rounds[r.fragment]} rounds")
+            what = f"replay of fragment {r.fragment} round {r.round}"
+            if r.fragment >= len(self.rounds):
+                raise ValueError(f"{what}: not a fragment of this state")
+            if r.fragment in last and last[r.fragment] + 1 != r.round:
+                raise ValueError(f"{what}: listed after its round {last[r.fragment]} "
+                                 "(a fragment's replays are consecutive rounds, in order)")
+            last[r.fragment] = r.round
             if sum(r.numels) != self.tensors[2 * r.fragment].numel:
                 raise ValueError(f"{what}: {sum(r.numels)} values, the fragment has "
                                  f"{self.tensors[2 * r.fragment].numel}")
             if len(r.chunks) != -(-r.nbytes // self.chunk_bytes):
                 raise ValueError(f"{what}: {len(r.chunks)} chunks for {r.nbytes} bytes at "
                                  f"{self.chunk_bytes} bytes per chunk")
+        for p, r in last.items():
+            if r + 1 != self.rounds[p]:
+                raise ValueError(f"replay of fragment {p} round {r}: the fragment's last "
+                                 f"replay, but the state has landed {self.rounds[p]} rounds")
         return self
 
     def tensor_digests(self) -> set[bytes]:
         """Every chunk digest of the state's tensors (not of its replays)."""
         return {d for t in self.tensors for d in t.chunks}
 
-    def replay(self, fragment: int) -> RoundReplay | None:
-        return next((r for r in self.replays if r.fragment == fragment), None)
+    def replays_of(self, fragment: int) -> dict[int, RoundReplay]:
+        """Round -> the replay of that round of `fragment`."""
+        return {r.round: r for r in self.replays if r.fragment == fragment}
 
     def content_key(self) -> tuple[Any, ...]:
         """What two manifests must share to describe the same state (the step may differ)."""

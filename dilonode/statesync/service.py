@@ -42,6 +42,7 @@ from dilonode.allreduce.channel import HandshakeError
 from dilonode.auth import Credentials
 from dilonode.config import StateSyncConfig
 from dilonode.listener import Acceptor, bind_listener
+from dilonode.statesync.bank import ChunkBank
 from dilonode.statesync.link import Link, StreamOpener
 from dilonode.statesync.plan import (
     Assembler,
@@ -53,7 +54,6 @@ from dilonode.statesync.plan import (
     digests_of,
     fetch_order,
     manifest_of,
-    plan_replays,
 )
 from dilonode.statesync.protocol import (
     Chunk,
@@ -64,7 +64,7 @@ from dilonode.statesync.protocol import (
     StateMessage,
     replay_name,
 )
-from dilonode.train.state import WorkerState, fragment_names
+from dilonode.train.state import WorkerState
 from dilonode.wire.errors import RemoteProtocolError, one_line
 
 __all__ = ["Recovery", "RecoveryError", "SnapshotSource", "StateServer", "recover"]
@@ -387,8 +387,10 @@ class _Served:
         manifest = manifest_of(state, run_id, digest, chunk_bytes, cache)
         index = {d: (t.name, i) for t in manifest.tensors for i, d in enumerate(t.chunks)}
         for r in manifest.replays:
-            index.update({d: (replay_name(r.fragment), i) for i, d in enumerate(r.chunks)})
-        blobs = {replay_name(p): enc.blob() for p, enc in state.replays.items()}
+            index.update({d: (replay_name(r.fragment, r.round), i)
+                          for i, d in enumerate(r.chunks)})
+        blobs = {replay_name(p, state.rounds[p] - len(kept) + j): enc.blob()
+                 for p, kept in state.replays.items() for j, enc in enumerate(kept)}
         return cls(state, manifest, index, blobs)
 
     @property
@@ -430,7 +432,7 @@ class Recovery:
     sources: dict[str, int] = field(default_factory=dict)  # peer -> payload bytes from it
     agreed_by: tuple[str, ...] = ()  # peers whose manifest was exactly the adopted state
     refused: int = 0  # peers dropped for failing authentication (impostor, tampered frame)
-    replayed: int = 0  # fragments brought one round forward by replaying it, not fetched
+    replayed: int = 0  # fragments (per fetch) brought forward by replaying rounds
 
 
 class _Client:
@@ -450,7 +452,9 @@ class _Client:
         self.replayer: Replayer | None = None  # replays a round on a fragment (plan.py)
         self.conns: dict[str, Link] = {}
         self.watch: dict[str, Link | None] = {}  # second connections for manifests mid-fetch
-        self.partial: Assembler | None = None  # a fetch left for a newer state: its chunks
+        # Every chunk held or fetched so far, at its fragment's version (bank.py).
+        self.bank: ChunkBank | None = None
+        self._banked: WorkerState | None = None  # the held state last put in the bank
         self.newer: dict[str, Manifest] | None = None  # the manifests that showed it
         self.busy: set[str] = set()
         self.fetched_once = False
@@ -546,79 +550,69 @@ class _Client:
         return {p: m for p, m in zip(peers, got, strict=True) if m is not None}
 
     async def fetch(self, target: Target, manifests: dict[str, Manifest],
-                    held: WorkerState | None, known: dict[str, list[bytes]],
-                    held_manifest: Manifest | None = None) -> WorkerState | None:
+                    held: WorkerState | None, known: dict[str, list[bytes]]
+                    ) -> WorkerState | None:
         """The target state, or None when the peers moved on to a newer state mid-fetch
-        (then `newer` holds their manifests and `partial` what was fetched).
+        (then `newer` holds their manifests; what was fetched stays in `bank`).
 
-        A fragment that a round changed since the version we hold (`held`, whose manifest
-        is `held_manifest`) or were fetching (`partial`) is replayed when that is cheaper:
-        the rest of its old version and the round's encoded result are fetched instead,
-        and the outer step is kept only if it hashes to the target's digests; otherwise
-        the fragment is fetched after all."""
+        Chunks held (`held`, the state we hold, whose chunk digests `known` caches) or
+        fetched in earlier passes at an older version of their fragment are brought forward
+        by replaying the rounds since, when the results cost fewer bytes than the chunks
+        (`bank.py`); a chunk so derived is kept only if it hashes to the target's digest,
+        and what is not derived is fetched."""
         asm = Assembler(target.manifest)
+        if self.bank is None or self.bank.cb != asm.cb:
+            self.bank, self._banked = ChunkBank(asm.cb), None
+        bank = self.bank
         if held is not None and not known:  # hash our own state once, not on every pass
             known.update({name: digests_of(t, asm.cb) for name, t in held.tensors.items()})
+        if held is not None and held is not self._banked:
+            bank.record_state(held, known)
+            self._banked = held
         reused = asm.reuse(held, known)
         if not self.fetched_once:  # later passes reuse what we fetched, not what we had
             self.result.reused_bytes, self.fetched_once = reused, True
-        if self.partial is not None:
-            asm.carry(self.partial)
-        old = self._old_version(target.manifest, held, held_manifest, known)
-        jobs = plan_replays(asm, old) if old is not None and self.replayer else []
-        self.partial = None
-        derived = {d for job in jobs for d in asm.missing(job.names)}
+        bank.fill(asm)
+        jobs = bank.plan(asm) if self.replayer else []
+        derived = {asm.digest_at(name, i) for job in jobs for name, i in job.used}
         needed = [d for d in fetch_order(target.manifest, asm.needed()) if d not in derived]
-        needed += [d for job in jobs for d in job.wants()]
-        # Any peer may still hold the old version (servers keep the previous state).
-        older = {d for job in jobs for d in job.old.missing(job.names)}
+        results = list(dict.fromkeys(d for job in jobs for d in job.wants(bank)))
+        wanted = frozenset(results)
 
         def sink(digest: bytes, payload: bytes | memoryview) -> None:
-            for job in jobs:
-                job.put(digest, payload)
-            asm.put(digest, payload)
+            if digest in wanted:
+                bank.put_result(digest, payload)
+            if asm.positions(digest):
+                asm.put(digest, payload)
+                bank.record_fetched(asm, digest, payload)
 
-        sources = {p: m.tensor_digests() | {d for r in m.replays for d in r.chunks} | older
+        sources = {p: m.tensor_digests() | {d for r in m.replays for d in r.chunks}
                    for p, m in manifests.items()}
-        if await self._transfer(target, manifests, FetchPlan(needed, sources), sink):
-            self.partial = asm
+        if await self._transfer(target, manifests, FetchPlan(needed + results, sources),
+                                sink):
             return None
-        for job in jobs:  # decoding, the outer step and hashing: off the network loop
-            why = await asyncio.to_thread(job.run, asm, self.replayer) if self.replayer \
-                else "no replayer"
-            if why:
-                log.info("state sync: fetching fragment %d rather than replaying its round "
-                         "%d: %s", job.fragment, job.spec.round, why)
-            else:
-                self.result.replayed += 1
-                log.info("state sync: fragment %d: replayed round %d (%d bytes of result) "
-                         "instead of fetching it again", job.fragment, job.spec.round,
-                         job.spec.nbytes)
+        for job in jobs:  # decoding, the outer steps and hashing: off the network loop
+            filled, why = await asyncio.to_thread(job.run, bank, asm, self.replayer) \
+                if self.replayer else (0, "no replayer")
+            self.result.replayed += bool(filled)
+            log.info("state sync: fragment %d: replayed rounds %d-%d (%d bytes of results) "
+                     "on %d chunk(s) held: %d bytes not fetched%s", job.fragment, job.start,
+                     job.rounds[-1].round, job.result_bytes, len(job.used), filled,
+                     f"; fetching the rest: {why}" if why else "")
         if asm.needed():  # what the plan could not fetch, or a replay that failed
             sources = {p: m.tensor_digests() for p, m in manifests.items() if p in self.addrs}
             plan = FetchPlan(fetch_order(target.manifest, asm.needed()), sources)
-            if await self._transfer(target, manifests, plan, asm.put):
-                self.partial = asm
+
+            def put(digest: bytes, payload: bytes | memoryview) -> None:
+                asm.put(digest, payload)
+                bank.record_fetched(asm, digest, payload)
+
+            if await self._transfer(target, manifests, plan, put):
                 return None
             if not plan.complete:
                 raise RecoveryError(f"state sync: {plan.missing} chunks of the state at step "
                                     f"{target.step} could not be fetched from any live peer")
         return asm.state()
-
-    def _old_version(self, target: Manifest, held: WorkerState | None,
-                     held_manifest: Manifest | None, known: dict[str, list[bytes]]
-                     ) -> Assembler | None:
-        """What we hold of an older version of the target: the fetch a newer state
-        interrupted, else the state fetched last (only the fragments the target could
-        replay are copied)."""
-        if self.partial is not None:
-            return self.partial
-        if held is None or held_manifest is None or not target.replays:
-            return None
-        old = Assembler(held_manifest)
-        old.reuse(held, known, only=[n for r in target.replays
-                                     for n in fragment_names(r.fragment)])
-        return old
 
     async def _transfer(self, target: Target, manifests: dict[str, Manifest],
                         plan: FetchPlan,
@@ -747,9 +741,9 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     that peer is most likely still landing the same round. A peer that is merely slower
     has not reached that step and is not waited for.
 
-    `replayer` (the run's outer step: `algo.replay.replay_round`): a fragment that a round
-    changed after we fetched it is replayed from that round's result when that is cheaper
-    (`_Client.fetch`); None: it is fetched again.
+    `replayer` (the run's outer step: `algo.replay.replay_round`): chunks that rounds
+    changed after we fetched them are brought forward by replaying those rounds' results
+    when that is cheaper (`_Client.fetch`, `bank.py`); None: they are fetched again.
 
     `prefer` (a node left out of a round for holding another state than its group's):
     only the manifests of these peers are considered while any of them answers.
@@ -883,9 +877,7 @@ class _Passes:
     async def _fetch(self, target: Target, manifests: dict[str, Manifest]) -> bool:
         t_fetch = time.perf_counter()
         try:
-            got = await self.client.fetch(
-                target, manifests, self.held, self.known,
-                self.held_target.manifest if self.held_target else None)
+            got = await self.client.fetch(target, manifests, self.held, self.known)
         except RecoveryError as exc:  # e.g. every peer holding a chunk moved on: re-read
             self.failures += 1
             if self.failures >= _MAX_FAILED_FETCHES or not self.client.addrs:

@@ -113,16 +113,17 @@ class WorkerState:
     outer_steps: tuple[int, ...]  # per fragment: outer steps applied (rounds minus refused)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> f32 CPU [numel_p]
     taken_at: int | None = None  # the exporting worker's own step (> `step` if in flight)
-    # fragment p -> the result of its last landed round (round rounds[p] - 1), for joiners
-    # holding the fragment one round old (algo/replay.py); not checkpointed.
-    replays: dict[int, EncodedResult] = field(default_factory=dict)
+    # fragment p -> the results of its last landed rounds, oldest first, the last one that
+    # of round rounds[p] - 1, consecutive: joiners holding (chunks of) the fragment a few
+    # rounds old replay them (algo/replay.py); not checkpointed.
+    replays: dict[int, tuple[EncodedResult, ...]] = field(default_factory=dict)
     # Per fragment, the hash chain of the rounds applied (algo/chain.py); () if unknown.
     chains: tuple[str, ...] = ()
 
     @classmethod
     def capture(cls, step: int, rounds: list[int], outer: Sequence[OuterState],
                 reuse: WorkerState | None = None, taken_at: int | None = None,
-                replays: dict[int, EncodedResult] | None = None,
+                replays: dict[int, tuple[EncodedResult, ...]] | None = None,
                 chains: list[str] | None = None) -> WorkerState:
         """A copy of `outer` (so training may go on while it is written or served).
 

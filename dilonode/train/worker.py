@@ -36,7 +36,7 @@ from dilonode.algo.fragments import Fragment, assign_fragments, flatten, unflatt
 from dilonode.algo.mixing import mixed_chain, pack_state, unpack_state
 from dilonode.algo.outer import NonFiniteError, OuterState, merge, pseudo_gradient
 from dilonode.algo.pacing import Pacer, StepPacer, TimePacer, due_starts, final_rounds
-from dilonode.algo.replay import EncodedResult
+from dilonode.algo.replay import EncodedResult, keep_replay
 from dilonode.algo.schedule import SyncPlan, SyncStart
 from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 from dilonode.config import InnerOptConfig, RunConfig
@@ -213,9 +213,10 @@ class Worker:
         self.plan: SyncPlan | None = None
         self.fragments: list[Fragment] = []
         self.outer: list[OuterState] = []
-        # fragment -> (round, its result as the codec carried it): the last round applied,
-        # when the collective keeps encoded results; served so joiners can replay it.
-        self.replays: dict[int, tuple[int, EncodedResult]] = {}
+        # fragment -> [(round, its result as the codec carried it)]: the last rounds
+        # applied, consecutive, when the collective keeps encoded results; served so
+        # joiners a few rounds behind replay them (`keep_replay`).
+        self.replays: dict[int, list[tuple[int, EncodedResult]]] = {}
         # When set (a list), every round started and landed is recorded here in order
         # (own step, fragment, round, tokens or group size): `sim.replay_traces` re-runs a
         # daemon's schedule exactly, and operators can see why a round was missed.
@@ -517,7 +518,7 @@ class Worker:
         if result.diverged:
             self.diverged_from = result.diverged
         params = self._frag_params(self.fragments[p])
-        self.replays.pop(p, None)
+        kept = self.replays.pop(p, [])  # back only if this round can be replayed after them
         digest = result.digest
         if result.state_mean is not None:  # the group's mean state: every member steps it
             self._load_packed(p, result.state_mean)
@@ -531,7 +532,9 @@ class Worker:
             return
         self.chains[p] = chain_next(self.chains[p], r, digest, applied=True)
         if result.encoded is not None and result.group_size > 1 and result.state_mean is None:
-            self.replays[p] = (r, result.encoded)
+            self.replays[p] = keep_replay(kept, r, result.encoded,
+                                          self.cfg.statesync.replay_rounds,
+                                          8 * result.encoded.numel)
         self.ranks.apply(p, params, new_global, self.algo.fragment_update_alpha)
 
     def _load_packed(self, p: int, packed: torch.Tensor) -> None:
@@ -578,7 +581,8 @@ class Worker:
         # After `drain` (end of training) rounds may have landed before their scheduled step;
         # a checkpoint named by our own step would then resume with them due again.
         taken_at = max(self.swarm_step, settled_step(self.plan, landed))
-        replays = {p: enc for p, (r, enc) in self.replays.items() if r == landed[p] - 1}
+        replays = {p: tuple(enc for _, enc in kept) for p, kept in self.replays.items()
+                   if kept and kept[-1][0] == landed[p] - 1}
         chains = [self._landed_chain(p) for p in range(len(self.outer))]
         outer: list[Any] = self.outer
         if self.ranks.world > 1:  # the leader gathers the fragments that changed

@@ -51,25 +51,27 @@ REPLAYER = functools.partial(replay_round, lr=A.outer_lr, momentum_coef=A.outer_
                              nesterov=A.outer_nesterov)
 
 
-def _replayed(state: WorkerState, p: int, served: int = 0) -> WorkerState:
+def _replayed(state: WorkerState, p: int, served: int = 0, seed: int = 5) -> WorkerState:
     """`state` after a real outer step on fragment `p` with an int4 result, which it serves
-    as the replay (`served` != 0: a different result is served than was applied)."""
+    as the replay after those `state` serves (`served` != 0: a different result is served
+    than was applied)."""
     codec = get_codec("int4", 64)
 
     def encoded(seed: int) -> EncodedResult:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(state.tensors[f"outer.{p}.weights"].numel(), generator=g) * 0.01
-        return EncodedResult("int4", 64, tuple((len(x[a:a + 65536]),
-                                                codec.encode(x[a:a + 65536])[0])
-                                               for a in range(0, x.numel(), 65536)))
+        return EncodedResult.of_pieces("int4", 64, tuple((len(x[a:a + 65536]),
+                                                         codec.encode(x[a:a + 65536])[0])
+                                                        for a in range(0, x.numel(), 65536)))
 
-    applied = encoded(5)
+    applied = encoded(seed)
     w, m = REPLAYER(state.tensors[f"outer.{p}.weights"], state.tensors[f"outer.{p}.momentum"],
                     applied)
     tensors = {**state.tensors, f"outer.{p}.weights": w, f"outer.{p}.momentum": m}
     rounds = tuple(r + (i == p) for i, r in enumerate(state.rounds))
     return WorkerState(state.step + 30, rounds, rounds, tensors,
-                       replays={p: encoded(served) if served else applied})
+                       replays={**state.replays, p: (*state.replays.get(p, ()),
+                                                     encoded(served) if served else applied)})
 
 
 class _Worker:
@@ -256,3 +258,44 @@ def test_a_replay_that_does_not_match_the_new_state_is_dropped_for_a_fetch(caplo
     rec = _land_late(_replayed(OLD, 2, served=6))
     assert rec.replayed == 0
     assert "digests differ" in caplog.text
+
+
+def _land_often(replayer) -> tuple[Recovery, WorkerState]:
+    """Recover while six rounds (two per fragment, real int4 results, each server keeping
+    all of them) land one after the other as OLD is served: a joiner slower than the
+    rounds, whose fetch every fragment outruns."""
+    states = [OLD]
+    for k, p in enumerate([2, 0, 1, 2, 0, 1]):
+        states.append(_replayed(states[-1], p, seed=10 + k))
+
+    async def job(peers, servers, workers) -> Recovery | None:
+        async def land_often() -> None:
+            for k, state in enumerate(states[1:]):
+                while sum(s.bytes_served for s in servers) < OLD.nbytes * (k + 1) * 0.15:
+                    await asyncio.sleep(0.01)
+                for w in workers:
+                    with w.lock:
+                        w.state = state
+
+        lander = asyncio.create_task(land_often())
+        rec = await recover(peers, None, CFG.run_id, DIGEST, CFG.statesync, peer_id="joiner",
+                            replayer=replayer)
+        assert lander.done()
+        return rec
+
+    rec, _ = _run(job)
+    assert rec is not None
+    _assert_same(rec.state, states[-1], "recovered vs the state after the six rounds")
+    return rec, states[-1]
+
+
+@pytest.mark.timeout(120)
+def test_rounds_landing_all_through_a_slow_fetch_are_replayed_on_the_chunks_held():
+    replayed, final = _land_often(REPLAYER)
+    fetched_again, _ = _land_often(None)
+    assert replayed.replayed >= 2
+    results = sum(len(enc.blob()) for kept in final.replays.values() for enc in kept)
+    # Replays cost the results (an eighth of a fragment's weights each) where fetching
+    # again costs whatever part of a fragment a round overtook.
+    assert replayed.fetched_bytes < fetched_again.fetched_bytes - results, \
+        (replayed.fetched_bytes, fetched_again.fetched_bytes, results, OLD.nbytes)

@@ -1,7 +1,8 @@
-"""Replaying a round on a fragment (no sockets): the encoded result a round keeps decodes to
-its result bit for bit, replaying it gives what the members' outer step gave, manifests
-carry and check it, and a joiner's fetch plan uses it only when it is cheaper and only if
-the outcome hashes to the target's digests."""
+"""Replaying rounds on a fragment (no sockets): the encoded result a round keeps decodes to
+its result bit for bit, replaying it gives what the members' outer step gave, servers keep
+the last rounds' results and manifests carry and check them, and a joiner's chunk bank
+brings chunks held at older versions forward through several rounds, only when it is
+cheaper and only where the outcome hashes to the target's digests."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import torch
 
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.outer import OuterState
-from dilonode.algo.replay import EncodedResult, replay_round
+from dilonode.algo.replay import EncodedResult, keep_replay, replay_round
 from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet
 from dilonode.collective import ReduceResult
-from dilonode.statesync.plan import Assembler, chunk_bytes_of, manifest_of, plan_replays
+from dilonode.statesync.bank import ChunkBank
+from dilonode.statesync.plan import Assembler, chunk_bytes_of, digests_of, manifest_of
 from dilonode.statesync.protocol import Manifest
 from dilonode.train.data import load_data
 from dilonode.train.state import WorkerState
@@ -30,8 +32,8 @@ REPLAYER = functools.partial(replay_round, lr=LR, momentum_coef=MU, nesterov=Tru
 
 def _encode(x: torch.Tensor, codec: str = "int4", piece: int = 1000) -> EncodedResult:
     c = get_codec(codec, 64)
-    return EncodedResult(codec, 64, tuple((len(x[a:a + piece]), c.encode(x[a:a + piece])[0])
-                                          for a in range(0, x.numel(), piece)))
+    return EncodedResult.of_pieces(codec, 64, [(len(x[a:a + piece]), c.encode(x[a:a + piece])[0])
+                                               for a in range(0, x.numel(), piece)])
 
 
 @pytest.mark.parametrize("codec", ["int4", "int8", "float32"])
@@ -82,84 +84,182 @@ def test_encoded_result_from_a_blob_checks_its_size():
 # -- manifests and the joiner's plan -----------------------------------------------------
 
 
-def _states(numel: int = 6000, *, tamper: bool = False) -> tuple[WorkerState, WorkerState]:
-    """A 2-fragment state, and the same after one more round of fragment 1 (with replay)."""
+def _history(numel: int = 6000, rounds: int = 1, *, tamper: bool = False
+             ) -> list[WorkerState]:
+    """A 2-fragment state, then the same after each of `rounds` more rounds of fragment 1,
+    each state serving the results of the rounds since the first (algo/replay.py)."""
     gen = torch.Generator().manual_seed(2)
     outer = [OuterState(torch.randn(numel + p, generator=gen), LR, MU) for p in range(2)]
     for st in outer:
         st.step(torch.randn(st.weights.numel(), generator=gen) * 0.01)
-    old = WorkerState.capture(40, [1, 1], outer)
-    enc = _encode(torch.randn(numel + 1, generator=gen) * 0.01)
-    outer[1].step(enc.decode())
-    if tamper:  # what is served is not what was applied
+    states, kept = [WorkerState.capture(40, [1, 1], outer)], []
+    for k in range(rounds):
         enc = _encode(torch.randn(numel + 1, generator=gen) * 0.01)
-    new = WorkerState.capture(70, [1, 2], outer, reuse=old, replays={1: enc})
+        outer[1].step(enc.decode())
+        if tamper and k == rounds - 1:  # what is served is not what was applied
+            enc = _encode(torch.randn(numel + 1, generator=gen) * 0.01)
+        kept.append(enc)
+        states.append(WorkerState.capture(70 + 30 * k, [1, 2 + k], outer, reuse=states[-1],
+                                          replays={1: tuple(kept)}))
+    return states
+
+
+def _states(numel: int = 6000, *, tamper: bool = False) -> tuple[WorkerState, WorkerState]:
+    """A 2-fragment state, and the same after one more round of fragment 1 (with replay)."""
+    old, new = _history(numel, 1, tamper=tamper)
     return old, new
 
 
-def _filled(m: Manifest, state: WorkerState, upto: float = 1.0) -> Assembler:
-    """An assembler of `m` holding the first `upto` of each tensor's chunks of `state`."""
+def _banked(bank: ChunkBank, state: WorkerState, names: dict[str, list[int]] | None = None
+            ) -> None:
+    """Put chunks of `state` in `bank` (`names`: only these chunk indices of these tensors)
+    as a fetch of it would."""
+    asm = Assembler(manifest_of(state, "run", DIGEST, CB))
+    for t in asm.manifest.tensors:
+        if names is not None and t.name not in names:
+            continue
+        for i, d in enumerate(t.chunks):
+            if names is None or i in names[t.name]:
+                bank.record_fetched(asm, d, chunk_bytes_of(state.tensors[t.name], i, CB))
+
+
+def _derive(target_state: WorkerState, bank: ChunkBank) -> tuple[Assembler, list, list]:
+    """The target assembled from `bank` (held chunks, then derivations run with the
+    results served): (assembler, derivations, their (bytes, why))."""
+    m = manifest_of(target_state, "run", DIGEST, CB)
     asm = Assembler(m)
-    for t in m.tensors:
-        for i, d in enumerate(t.chunks[:int(len(t.chunks) * upto)]):
-            asm.put(d, chunk_bytes_of(state.tensors[t.name], i, CB))
-    return asm
+    bank.fill(asm)
+    jobs = bank.plan(asm)
+    blobs = {d: blob[i * CB:(i + 1) * CB] for r, blob in _served(target_state, m)
+             for i, d in enumerate(r.chunks)}
+    for job in jobs:
+        for d in job.wants(bank):
+            bank.put_result(d, blobs[d])
+    return asm, jobs, [job.run(bank, asm, REPLAYER) for job in jobs]
 
 
-def test_manifest_lists_the_replay_of_the_last_round_and_refuses_inconsistent_ones():
-    _, new = _states()
+def _served(state: WorkerState, m: Manifest) -> list[tuple[object, bytes]]:
+    out = []
+    for p, kept in state.replays.items():
+        first = state.rounds[p] - len(kept)
+        for j, enc in enumerate(kept):
+            (spec,) = [r for r in m.replays if (r.fragment, r.round) == (p, first + j)]
+            out.append((spec, enc.blob()))
+    return out
+
+
+def test_manifest_lists_the_replays_of_the_last_rounds_and_refuses_inconsistent_ones():
+    *_, new = _history(rounds=3)
     m = manifest_of(new, "run", DIGEST, CB)
-    (r,) = m.replays
-    assert (r.fragment, r.round, r.codec, sum(r.numels)) == (1, 1, "int4", 6001)
+    assert [(r.fragment, r.round, r.codec, sum(r.numels)) for r in m.replays] == \
+        [(1, k, "int4", 6001) for k in (1, 2, 3)]
     assert Manifest.model_validate(m.model_dump()) == m
-    for bad, why in (({"round": 0}, "landed 2 rounds"), ({"numels": [6000]}, "6000 values"),
-                     ({"fragment": 7}, "not a fragment"), ({"nbytes": 10 * CB}, "chunks for")):
+    for at, bad, why in ((2, {"round": 2}, "listed after its round 2"),
+                         (0, {"round": 0}, "listed after its round 0"),
+                         (2, {"numels": [6000]}, "6000 values"),
+                         (1, {"fragment": 7}, "not a fragment"),
+                         (0, {"nbytes": 10 * CB}, "chunks for")):
         data = m.model_dump()
-        data["replays"][0].update(bad)
+        data["replays"][at].update(bad)
         with pytest.raises(ValueError, match=why):
             Manifest.model_validate(data)
+    data = m.model_dump()
+    data["replays"] = data["replays"][:2]  # must end at the round that made the state
+    with pytest.raises(ValueError, match="last replay, but the state has landed 4 rounds"):
+        Manifest.model_validate(data)
 
 
 def test_a_fragment_one_round_old_is_replayed_into_exactly_the_targets_bytes():
     old, new = _states()
-    target = Assembler(manifest_of(new, "run", DIGEST, CB))
-    target.reuse(old)  # fragment 0 did not change
-    held = _filled(manifest_of(old, "run", DIGEST, CB), old)
-    (job,) = plan_replays(target, held)
-    assert job.wants() == list(dict.fromkeys(target.manifest.replays[0].chunks))
-    blob = new.replays[1].blob()
-    for i, d in enumerate(job.spec.chunks):
-        job.put(d, blob[i * CB:(i + 1) * CB])
-    assert job.run(target, REPLAYER) == ""
-    got = target.state()
+    bank = ChunkBank(CB)
+    _banked(bank, old)
+    asm, jobs, outcomes = _derive(new, bank)
+    (job,) = jobs
+    assert (job.fragment, job.start) == (1, 1) and outcomes[0][1] == ""
+    got = asm.state()
     for name, t in new.tensors.items():
         assert torch.equal(got.tensors[name], t), name
 
 
+def test_chunks_held_at_several_versions_are_brought_to_the_target_bit_for_bit():
+    """A slow joiner's fetch, cut short by rounds: pairs of weights and momentum chunks of
+    fragment 1 held at versions 1, 2 and 3 of 4 rounds on come out exactly the target's;
+    a weights chunk whose momentum was fetched at a later version cannot be, and is left
+    to be fetched."""
+    states = _history(rounds=4)  # fragment 1 at rounds 1 (states[0]) .. 5 (states[4])
+    n = len(digests_of(states[0].tensors["outer.1.weights"], CB))  # 6 chunks
+    bank = ChunkBank(CB)
+    _banked(bank, states[0], {"outer.0.weights": list(range(n)),
+                              "outer.0.momentum": list(range(n))})
+    _banked(bank, states[0], {"outer.1.weights": [0, 1, 3], "outer.1.momentum": [0, 1]})
+    _banked(bank, states[1], {"outer.1.weights": [2], "outer.1.momentum": [2, 3]})
+    _banked(bank, states[3], {"outer.1.weights": [4], "outer.1.momentum": [4]})
+    asm, jobs, outcomes = _derive(states[4], bank)
+    (job,) = jobs
+    assert (job.fragment, job.start, outcomes[0][1]) == (1, 1, "")
+    target = states[4]
+    left = set(asm.needed())
+    want_left = {digests_of(target.tensors["outer.1.weights"], CB)[i] for i in (3, 5)} | \
+        {digests_of(target.tensors["outer.1.momentum"], CB)[5]}
+    assert left == want_left  # weights 3: its momentum came a version later; 5: never held
+    for name in ("outer.1.weights", "outer.1.momentum"):
+        ds = digests_of(target.tensors[name], CB)
+        for i in range(n):
+            if ds[i] not in left:
+                assert torch.equal(asm.tensors[name].view(torch.uint8)[i * CB:(i + 1) * CB],
+                                   target.tensors[name].view(torch.uint8)[i * CB:(i + 1) * CB])
+
+
 def test_a_replay_that_does_not_hash_right_leaves_the_target_to_be_fetched():
     old, new = _states(tamper=True)
-    target = Assembler(manifest_of(new, "run", DIGEST, CB))
-    target.reuse(old)
-    (job,) = plan_replays(target, _filled(manifest_of(old, "run", DIGEST, CB), old))
-    blob = new.replays[1].blob()
-    for i, d in enumerate(job.spec.chunks):
-        job.put(d, blob[i * CB:(i + 1) * CB])
-    missing = target.needed()
-    assert "digests differ" in job.run(target, REPLAYER)
-    assert target.needed() == missing
+    bank = ChunkBank(CB)
+    _banked(bank, old)
+    asm, _, outcomes = _derive(new, bank)
+    assert outcomes[0][0] == 0 and "digests differ" in outcomes[0][1]
+    assert set(asm.needed()) == set(digests_of(new.tensors["outer.1.weights"], CB)) | \
+        set(digests_of(new.tensors["outer.1.momentum"], CB))
 
 
-def test_replay_is_planned_only_when_cheaper_and_only_one_round_on():
-    old, new = _states()
-    m_new, m_old = (manifest_of(s, "run", DIGEST, CB) for s in (new, old))
-    # Little of the old fragment held: fetching the new one is cheaper.
-    assert plan_replays(Assembler(m_new), _filled(m_old, old, upto=0.1)) == []
-    assert len(plan_replays(Assembler(m_new), _filled(m_old, old, upto=0.9))) == 1
-    # Two rounds on (or the same round) cannot be replayed from one result.
-    older = WorkerState(10, (1, 0), (1, 0), dict(old.tensors))
-    assert plan_replays(Assembler(m_new), _filled(manifest_of(older, "run", DIGEST, CB),
-                                                  older)) == []
-    assert plan_replays(Assembler(m_new), _filled(m_new, new)) == []
+def test_replay_is_planned_only_when_cheaper_and_only_from_rounds_served():
+    states = _history(rounds=3)
+    new = states[3]
+    m_new = manifest_of(new, "run", DIGEST, CB)
+    n = len(m_new.tensors[2].chunks)
+    # One chunk held two rounds old: its bytes are fewer than the two results'.
+    little = ChunkBank(CB)
+    _banked(little, states[1], {"outer.1.momentum": [0]})
+    assert little.plan(Assembler(m_new)) == []
+    most = ChunkBank(CB)
+    _banked(most, states[1], {"outer.1.weights": list(range(n - 1)),
+                              "outer.1.momentum": list(range(n - 1))})
+    assert [j.start for j in most.plan(Assembler(m_new))] == [2]
+    # Four rounds on when the server keeps three: nothing to replay from.
+    older = WorkerState(10, (1, 0), (1, 0), dict(states[0].tensors))
+    bank = ChunkBank(CB)
+    _banked(bank, older)
+    assert bank.plan(Assembler(m_new)) == []
+    # A version whose outer steps do not match the rounds since (a refused round) neither.
+    skipped = WorkerState(10, (1, 2), (1, 1), dict(states[1].tensors))
+    bank = ChunkBank(CB)
+    _banked(bank, skipped)
+    assert bank.plan(Assembler(m_new)) == []
+    # Already the target's: nothing to derive.
+    same = ChunkBank(CB)
+    _banked(same, new)
+    asm = Assembler(m_new)
+    same.fill(asm)
+    assert same.plan(asm) == [] and asm.needed() == []
+
+
+def test_keep_replay_keeps_consecutive_rounds_within_its_bounds():
+    enc = _encode(torch.randn(640))
+    kept: list = []
+    for r in range(5):
+        kept = keep_replay(kept, r, enc, max_rounds=3, max_bytes=10**9)
+    assert [r for r, _ in kept] == [2, 3, 4]
+    assert [r for r, _ in keep_replay(kept, 6, enc, 3, 10**9)] == [6]  # round 5 not kept
+    assert [r for r, _ in keep_replay(kept, 5, enc, 3, 2 * enc.nbytes)] == [4, 5]
+    assert keep_replay(kept, 5, enc, 0, 10**9) == []
 
 
 class _Int4Pair:
@@ -179,10 +279,13 @@ class _Int4Pair:
         return _Done()
 
 
-def test_a_workers_exported_state_replays_its_last_round_from_the_one_before():
+@pytest.mark.parametrize("keep", [16, 1])
+def test_a_workers_exported_state_replays_its_last_rounds_from_the_state_before(keep):
     from tests.unit.test_checkpoint import _h4_p2_config
 
     cfg = _h4_p2_config()
+    cfg = cfg.model_copy(update={"statesync": cfg.statesync.model_copy(
+        update={"replay_rounds": keep})})
     a = cfg.diloco.effective()
     replayer = functools.partial(replay_round, lr=a.outer_lr, momentum_coef=a.outer_momentum,
                                  nesterov=a.outer_nesterov)
@@ -193,11 +296,14 @@ def test_a_workers_exported_state_replays_its_last_round_from_the_one_before():
         worker.launch()
         worker.land()
         states[worker.step] = worker.export_state()
-    before, after = states[10], states[11]
-    assert (before.rounds, after.rounds) == ((2, 2), (3, 2))
-    assert sorted(after.replays) == [0, 1]  # each fragment's last round
-    w, m = replayer(before.tensors["outer.0.weights"], before.tensors["outer.0.momentum"],
-                    after.replays[0])
+    after = states[11]
+    assert after.rounds == (3, 2)
+    assert {p: len(kept) for p, kept in after.replays.items()} == {0: min(keep, 3),
+                                                                  1: min(keep, 2)}
+    before = next(s for s in states.values() if s.rounds[0] == 3 - len(after.replays[0]))
+    w, m = before.tensors["outer.0.weights"], before.tensors["outer.0.momentum"]
+    for enc in after.replays[0]:  # oldest first
+        w, m = replayer(w, m, enc)
     assert torch.equal(w, after.tensors["outer.0.weights"])
     assert torch.equal(m, after.tensors["outer.0.momentum"])
     # A state adopted from elsewhere has no round of ours to offer.

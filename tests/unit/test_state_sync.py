@@ -11,6 +11,7 @@ import torch
 
 from dilonode.algo.outer import OuterState
 from dilonode.algo.schedule import SyncPlan
+from dilonode.statesync.bank import ChunkBank
 from dilonode.statesync.plan import (
     Assembler,
     FetchPlan,
@@ -281,16 +282,18 @@ def test_fetch_order_puts_the_next_fragment_to_land_last(rounds, last):
     assert tail == {last} and sorted(order) == sorted(frag)
 
 
-def test_assembler_carries_chunks_of_an_unfinished_fetch_to_a_newer_target():
+def test_the_bank_carries_chunks_of_an_unfinished_fetch_to_a_newer_target():
     old, new = _state(1, (3, 3)), _state(1, (3, 3))
     new.tensors["outer.1.weights"] = new.tensors["outer.1.weights"] + 1.0  # a round landed
-    first = Assembler(_manifest(old))
+    first, bank = Assembler(_manifest(old)), ChunkBank(CB)
     for name in ("outer.0.weights", "outer.1.weights"):  # fetched before the switch
         t = old.tensors[name]
         for i, d in enumerate(digests_of(t, CB)):
-            first.put(d, bytes(t.view(torch.uint8).numpy()[i * CB:(i + 1) * CB]))
+            payload = bytes(t.view(torch.uint8).numpy()[i * CB:(i + 1) * CB])
+            first.put(d, payload)
+            bank.record_fetched(first, d, payload)
     second = Assembler(_manifest(new))
-    carried = second.carry(first)
+    carried = bank.fill(second)
     assert carried == old.tensors["outer.0.weights"].numel() * 4  # not the stale fragment 1
     left = set(second.needed())
     assert left == set(digests_of(new.tensors["outer.1.weights"], CB)) | \

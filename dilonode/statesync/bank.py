@@ -1,0 +1,215 @@
+"""`ChunkBank`: the chunks of outer state a joiner holds, each at the version of its fragment
+it was fetched (or held) at, kept across the passes of one recovery; and `Derivation`:
+bringing those chunks forward to the target's version by replaying the rounds since from
+their encoded results, so a round that lands mid-fetch costs its result's bytes (int4: a
+fourteenth of the fragment's state) rather than the chunks already fetched.
+
+The outer step is elementwise: chunk i of a fragment's momentum after a round needs only
+chunk i of its momentum before it and the round's result; chunk i of its weights needs both
+(Nesterov). A joiner on a slow link, fetching weights and momentum chunk by chunk while
+rounds keep landing, ends up holding pairs of many versions. Replaying every round from
+the oldest version used, on the whole fragment (the members' arithmetic, bit for bit;
+positions not held are zeros and not used), brings each of them to the target; a chunk so
+derived is kept only if it hashes to the target's digest. No I/O here.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dilonode.algo.replay import EncodedResult
+from dilonode.statesync.plan import Assembler, Replayer, chunk_bytes_of, chunk_digest
+from dilonode.statesync.protocol import RoundReplay
+from dilonode.train.state import WorkerState, fragment_names, tensor_names
+
+__all__ = ["ChunkBank", "Derivation", "Version"]
+
+Version = tuple[int, int]  # a fragment's (rounds landed, outer steps applied)
+Position = tuple[str, int]  # (tensor name, chunk index)
+
+
+@dataclass(frozen=True)
+class Held:
+    """One chunk held: the version of its fragment it belongs to, its digest, its bytes."""
+
+    version: Version
+    digest: bytes
+    payload: bytes | memoryview
+
+
+def _fragment(name: str) -> int:
+    return int(name.split(".")[1])  # outer.{p}.weights / outer.{p}.momentum
+
+
+class ChunkBank:
+    """Chunks held per position, the newest version of each; result chunks by digest."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.cb = chunk_bytes
+        self.held: dict[Position, Held] = {}
+        self.results: dict[bytes, bytes] = {}  # result chunk digest -> payload
+
+    def record(self, position: Position, version: Version, digest: bytes,
+               payload: bytes | memoryview) -> None:
+        cur = self.held.get(position)
+        if cur is None or cur.version[0] <= version[0]:
+            self.held[position] = Held(version, digest, payload)
+
+    def record_state(self, state: WorkerState, digests: dict[str, list[bytes]]) -> None:
+        """Every chunk of `state` (`digests`: its chunk digests per tensor), at its counters."""
+        for name in tensor_names(state.num_fragments):
+            p, t = _fragment(name), state.tensors[name]
+            version = (state.rounds[p], state.outer_steps[p])
+            for i, d in enumerate(digests[name]):
+                self.record((name, i), version, d, chunk_bytes_of(t, i, self.cb))
+
+    def record_fetched(self, asm: Assembler, digest: bytes,
+                       payload: bytes | memoryview) -> None:
+        """A verified chunk of `asm`'s target, at every position of it that holds it."""
+        m = asm.manifest
+        for name, i in asm.positions(digest):
+            p = _fragment(name)
+            self.record((name, i), (m.rounds[p], m.outer_steps[p]), digest, payload)
+
+    def put_result(self, digest: bytes, payload: bytes | memoryview) -> None:
+        self.results[digest] = bytes(payload)
+
+    def fill(self, asm: Assembler) -> int:
+        """Put into `asm` every held chunk that is the target's at its position; returns
+        the bytes filled."""
+        filled = 0
+        for (name, i), h in self.held.items():
+            if not asm.filled(h.digest) and asm.digest_at(name, i) == h.digest:
+                asm.put(h.digest, h.payload)
+                filled += len(h.payload) * len(asm.positions(h.digest))
+        return filled
+
+    def plan(self, asm: Assembler) -> list[Derivation]:
+        """Per fragment of `asm`'s target, the derivation that saves the most bytes (the
+        chunks it yields that `asm` still lacks, less the result bytes not yet held), if
+        any saves some. Forgets results the target no longer lists."""
+        listed = {d for r in asm.manifest.replays for d in r.chunks}
+        self.results = {d: b for d, b in self.results.items() if d in listed}
+        return [job for p in range(len(asm.manifest.rounds))
+                if (job := self._plan_fragment(asm, p)) is not None]
+
+    def _plan_fragment(self, asm: Assembler, p: int) -> Derivation | None:
+        m = asm.manifest
+        last, steps = m.rounds[p], m.outer_steps[p]
+        specs = m.replays_of(p)
+        numel = m.tensors[2 * p].numel
+
+        def usable(name: str) -> dict[int, Held]:
+            """Chunks of `name` that the rounds listed can bring to the target's version."""
+            out = {}
+            for i in range(len(asm.digests(name))):
+                h = self.held.get((name, i))
+                if h is None:
+                    continue
+                k, k_steps = h.version
+                if k < last and k_steps == steps - (last - k) and \
+                        all(j in specs for j in range(k, last)):
+                    out[i] = h
+            return out
+
+        w_name, m_name = fragment_names(p)
+        kw, km = usable(w_name), usable(m_name)
+
+        def missing(name: str, i: int) -> int:
+            return 0 if asm.filled(asm.digest_at(name, i)) else \
+                min(self.cb, numel * 4 - i * self.cb)
+
+        best: tuple[int, int, dict[Position, Held]] | None = None
+        for start in sorted({h.version[0] for h in (*kw.values(), *km.values())}):
+            mom = {i: h for i, h in km.items() if h.version[0] >= start}
+            wts = {i: h for i, h in kw.items() if i in mom
+                   and mom[i].version[0] <= h.version[0]}
+            saved = sum(missing(m_name, i) for i in mom) + sum(missing(w_name, i) for i in wts)
+            cost = sum(specs[j].nbytes for j in range(start, last)
+                       if not all(d in self.results for d in specs[j].chunks))
+            if saved > cost and (best is None or saved - cost > best[0]):
+                used = {**{(w_name, i): h for i, h in wts.items()},
+                        **{(m_name, i): h for i, h in mom.items()}}
+                best = (saved - cost, start, used)
+        if best is None:
+            return None
+        _, start, used = best
+        return Derivation(p, tuple(specs[j] for j in range(start, last)), used)
+
+
+@dataclass
+class Derivation:
+    """Fragment `fragment` of a target brought forward from the chunks `used` (held at
+    versions from `rounds[0].round` on) by replaying `rounds` (through the target's)."""
+
+    fragment: int
+    rounds: tuple[RoundReplay, ...]
+    used: dict[Position, Held]
+
+    @property
+    def start(self) -> int:
+        return self.rounds[0].round
+
+    @property
+    def result_bytes(self) -> int:
+        return sum(r.nbytes for r in self.rounds)
+
+    def wants(self, bank: ChunkBank) -> list[bytes]:
+        """Result chunks not in `bank` yet, in round order, each once."""
+        return list(dict.fromkeys(d for r in self.rounds for d in r.chunks
+                                  if d not in bank.results))
+
+    def run(self, bank: ChunkBank, asm: Assembler, replayer: Replayer) -> tuple[int, str]:
+        """Replay the rounds and fill `asm` with every chunk derived that hashes to the
+        target's digest; returns (bytes filled, why not every chunk used gave one: '' if
+        it did). A failure leaves `asm` as it was."""
+        if wanted := self.wants(bank):
+            return 0, f"{len(wanted)} result chunk(s) never arrived"
+        w_name, m_name = fragment_names(self.fragment)
+        weights = torch.zeros(asm.tensors[w_name].numel(), dtype=torch.float32)
+        momentum = torch.zeros_like(weights)
+        at_round: dict[int, list[tuple[Position, Held]]] = defaultdict(list)
+        for pos, h in self.used.items():
+            at_round[h.version[0]].append((pos, h))
+        valid: dict[str, set[int]] = {w_name: set(), m_name: set()}
+        try:
+            for spec in self.rounds:
+                for (name, i), h in at_round[spec.round]:
+                    t = weights if name == w_name else momentum
+                    _write(t, i, asm.cb, h.payload)
+                    valid[name].add(i)
+                result = EncodedResult.from_blob(spec.codec, spec.block_size, spec.numels,
+                                                 b"".join(bank.results[d]
+                                                          for d in spec.chunks))
+                weights, momentum = replayer(weights, momentum, result)
+                valid[w_name] &= valid[m_name]  # the weights' step reads the momentum
+        except (ValueError, RuntimeError) as exc:  # codec errors, non-finite, sizes
+            return 0, f"{type(exc).__name__}: {exc}"
+        filled, wrong = 0, 0
+        for name, t in ((w_name, weights), (m_name, momentum)):
+            for i in sorted(valid[name]):
+                target = asm.digest_at(name, i)
+                if asm.filled(target):
+                    continue
+                chunk = chunk_bytes_of(t, i, asm.cb)
+                if chunk_digest(chunk) != target:
+                    wrong += 1
+                    continue
+                asm.put(target, chunk)
+                filled += len(chunk)
+        why = f"{wrong} chunk(s) came out different from the peers' (digests differ)" \
+            if wrong else ""
+        return filled, why
+
+
+def _write(t: torch.Tensor, index: int, chunk_bytes: int, payload: bytes | memoryview) -> None:
+    dst = t.view(torch.uint8)[index * chunk_bytes:(index + 1) * chunk_bytes].numpy()
+    src = np.frombuffer(payload, dtype=np.uint8)
+    if dst.size != src.size:
+        raise ValueError(f"a held chunk {index} is {src.size} bytes, the fragment's needs "
+                         f"{dst.size}")
+    dst[...] = src
