@@ -6,7 +6,10 @@ outer momentum, float32) from 3 training peers on the WAN test bed, against the 
 
 The 3 peers train a 15.4M-parameter model (state 123.5 MB) and the joiner starts once every
 fragment has been averaged at least once (before that, chunks of untouched fragments equal
-the joiner's own fresh state and would not be fetched). `recovery` is what the joiner's state
+the joiner's own fresh state and would not be fetched). Servers keep the results of the
+last `statesync.replay_rounds` rounds, so this early in a run a joiner derives the state
+from its own fresh one by replaying every round so far; `--replay-rounds 1` measures
+fetching the state itself. `recovery` is what the joiner's state
 sync reports: first manifest request to the verified state in memory, including what is
 left of its wait after publishing its peer record (it starts publishing ~2 s before the
 transfer is expected to end); `transfer` is the part spent fetching chunks, `manifests` the
@@ -45,7 +48,9 @@ def run_config(args: argparse.Namespace, rate: float) -> Any:
         # A window that outlasts the peers' drift (see benchmarks/wan.py).
         "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 45.0,
                     "allreduce_timeout": 60.0, "bandwidth_mbps": rate, "peer_ttl": 60.0},
-        "statesync": {"request_timeout": 60.0, "recover_timeout": 600.0},
+        "statesync": {"request_timeout": 60.0, "recover_timeout": 600.0,
+                      **({} if args.replay_rounds is None
+                         else {"replay_rounds": args.replay_rounds})},
         "status": {"enabled": False},
         "paths": {"out_dir": str(args.out / f"rate-{rate:g}")},
     })
@@ -113,6 +118,9 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=90, help="H of the peers' run")
     ap.add_argument("--fragments", type=int, default=3, help="P of the peers' run")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per rate, at most")
+    ap.add_argument("--replay-rounds", type=int, help="statesync.replay_rounds of every node "
+                    "(default: the config's; 1: a joiner replays at most the last round, so "
+                    "it fetches the state itself)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench/join"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

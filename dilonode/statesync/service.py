@@ -32,7 +32,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -413,6 +413,40 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def catch_up_seconds(missing_bytes: float, rate: float, moving: float) -> float:
+    """Seconds until a fetch with `missing_bytes` left at `rate` bytes/s holds the current
+    state, when the state moves on by `moving` bytes/s of round results (each round that
+    lands adds its result to fetch); inf when the fetch cannot catch up."""
+    net = rate - moving
+    return missing_bytes / net if net > 0 else math.inf
+
+
+@dataclass
+class ResultRate:
+    """Bytes per second of round results the peers' manifests add: the rounds that land
+    while a joiner fetches, each a result it must fetch too (rounds already listed in the
+    first manifests read are not counted)."""
+
+    seen: set[tuple[int, int]] = field(default_factory=set)
+    new_bytes: int = 0
+    since: float | None = None
+
+    def note(self, manifests: Iterable[Manifest]) -> None:
+        first = self.since is None
+        if first:
+            self.since = time.perf_counter()
+        for m in manifests:
+            for r in m.replays:
+                if (r.fragment, r.round) not in self.seen:
+                    self.seen.add((r.fragment, r.round))
+                    self.new_bytes += 0 if first else r.nbytes
+
+    def rate(self) -> float:
+        if self.since is None:
+            return 0.0
+        return self.new_bytes / max(time.perf_counter() - self.since, 1.0)
+
+
 class RecoveryError(RuntimeError):
     """Recovery could not complete (peers gone, chunks unavailable); one-line message."""
 
@@ -461,6 +495,7 @@ class _Client:
         # Called once when a fetch is expected to end within `lead` s (then cleared).
         self.near_end: Callable[[], None] | None = None
         self.lead = 0.0
+        self.results_seen = ResultRate()  # how fast the served state moves on
         self.result = Recovery(state=WorkerState(0, (), ()))
 
     def _opener(self, peer: str) -> StreamOpener | None:
@@ -536,6 +571,7 @@ class _Client:
             peers = [p for p in self.addrs if self.watch.get(p, False) is not None]
             got = await asyncio.gather(*(self._poll(p) for p in peers))
             latest.update({p: m for p, m in zip(peers, got, strict=True) if m is not None})
+            self.results_seen.note(latest.values())
             newer = choose_target({p: m for p, m in latest.items() if p in self.addrs})
             if newer is not None and sum(newer.manifest.rounds) > sum(target.manifest.rounds):
                 self.newer = {p: m for p, m in latest.items() if p in self.addrs}
@@ -547,7 +583,9 @@ class _Client:
         """One manifest per peer that has one now; `busy` names those to ask again."""
         peers, self.busy = list(self.addrs), set()
         got = await asyncio.gather(*(self._manifest(p) for p in peers))
-        return {p: m for p, m in zip(peers, got, strict=True) if m is not None}
+        out = {p: m for p, m in zip(peers, got, strict=True) if m is not None}
+        self.results_seen.note(out.values())
+        return out
 
     async def fetch(self, target: Target, manifests: dict[str, Manifest],
                     held: WorkerState | None, known: dict[str, list[bytes]]
@@ -578,6 +616,9 @@ class _Client:
         needed = [d for d in fetch_order(target.manifest, asm.needed()) if d not in derived]
         results = list(dict.fromkeys(d for job in jobs for d in job.wants(bank)))
         wanted = frozenset(results)
+        log.info("state sync: fetching %d chunk(s) of the state at step %d and %d chunk(s) "
+                 "of round results, %d chunk(s) to derive by replaying rounds", len(needed),
+                 target.step, len(results), len(derived))
 
         def sink(digest: bytes, payload: bytes | memoryview) -> None:
             if digest in wanted:
@@ -638,13 +679,15 @@ class _Client:
 
     async def _watch_end(self, plan: FetchPlan, chunk_bytes: int) -> None:
         """Call `near_end` once the chunks still missing should arrive within `lead` s at
-        the rate seen so far."""
+        the rate seen so far, less the rate at which the rounds' results appear: a joiner
+        whose link is not much faster than that has more passes to go after this one."""
         t0 = time.perf_counter()
         while self.near_end is not None:
             await asyncio.sleep(0.1)
             done, elapsed = sum(plan.fetched_from.values()), time.perf_counter() - t0
             if done and elapsed >= _RATE_AFTER_S and \
-                    plan.missing * chunk_bytes * elapsed / done <= self.lead:
+                    catch_up_seconds(plan.missing * chunk_bytes, done / elapsed,
+                                     self.results_seen.rate()) <= self.lead:
                 hook, self.near_end = self.near_end, None
                 hook()
 

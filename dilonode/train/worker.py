@@ -603,13 +603,15 @@ class Worker:
     def floor_step(self, counts_joiner: Callable[[int, int], bool]) -> int:
         """For a joiner: the step its adopted state must reach. Every round started by now
         must be in it, except rounds still in flight that count it (`counts_joiner(fragment,
-        round)`: they expected it in matchmaking or grouped it), which it takes part in.
-        Read from another thread: a plain snapshot of `step` and `pending`."""
-        step, pending = self.swarm_step, dict(self.pending)
+        round)`: they expected it in matchmaking or grouped it), which it takes part in, and
+        rounds due by now but not launched yet (the step boundary is still being passed):
+        launched once the joiner asks, after its record is visible, they count it too.
+        Read from another thread: a plain snapshot of `step`, `pending` and `next_round`."""
+        step, pending, launched = self.swarm_step, dict(self.pending), list(self.next_round)
         if self.plan is None:
             return step
         started = [self.plan.rounds_started(p, step) for p in range(len(self.outer))]
-        needed = [n - (p in pending and counts_joiner(p, pending[p][0]))
+        needed = [min(n, launched[p]) - (p in pending and counts_joiner(p, pending[p][0]))
                   for p, n in enumerate(started)]
         if needed == started:
             return step

@@ -217,18 +217,19 @@ def test_manifest_current_step_is_the_servers_step_when_asked():
     assert asyncio.run(main()) == 57
 
 
-def _land_late(new: WorkerState, replayer=REPLAYER) -> Recovery:
-    """Recover while `new` lands on every server once 85% of OLD has been served (the
-    changed fragment, fetched last, about half fetched by then)."""
+def _land_during(landings: list[tuple[float, WorkerState]], replayer=REPLAYER) -> Recovery:
+    """Recover while each state of `landings` lands on every server once that share of
+    OLD has been served; the joiner must end on the last one, bit for bit."""
     async def job(peers, servers, workers) -> Recovery | None:
-        async def land_late() -> None:
-            while sum(s.bytes_served for s in servers) < OLD.nbytes * 0.85:
-                await asyncio.sleep(0.01)
-            for w in workers:
-                with w.lock:
-                    w.state = new
+        async def land() -> None:
+            for share, state in landings:
+                while sum(s.bytes_served for s in servers) < OLD.nbytes * share:
+                    await asyncio.sleep(0.01)
+                for w in workers:
+                    with w.lock:
+                        w.state = state
 
-        lander = asyncio.create_task(land_late())
+        lander = asyncio.create_task(land())
         rec = await recover(peers, None, CFG.run_id, DIGEST, CFG.statesync, peer_id="joiner",
                             replayer=replayer)
         assert lander.done()
@@ -236,8 +237,14 @@ def _land_late(new: WorkerState, replayer=REPLAYER) -> Recovery:
 
     rec, _ = _run(job)
     assert rec is not None
-    _assert_same(rec.state, new, "recovered vs the state after the round")
+    _assert_same(rec.state, landings[-1][1], "recovered vs the state after the rounds")
     return rec
+
+
+def _land_late(new: WorkerState, replayer=REPLAYER) -> Recovery:
+    """`new` lands once 85% of OLD has been served (the changed fragment, fetched last,
+    about half fetched by then)."""
+    return _land_during([(0.85, new)], replayer)
 
 
 @pytest.mark.timeout(90)
@@ -246,8 +253,8 @@ def test_a_round_landing_late_is_replayed_not_fetched_again():
     fragment_bytes = 2 * new.tensors["outer.2.weights"].numel() * 4
     rec = _land_late(new)
     assert rec.replayed == 1
-    # Fetching it again costs the ~half of fragment 2 already fetched; the replay its
-    # remaining old chunks plus the int4 result (an eighth of the weights).
+    # Fetching it again costs the ~half of fragment 2 already fetched; the replay the
+    # int4 result (an eighth of the weights), the rest being fetched at the new version.
     assert rec.fetched_bytes < OLD.nbytes + fragment_bytes // 4, (rec.fetched_bytes,
                                                                   OLD.nbytes)
 
@@ -261,32 +268,14 @@ def test_a_replay_that_does_not_match_the_new_state_is_dropped_for_a_fetch(caplo
 
 
 def _land_often(replayer) -> tuple[Recovery, WorkerState]:
-    """Recover while six rounds (two per fragment, real int4 results, each server keeping
-    all of them) land one after the other as OLD is served: a joiner slower than the
-    rounds, whose fetch every fragment outruns."""
+    """Six rounds (two per fragment, real int4 results, each server keeping all of them)
+    land one after the other as OLD is served: a joiner slower than the rounds, whose
+    fetch every fragment outruns."""
     states = [OLD]
     for k, p in enumerate([2, 0, 1, 2, 0, 1]):
         states.append(_replayed(states[-1], p, seed=10 + k))
-
-    async def job(peers, servers, workers) -> Recovery | None:
-        async def land_often() -> None:
-            for k, state in enumerate(states[1:]):
-                while sum(s.bytes_served for s in servers) < OLD.nbytes * (k + 1) * 0.15:
-                    await asyncio.sleep(0.01)
-                for w in workers:
-                    with w.lock:
-                        w.state = state
-
-        lander = asyncio.create_task(land_often())
-        rec = await recover(peers, None, CFG.run_id, DIGEST, CFG.statesync, peer_id="joiner",
-                            replayer=replayer)
-        assert lander.done()
-        return rec
-
-    rec, _ = _run(job)
-    assert rec is not None
-    _assert_same(rec.state, states[-1], "recovered vs the state after the six rounds")
-    return rec, states[-1]
+    landings = [((k + 1) * 0.15, state) for k, state in enumerate(states[1:])]
+    return _land_during(landings, replayer), states[-1]
 
 
 @pytest.mark.timeout(120)

@@ -283,6 +283,26 @@ def test_a_joiners_floor_leaves_out_only_the_rounds_in_flight_that_count_it():
     assert not w.pending and src.step_now("J") == src.step_now("K") == 9
 
 
+def test_a_joiners_floor_leaves_out_a_round_due_but_not_launched_yet():
+    """Between a step and the launch of the round due at it, the round has not started: it
+    will count the joiner asking now (its record is visible), so the floor must not wait
+    for it to land (the two would wait on each other for the matchmaking window)."""
+    cfg = _h4_p2_config()
+    w, _ = _worker(cfg)
+    while w.step < 7:
+        w.train_step()
+        w.launch()
+        w.land()
+    w.train_step()  # step 8: fragment 1's round 1 is due, not launched
+    src = SnapshotSource()
+    src.attach(w)
+    src.counts = lambda frag, rnd, joiner: False  # nothing in flight counts anyone
+    assert not w.pending and w.step == 8
+    assert src.step_now("J") == 7 and src.step_now() == 8
+    w.launch()  # launched without counting the joiner (it was not visible yet): wait for it
+    assert list(w.pending) == [1] and src.step_now("J") == 8
+
+
 class _ResumingWorker:
     step, pending, wait_hook = 0, {}, None
 

@@ -326,3 +326,26 @@ def test_a_node_refuses_a_schedule_it_could_never_snapshot():
         StateKeeper(cfg)
     StateKeeper(load_config(overrides={"diloco": {"sync_every": 30, "num_fragments": 3,
                                                   "fragment_sync_delay": 9}}))
+
+
+def test_a_joiner_expects_its_fetch_to_end_later_when_rounds_keep_adding_results():
+    from dilonode.statesync.service import ResultRate, catch_up_seconds
+
+    assert catch_up_seconds(10e6, 2e6, 0.0) == pytest.approx(5.0)
+    assert catch_up_seconds(10e6, 2e6, 1e6) == pytest.approx(10.0)  # half the link chases
+    assert catch_up_seconds(10e6, 1e6, 1e6) == float("inf")  # never catches up
+    *_, m = _replaying_manifests()
+    seen = ResultRate()
+    seen.note([m[0]])
+    assert seen.rate() == 0.0  # results listed at the start are history, not new rounds
+    seen.since -= 4.0
+    seen.note([m[1], m[1]])  # one new round's result, read from two peers
+    new = m[1].replays[-1].nbytes
+    assert seen.rate() == pytest.approx(new / 4.0, rel=0.05)
+
+
+def _replaying_manifests() -> tuple[list[WorkerState], list[Manifest]]:
+    from tests.unit.test_replay import _history
+
+    states = _history(rounds=2)
+    return states, [manifest_of(s, "run", DIGEST, CB) for s in states[1:]]
