@@ -161,6 +161,7 @@ class FetchPlan:
 
     needed: Iterable[bytes]
     sources: dict[str, set[bytes]]
+    chunk_bytes: int = 1 << 20  # the largest a chunk may be (in-flight limits count it)
     todo: deque[bytes] = field(init=False)
     in_flight: dict[str, set[bytes]] = field(init=False)
     fetched_from: dict[str, int] = field(init=False)

@@ -77,6 +77,7 @@ _MAX_FAILED_FETCHES = 3
 _RETRY_S = 0.2  # pause before asking peers again (busy, or a round is landing)
 _RATE_AFTER_S = 0.5  # the transfer rate is trusted after this long (near-end estimate)
 _WATCH_S = 1.0  # during a fetch, re-read manifests this often (a round may land)
+_IN_FLIGHT_S = 1.0  # chunk requests in flight: about this many seconds of the fetch's rate
 _HOLD_S = 120.0  # snapshots are dropped after this long without a manifest request
 BUSY = "busy"  # error reason prefix: ask again shortly
 MAX_SOURCES = 8  # peers asked at once; more adds connections, not bandwidth
@@ -422,6 +423,49 @@ def catch_up_seconds(missing_bytes: float, rate: float, moving: float) -> float:
 
 
 @dataclass
+class RateMeter:
+    """Payload bytes per second arriving lately, over all peers; and how many chunk requests
+    to keep in flight at that rate: about `_IN_FLIGHT_S` worth. On a slow link, requests
+    queued beyond that would arrive seconds later, and a fetch that a round cuts short
+    waits for all of them before it goes on with the new state (16 MiB in flight take 13 s
+    at 10 Mbit/s)."""
+
+    span: float = 3.0
+    arrivals: deque[tuple[float, int]] = field(default_factory=deque)
+    first: float | None = None
+
+    def add(self, nbytes: int, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        self.first = now if self.first is None else self.first
+        self.arrivals.append((now, nbytes))
+        while self.arrivals and self.arrivals[0][0] < now - self.span:
+            self.arrivals.popleft()
+
+    def rate(self, now: float | None = None) -> float | None:
+        """Bytes/s over the last `span` s; None until replies have come for `_RATE_AFTER_S`
+        s."""
+        now = time.perf_counter() if now is None else now
+        if self.first is None or now - self.first < _RATE_AFTER_S:
+            return None
+        recent = [(t, n) for t, n in self.arrivals if t >= now - self.span]
+        if len(recent) < 2:  # one reply or none in the span: as slow as that says
+            return sum(n for _, n in recent) / self.span
+        # Between the first reply in the span and the last: what came after the first.
+        return sum(n for _, n in recent[1:]) / max(recent[-1][0] - recent[0][0], 1e-3)
+
+    def window(self, chunk_bytes: int, peers: int, most: int,
+               now: float | None = None) -> int:
+        """Chunk requests each of `peers` may have in flight: an equal share of about
+        `_IN_FLIGHT_S` worth at the rate seen (at least 2 over all), at least 1, at most
+        `most` (statesync.window); 1 until a rate is known."""
+        rate = self.rate(now)
+        if rate is None:
+            return 1
+        total = max(2, math.ceil(rate * _IN_FLIGHT_S / chunk_bytes))
+        return max(1, min(most, math.ceil(total / max(peers, 1))))
+
+
+@dataclass
 class ResultRate:
     """Bytes per second of round results the peers' manifests add: the rounds that land
     while a joiner fetches, each a result it must fetch too (rounds already listed in the
@@ -496,6 +540,7 @@ class _Client:
         self.near_end: Callable[[], None] | None = None
         self.lead = 0.0
         self.results_seen = ResultRate()  # how fast the served state moves on
+        self.meter = RateMeter()  # how fast chunks arrive, over all peers
         self.result = Recovery(state=WorkerState(0, (), ()))
 
     def _opener(self, peer: str) -> StreamOpener | None:
@@ -629,8 +674,8 @@ class _Client:
 
         sources = {p: m.tensor_digests() | {d for r in m.replays for d in r.chunks}
                    for p, m in manifests.items()}
-        if await self._transfer(target, manifests, FetchPlan(needed + results, sources),
-                                sink):
+        if await self._transfer(target, manifests,
+                                FetchPlan(needed + results, sources, asm.cb), sink):
             return None
         for job in jobs:  # decoding, the outer steps and hashing: off the network loop
             filled, why = await asyncio.to_thread(job.run, bank, asm, self.replayer) \
@@ -642,7 +687,7 @@ class _Client:
                      f"; fetching the rest: {why}" if why else "")
         if asm.needed():  # what the plan could not fetch, or a replay that failed
             sources = {p: m.tensor_digests() for p, m in manifests.items() if p in self.addrs}
-            plan = FetchPlan(fetch_order(target.manifest, asm.needed()), sources)
+            plan = FetchPlan(fetch_order(target.manifest, asm.needed()), sources, asm.cb)
 
             def put(digest: bytes, payload: bytes | memoryview) -> None:
                 asm.put(digest, payload)
@@ -701,7 +746,8 @@ class _Client:
             plan.drop(peer)
             return
         while not plan.complete:
-            while not stop.is_set() and len(outstanding) < self.cfg.window and \
+            while not stop.is_set() and len(outstanding) < self.meter.window(
+                    plan.chunk_bytes, len(plan.sources), self.cfg.window) and \
                     (d := plan.next_for(peer)):
                 conn.send(ChunkRequest(digest=d))
                 outstanding.append(d)
@@ -715,6 +761,7 @@ class _Client:
             try:
                 msg = await conn.recv()
                 d = outstanding.popleft()
+                self.meter.add(len(msg.payload) if isinstance(msg, Chunk) else 0)
                 if isinstance(msg, Error):
                     plan.failed(peer, d)
                 elif isinstance(msg, Chunk) and msg.digest == d:

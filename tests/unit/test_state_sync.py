@@ -349,3 +349,23 @@ def _replaying_manifests() -> tuple[list[WorkerState], list[Manifest]]:
 
     states = _history(rounds=2)
     return states, [manifest_of(s, "run", DIGEST, CB) for s in states[1:]]
+
+
+def test_a_slow_fetch_keeps_about_a_second_of_chunks_in_flight():
+    """At 10 Mbit/s, 16 chunks of 1 MiB in flight (4 peers x window 4) take 13 s to arrive,
+    and a fetch that a round cuts short waits for them all before it goes on."""
+    from dilonode.statesync.service import RateMeter
+
+    mib = 1 << 20
+    meter = RateMeter()
+    assert meter.window(mib, peers=4, most=4) == 1  # no rate yet
+    for k in range(5):  # 10 Mbit/s: a chunk every 0.84 s
+        meter.add(mib, now=100.0 + 0.84 * k)
+    assert meter.rate(now=103.4) == pytest.approx(1.25e6, rel=0.05)
+    assert meter.window(mib, peers=4, most=4, now=103.4) == 1  # 4 in all, not 16
+    assert meter.window(mib, peers=1, most=4, now=103.4) == 2  # never fewer than 2 in all
+    fast = RateMeter()
+    for k in range(200):  # 100 MB/s: 96 chunks a second
+        fast.add(mib, now=10.0 + k * 0.0105)
+    assert fast.window(mib, peers=3, most=4, now=12.1) == 4  # statesync.window binds
+    assert fast.window(mib, peers=3, most=64, now=12.1) == 32
