@@ -510,8 +510,9 @@ class StateSyncConfig(_Frozen):
     snapshot_wait: float = Field(
         5.0, gt=0.0, description="seconds a server waits for a round boundary to snapshot")
     max_passes: int = Field(
-        6, ge=1, le=100, description="fetches before publishing our record even if rounds "
-        "keep landing mid-fetch")
+        6, ge=1, le=100, description="fetches that do not close in on the state (rounds "
+        "landing mid-fetch faster than it gets the rest) before publishing our record "
+        "anyway")
     replay_rounds: int = Field(
         16, ge=0, le=256, description="per fragment, the last rounds whose encoded results "
         "a server keeps, so a joiner several rounds behind replays them on the chunks it "

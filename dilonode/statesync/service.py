@@ -540,6 +540,7 @@ class _Client:
         self.near_end: Callable[[], None] | None = None
         self.lead = 0.0
         self.results_seen = ResultRate()  # how fast the served state moves on
+        self.planned = 0  # chunks the last fetch set out to get
         self.meter = RateMeter()  # how fast chunks arrive, over all peers
         self.result = Recovery(state=WorkerState(0, (), ()))
 
@@ -661,6 +662,7 @@ class _Client:
         needed = [d for d in fetch_order(target.manifest, asm.needed()) if d not in derived]
         results = list(dict.fromkeys(d for job in jobs for d in job.wants(bank)))
         wanted = frozenset(results)
+        self.planned = len(needed) + len(results)
         log.info("state sync: fetching %d chunk(s) of the state at step %d and %d chunk(s) "
                  "of round results, %d chunk(s) to derive by replaying rounds", len(needed),
                  target.step, len(results), len(derived))
@@ -806,17 +808,17 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     to it, under `auth` (our credentials; None: trust mode with the made-up `peer_id`).
 
     `local` is the state we hold (fresh or from a checkpoint): its chunks are never fetched.
-    `before_final` runs once the fetched state is current (or after `cfg.max_passes`
-    fetches): the node publishes its record there and waits until peers see it. Rounds the
-    peers start after that wait expect us; rounds started before it may not, so the state
-    adopted must include all of them: we re-read manifests until its step is at least the
-    `current_step` the peers report in the first manifests after the wait (their step,
-    leaving out rounds in flight that count us: we take part in those, and waiting for
-    them to land would make us and them wait on each other). With `final_lead` > 0,
-    `before_final` starts that many seconds before a fetch is expected to end (the keeper
-    passes its wait, so waiting overlaps the end of the transfer instead of following it
-    and one more manifest pass); should that state turn out not to be current, the next
-    fetch comes after publishing, as after `cfg.max_passes`.
+    `before_final` runs once the fetched state is current (or after `cfg.max_passes` fetches
+    that did not close in on it): the node publishes its record there and waits until peers
+    see it. Rounds the peers start after that wait expect us; rounds started before it may
+    not, so the state adopted must include all of them: we re-read manifests until its step
+    is at least the `current_step` the peers report in the first manifests after the wait
+    (their step, leaving out rounds in flight that count us: we take part in those, and
+    waiting for them to land would make us and them wait on each other). With `final_lead` >
+    0, `before_final` starts that many seconds before a fetch is expected to end (the keeper
+    passes its wait, so waiting overlaps the end of the transfer instead of following it and
+    one more manifest pass); should that state turn out not to be current, the next fetch
+    comes after publishing, as after `cfg.max_passes`.
     Returns None when no peer serves a state with more than `min_rounds` rounds landed
     (summed over fragments); raises `RecoveryError` when peers are ahead but the state
     could not be completed. The caller bounds the whole call (statesync.recover_timeout);
@@ -889,7 +891,8 @@ class _Passes:
     known: dict[str, list[bytes]] = field(default_factory=dict)  # chunk digests of `held`
     held_target: Target | None = None  # the state `held` is, with its freshest step
     floor: int | None = None  # after publishing: rounds started by then may exclude us
-    fetches: int = 0
+    fetches: int = 0  # fetches that made no headway (see `_fetch`)
+    last_planned: float = math.inf  # chunks the last fetch planned
     failures: int = 0
     published: bool = False
     below_floor_since: float | None = None  # when the held state was first below `floor`
@@ -943,9 +946,10 @@ class _Passes:
         return False
 
     async def _settle(self, target: Target, current: bool) -> bool:
-        """The state held is current (or we fetched `max_passes` times): publish our record
-        and wait once; then keep the state unless it is below the peers' step (`floor`),
-        where a round that may exclude us is landing, for no longer than `floor_patience`."""
+        """The state held is current (or `max_passes` fetches made no headway): publish
+        our record and wait once; then keep the state unless it is below the peers' step
+        (`floor`), where a round that may exclude us is landing, for no longer than
+        `floor_patience`."""
         if current:
             self.held_target = target  # same content, fresher step
         if self.before_final is not None:
@@ -976,7 +980,11 @@ class _Passes:
             return True
         finally:
             self.client.result.fetch_seconds += time.perf_counter() - t_fetch
-        self.fetches += 1
+        # A fetch counts toward max_passes when it did not close in on the state: it
+        # planned no fewer chunks than the one before (what each fetched stays in the
+        # bank, so a fetch cut short by a round still counts as headway).
+        self.fetches += self.client.planned >= self.last_planned
+        self.last_planned = self.client.planned
         if got is None:  # a round landed mid-fetch: go on with the newer state
             return True
         self.held, self.held_target, self.below_floor_since = got, target, None
