@@ -26,7 +26,7 @@ from dilonode.statesync.plan import Assembler, Replayer, chunk_bytes_of, chunk_d
 from dilonode.statesync.protocol import RoundReplay
 from dilonode.train.state import WorkerState, fragment_names, tensor_names
 
-__all__ = ["ChunkBank", "Derivation", "Version"]
+__all__ = ["ChunkBank", "Derivation", "Version", "kept_rounds"]
 
 Version = tuple[int, int]  # a fragment's (rounds landed, outer steps applied)
 Position = tuple[str, int]  # (tensor name, chunk index)
@@ -88,20 +88,31 @@ class ChunkBank:
                 filled += len(h.payload) * len(asm.positions(h.digest))
         return filled
 
-    def plan(self, asm: Assembler) -> list[Derivation]:
+    def plan(self, asm: Assembler, keep_rounds: int = 16, spare: int = 0
+             ) -> list[Derivation]:
         """Per fragment of `asm`'s target, the derivation that saves the most bytes (the
         chunks it yields that `asm` still lacks, less the result bytes not yet held), if
-        any saves some. Forgets results the target no longer lists."""
+        any saves some. Forgets results the target no longer lists.
+
+        A derivation needs every round's result from its start on, and servers keep the
+        last `keep_rounds` (their statesync.replay_rounds, capped at the fragment's state
+        bytes: `kept_rounds`): one starting more than that less `spare` rounds back (those
+        expected to land before the fetch ends, pushing the oldest results out) is not
+        planned, lest its first results be gone before they are fetched."""
         listed = {d for r in asm.manifest.replays for d in r.chunks}
         self.results = {d: b for d, b in self.results.items() if d in listed}
         return [job for p in range(len(asm.manifest.rounds))
-                if (job := self._plan_fragment(asm, p)) is not None]
+                if (job := self._plan_fragment(asm, p, keep_rounds, spare)) is not None]
 
-    def _plan_fragment(self, asm: Assembler, p: int) -> Derivation | None:
+    def _plan_fragment(self, asm: Assembler, p: int, keep_rounds: int,
+                       spare: int) -> Derivation | None:
         m = asm.manifest
         last, steps = m.rounds[p], m.outer_steps[p]
         specs = m.replays_of(p)
         numel = m.tensors[2 * p].numel
+        if not specs:
+            return None
+        span = kept_rounds(keep_rounds, numel, max(r.nbytes for r in specs.values())) - spare
 
         def usable(name: str) -> dict[int, Held]:
             """Chunks of `name` that the rounds listed can bring to the target's version."""
@@ -111,7 +122,7 @@ class ChunkBank:
                 if h is None:
                     continue
                 k, k_steps = h.version
-                if k < last and k_steps == steps - (last - k) and \
+                if k < last and k_steps == steps - (last - k) and last - k <= span and \
                         all(j in specs for j in range(k, last)):
                     out[i] = h
             return out
@@ -139,6 +150,12 @@ class ChunkBank:
             return None
         _, start, used = best
         return Derivation(p, tuple(specs[j] for j in range(start, last)), used)
+
+
+def kept_rounds(replay_rounds: int, numel: int, result_bytes: int) -> int:
+    """How many rounds' results a server keeps for a fragment of `numel` values whose
+    results are `result_bytes` each (`algo.replay.keep_replay`'s bounds)."""
+    return min(replay_rounds, 8 * numel // max(result_bytes, 1))
 
 
 @dataclass

@@ -473,6 +473,7 @@ class ResultRate:
 
     seen: set[tuple[int, int]] = field(default_factory=set)
     new_bytes: int = 0
+    new_rounds: int = 0
     since: float | None = None
 
     def note(self, manifests: Iterable[Manifest]) -> None:
@@ -484,11 +485,18 @@ class ResultRate:
                 if (r.fragment, r.round) not in self.seen:
                     self.seen.add((r.fragment, r.round))
                     self.new_bytes += 0 if first else r.nbytes
+                    self.new_rounds += not first
 
     def rate(self) -> float:
         if self.since is None:
             return 0.0
         return self.new_bytes / max(time.perf_counter() - self.since, 1.0)
+
+    def rounds_per_second(self) -> float:
+        """Rounds landing per second, over all fragments."""
+        if self.since is None:
+            return 0.0
+        return self.new_rounds / max(time.perf_counter() - self.since, 1.0)
 
 
 class RecoveryError(RuntimeError):
@@ -657,7 +665,8 @@ class _Client:
         if not self.fetched_once:  # later passes reuse what we fetched, not what we had
             self.result.reused_bytes, self.fetched_once = reused, True
         bank.fill(asm)
-        jobs = bank.plan(asm) if self.replayer else []
+        jobs = bank.plan(asm, self.cfg.replay_rounds, self._spare_rounds(asm)) \
+            if self.replayer else []
         derived = {asm.digest_at(name, i) for job in jobs for name, i in job.used}
         needed = [d for d in fetch_order(target.manifest, asm.needed()) if d not in derived]
         results = list(dict.fromkeys(d for job in jobs for d in job.wants(bank)))
@@ -701,6 +710,14 @@ class _Client:
                 raise RecoveryError(f"state sync: {plan.missing} chunks of the state at step "
                                     f"{target.step} could not be fetched from any live peer")
         return asm.state()
+
+    def _spare_rounds(self, asm: Assembler) -> int:
+        """Rounds of a fragment expected to land before this fetch ends, were it to fetch
+        every chunk still missing at the rate seen (0 before a rate is known)."""
+        rate, per_s = self.meter.rate(), self.results_seen.rounds_per_second()
+        if not rate or not per_s:
+            return 0
+        return math.ceil(len(asm.needed()) * asm.cb / rate * per_s / len(asm.manifest.rounds))
 
     async def _transfer(self, target: Target, manifests: dict[str, Manifest],
                         plan: FetchPlan,

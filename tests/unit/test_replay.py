@@ -17,7 +17,7 @@ from dilonode.algo.outer import OuterState
 from dilonode.algo.replay import EncodedResult, keep_replay, replay_round
 from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet
 from dilonode.collective import ReduceResult
-from dilonode.statesync.bank import ChunkBank
+from dilonode.statesync.bank import ChunkBank, kept_rounds
 from dilonode.statesync.plan import Assembler, chunk_bytes_of, digests_of, manifest_of
 from dilonode.statesync.protocol import Manifest
 from dilonode.train.data import load_data
@@ -309,3 +309,20 @@ def test_a_workers_exported_state_replays_its_last_rounds_from_the_state_before(
     # A state adopted from elsewhere has no round of ours to offer.
     worker.import_state(after)
     assert worker.export_state().replays == {}
+
+
+def test_a_replay_is_not_planned_from_rounds_the_servers_may_drop_before_it_is_fetched():
+    """Servers keep the last results within `keep_rounds` and the fragment's state bytes:
+    a derivation from further back than that, less the rounds expected to land during
+    the fetch, would lose its first results before it got them."""
+    states = _history(rounds=3)
+    new = states[3]
+    m_new = manifest_of(new, "run", DIGEST, CB)
+    held = ChunkBank(CB)
+    _banked(held, states[0])  # three rounds behind, everything held
+    assert [j.start for j in held.plan(Assembler(m_new))] == [1]
+    assert held.plan(Assembler(m_new), keep_rounds=2) == []
+    assert held.plan(Assembler(m_new), keep_rounds=4, spare=2) == []
+    assert [j.start for j in held.plan(Assembler(m_new), keep_rounds=4, spare=1)] == [1]
+    result = m_new.replays[0].nbytes
+    assert kept_rounds(16, 6001, result) == 8 * 6001 // result == 14
