@@ -52,6 +52,7 @@ class ChunkBank:
         self.cb = chunk_bytes
         self.held: dict[Position, Held] = {}
         self.results: dict[bytes, bytes] = {}  # result chunk digest -> payload
+        self.lowest: dict[int, int] = {}  # fragment -> the oldest version still planned from
 
     def record(self, position: Position, version: Version, digest: bytes,
                payload: bytes | memoryview) -> None:
@@ -113,6 +114,10 @@ class ChunkBank:
         if not specs:
             return None
         span = kept_rounds(keep_rounds, numel, max(r.nbytes for r in specs.values())) - spare
+        # A version too old now only gets older: never plan from it again (the estimate
+        # of `spare` moves with the rates seen, and a plan that flips between deriving and
+        # fetching wastes what the other fetched).
+        lowest = self.lowest[p] = max(self.lowest.get(p, 0), last - span)
 
         def usable(name: str) -> dict[int, Held]:
             """Chunks of `name` that the rounds listed can bring to the target's version."""
@@ -122,7 +127,7 @@ class ChunkBank:
                 if h is None:
                     continue
                 k, k_steps = h.version
-                if k < last and k_steps == steps - (last - k) and last - k <= span and \
+                if lowest <= k < last and k_steps == steps - (last - k) and \
                         all(j in specs for j in range(k, last)):
                     out[i] = h
             return out

@@ -318,11 +318,19 @@ def test_a_replay_is_not_planned_from_rounds_the_servers_may_drop_before_it_is_f
     states = _history(rounds=3)
     new = states[3]
     m_new = manifest_of(new, "run", DIGEST, CB)
-    held = ChunkBank(CB)
-    _banked(held, states[0])  # three rounds behind, everything held
-    assert [j.start for j in held.plan(Assembler(m_new))] == [1]
-    assert held.plan(Assembler(m_new), keep_rounds=2) == []
+
+    def bank() -> ChunkBank:
+        held = ChunkBank(CB)
+        _banked(held, states[0])  # three rounds behind, everything held
+        return held
+
+    assert [j.start for j in bank().plan(Assembler(m_new))] == [1]
+    assert bank().plan(Assembler(m_new), keep_rounds=2) == []
+    assert bank().plan(Assembler(m_new), keep_rounds=4, spare=2) == []
+    assert [j.start for j in bank().plan(Assembler(m_new), keep_rounds=4, spare=1)] == [1]
+    # Once too old, a version stays too old (it only gets older), whatever the estimate.
+    held = bank()
     assert held.plan(Assembler(m_new), keep_rounds=4, spare=2) == []
-    assert [j.start for j in held.plan(Assembler(m_new), keep_rounds=4, spare=1)] == [1]
+    assert held.plan(Assembler(m_new), keep_rounds=4, spare=0) == []
     result = m_new.replays[0].nbytes
     assert kept_rounds(16, 6001, result) == 8 * 6001 // result == 14
