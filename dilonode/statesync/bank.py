@@ -15,6 +15,7 @@ derived is kept only if it hashes to the target's digest. No I/O here.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -89,35 +90,44 @@ class ChunkBank:
                 filled += len(h.payload) * len(asm.positions(h.digest))
         return filled
 
-    def plan(self, asm: Assembler, keep_rounds: int = 16, spare: int = 0
-             ) -> list[Derivation]:
+    def plan(self, asm: Assembler, keep_rounds: int = 16, rate: float | None = None,
+             rounds_per_s: float = 0.0) -> list[Derivation]:
         """Per fragment of `asm`'s target, the derivation that saves the most bytes (the
         chunks it yields that `asm` still lacks, less the result bytes not yet held), if
         any saves some. Forgets results the target no longer lists.
 
         A derivation needs every round's result from its start on, and servers keep the
         last `keep_rounds` (their statesync.replay_rounds, capped at the fragment's state
-        bytes: `kept_rounds`): one starting more than that less `spare` rounds back (those
-        expected to land before the fetch ends, pushing the oldest results out) is not
-        planned, lest its first results be gone before they are fetched."""
+        bytes: `kept_rounds`). Its results are fetched first, at `rate` bytes/s, while a
+        fragment lands `rounds_per_s` rounds a second, each pushing the oldest result out:
+        a start whose first result would be gone by then is not planned, then or later
+        (it only gets older; a plan flipping between deriving and fetching as the rates
+        move would waste what each fetched)."""
         listed = {d for r in asm.manifest.replays for d in r.chunks}
         self.results = {d: b for d, b in self.results.items() if d in listed}
         return [job for p in range(len(asm.manifest.rounds))
-                if (job := self._plan_fragment(asm, p, keep_rounds, spare)) is not None]
+                if (job := self._plan_fragment(asm, p, keep_rounds, rate, rounds_per_s))
+                is not None]
 
-    def _plan_fragment(self, asm: Assembler, p: int, keep_rounds: int,
-                       spare: int) -> Derivation | None:
+    def _plan_fragment(self, asm: Assembler, p: int, keep_rounds: int, rate: float | None,
+                       rounds_per_s: float) -> Derivation | None:
         m = asm.manifest
         last, steps = m.rounds[p], m.outer_steps[p]
         specs = m.replays_of(p)
         numel = m.tensors[2 * p].numel
         if not specs:
             return None
-        span = kept_rounds(keep_rounds, numel, max(r.nbytes for r in specs.values())) - spare
-        # A version too old now only gets older: never plan from it again (the estimate
-        # of `spare` moves with the rates seen, and a plan that flips between deriving and
-        # fetching wastes what the other fetched).
+        span = kept_rounds(keep_rounds, numel, max(r.nbytes for r in specs.values()))
         lowest = self.lowest[p] = max(self.lowest.get(p, 0), last - span)
+
+        def cost(start: int) -> int:
+            """Bytes of the results from `start` on not held yet."""
+            return sum(specs[j].nbytes for j in range(start, last)
+                       if not all(d in self.results for d in specs[j].chunks))
+
+        def in_time(start: int) -> bool:
+            landing = math.floor(cost(start) / rate * rounds_per_s) if rate else 0
+            return last - start + landing <= span
 
         def usable(name: str) -> dict[int, Held]:
             """Chunks of `name` that the rounds listed can bring to the target's version."""
@@ -141,16 +151,18 @@ class ChunkBank:
 
         best: tuple[int, int, dict[Position, Held]] | None = None
         for start in sorted({h.version[0] for h in (*kw.values(), *km.values())}):
+            if not in_time(start):
+                self.lowest[p] = max(self.lowest[p], start + 1)
+                continue
             mom = {i: h for i, h in km.items() if h.version[0] >= start}
             wts = {i: h for i, h in kw.items() if i in mom
                    and mom[i].version[0] <= h.version[0]}
             saved = sum(missing(m_name, i) for i in mom) + sum(missing(w_name, i) for i in wts)
-            cost = sum(specs[j].nbytes for j in range(start, last)
-                       if not all(d in self.results for d in specs[j].chunks))
-            if saved > cost and (best is None or saved - cost > best[0]):
+            spent = cost(start)
+            if saved > spent and (best is None or saved - spent > best[0]):
                 used = {**{(w_name, i): h for i, h in wts.items()},
                         **{(m_name, i): h for i, h in mom.items()}}
-                best = (saved - cost, start, used)
+                best = (saved - spent, start, used)
         if best is None:
             return None
         _, start, used = best

@@ -665,10 +665,12 @@ class _Client:
         if not self.fetched_once:  # later passes reuse what we fetched, not what we had
             self.result.reused_bytes, self.fetched_once = reused, True
         bank.fill(asm)
-        jobs = bank.plan(asm, self.cfg.replay_rounds, self._spare_rounds(asm)) \
+        jobs = bank.plan(asm, self.cfg.replay_rounds, self.meter.rate(),
+                         self.results_seen.rounds_per_second() / len(target.manifest.rounds)) \
             if self.replayer else []
         derived = {asm.digest_at(name, i) for job in jobs for name, i in job.used}
         needed = [d for d in fetch_order(target.manifest, asm.needed()) if d not in derived]
+        # Results first: servers drop the oldest as rounds land, the chunks stay.
         results = list(dict.fromkeys(d for job in jobs for d in job.wants(bank)))
         wanted = frozenset(results)
         self.planned = len(needed) + len(results)
@@ -686,7 +688,7 @@ class _Client:
         sources = {p: m.tensor_digests() | {d for r in m.replays for d in r.chunks}
                    for p, m in manifests.items()}
         if await self._transfer(target, manifests,
-                                FetchPlan(needed + results, sources, asm.cb), sink):
+                                FetchPlan(results + needed, sources, asm.cb), sink):
             return None
         for job in jobs:  # decoding, the outer steps and hashing: off the network loop
             filled, why = await asyncio.to_thread(job.run, bank, asm, self.replayer) \
@@ -710,14 +712,6 @@ class _Client:
                 raise RecoveryError(f"state sync: {plan.missing} chunks of the state at step "
                                     f"{target.step} could not be fetched from any live peer")
         return asm.state()
-
-    def _spare_rounds(self, asm: Assembler) -> int:
-        """Rounds of a fragment expected to land before this fetch ends, were it to fetch
-        every chunk still missing at the rate seen (0 before a rate is known)."""
-        rate, per_s = self.meter.rate(), self.results_seen.rounds_per_second()
-        if not rate or not per_s:
-            return 0
-        return math.ceil(len(asm.needed()) * asm.cb / rate * per_s / len(asm.manifest.rounds))
 
     async def _transfer(self, target: Target, manifests: dict[str, Manifest],
                         plan: FetchPlan,

@@ -313,8 +313,8 @@ def test_a_workers_exported_state_replays_its_last_rounds_from_the_state_before(
 
 def test_a_replay_is_not_planned_from_rounds_the_servers_may_drop_before_it_is_fetched():
     """Servers keep the last results within `keep_rounds` and the fragment's state bytes:
-    a derivation from further back than that, less the rounds expected to land during
-    the fetch, would lose its first results before it got them."""
+    a derivation from further back than that, less the rounds expected to land while its
+    results are fetched, would lose its first results before it got them."""
     states = _history(rounds=3)
     new = states[3]
     m_new = manifest_of(new, "run", DIGEST, CB)
@@ -326,11 +326,14 @@ def test_a_replay_is_not_planned_from_rounds_the_servers_may_drop_before_it_is_f
 
     assert [j.start for j in bank().plan(Assembler(m_new))] == [1]
     assert bank().plan(Assembler(m_new), keep_rounds=2) == []
-    assert bank().plan(Assembler(m_new), keep_rounds=4, spare=2) == []
-    assert [j.start for j in bank().plan(Assembler(m_new), keep_rounds=4, spare=1)] == [1]
+    rate = 3 * m_new.replays[0].nbytes  # the three results take a second to fetch
+    # Two rounds land meanwhile: the first result is gone before it is fetched.
+    assert bank().plan(Assembler(m_new), keep_rounds=4, rate=rate, rounds_per_s=2.0) == []
+    assert [j.start for j in bank().plan(Assembler(m_new), keep_rounds=4, rate=rate,
+                                         rounds_per_s=1.0)] == [1]
     # Once too old, a version stays too old (it only gets older), whatever the estimate.
     held = bank()
-    assert held.plan(Assembler(m_new), keep_rounds=4, spare=2) == []
-    assert held.plan(Assembler(m_new), keep_rounds=4, spare=0) == []
+    assert held.plan(Assembler(m_new), keep_rounds=4, rate=rate, rounds_per_s=2.0) == []
+    assert held.plan(Assembler(m_new), keep_rounds=4) == []
     result = m_new.replays[0].nbytes
     assert kept_rounds(16, 6001, result) == 8 * 6001 // result == 14
