@@ -14,11 +14,12 @@ snapshot is taken directly.
 
 Joining (`recover`): ask every serving peer for its manifest, pick the state to trust
 (`plan.choose_target`), reuse every chunk we already hold, fetch the rest spread over all
-peers that advertised it (a window of requests in flight per peer; a peer that fails, times
-out or sends a bad chunk is dropped and its chunks go to the others), and repeat with fresh
-manifests until no round has landed since (rounds land every H/P steps somewhere in the
-state, so the last pass usually fetches one fragment or nothing). Every network operation has
-a timeout.
+peers that advertised it (about a second of requests in flight at the rate seen, at most
+a window per peer; a peer that fails, times out or sends a bad chunk is dropped and its
+chunks go to the others), and repeat with fresh manifests until no round has landed since
+(rounds land every H/P steps somewhere in the state). What each pass fetched stays, at the
+version it came from (`bank.ChunkBank`): the rounds since are replayed on it from their
+results rather than fetching it again. Every network operation has a timeout.
 """
 
 from __future__ import annotations

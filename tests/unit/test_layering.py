@@ -59,6 +59,16 @@ def test_sans_io_round_does_no_io():
             assert imp.split(".")[0] not in IO_MODULES | {"time"}, f"{name} imports {imp}"
 
 
+def test_sans_io_state_sync_parts_do_no_io():
+    """Manifests, the fetch plan and the chunk bank are pure: the joiner's decisions are
+    unit-tested without sockets."""
+    for name in ("plan.py", "bank.py", "protocol.py"):
+        for imp in imports_of(PKG / "statesync" / name):
+            assert imp.split(".")[0] not in IO_MODULES, f"statesync/{name} imports {imp}"
+            assert imp not in {"dilonode.statesync.service", "dilonode.statesync.link"}, \
+                f"statesync/{name} imports {imp}"
+
+
 def test_the_checker_sees_violations(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import asyncio\nfrom dilonode.sim import simulate\n")
