@@ -21,7 +21,7 @@ import torch
 from dilonode.algo.codecs import CodecMeta, get_codec
 from dilonode.algo.outer import OuterState
 
-__all__ = ["EncodedResult", "keep_replay", "replay_round"]
+__all__ = ["EncodedResult", "keep_replay", "kept_rounds", "replay_budget", "replay_round"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class EncodedResult:
                   pieces: Sequence[tuple[int, bytes | memoryview]]) -> EncodedResult:
         """From (values, encoded bytes) pieces in order."""
         return cls(codec, block_size, tuple(n for n, _ in pieces),
-                   b"".join(bytes(b) for _, b in pieces))
+                   b"".join(b for _, b in pieces))
 
     @property
     def numel(self) -> int:
@@ -105,3 +105,15 @@ def keep_replay(kept: Sequence[tuple[int, EncodedResult]], round_no: int,
     while out and (len(out) > max_rounds or sum(e.nbytes for _, e in out) > max_bytes):
         out.pop(0)
     return out
+
+
+def replay_budget(numel: int) -> int:
+    """The most bytes of results a server keeps for a fragment of `numel` values: as many
+    as its outer state (weights and momentum, float32)."""
+    return 8 * numel
+
+
+def kept_rounds(max_rounds: int, numel: int, result_bytes: int) -> int:
+    """How many rounds' results `keep_replay` keeps for a fragment of `numel` values whose
+    results are `result_bytes` each, at `max_rounds` (statesync.replay_rounds)."""
+    return min(max_rounds, replay_budget(numel) // max(result_bytes, 1))

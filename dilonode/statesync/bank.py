@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dilonode.algo.replay import EncodedResult
+from dilonode.algo.replay import EncodedResult, kept_rounds
 from dilonode.statesync.plan import Assembler, Replayer, chunk_bytes_of, chunk_digest
 from dilonode.statesync.protocol import RoundReplay
 from dilonode.train.state import WorkerState, fragment_names, tensor_names
 
-__all__ = ["ChunkBank", "Derivation", "Version", "kept_rounds"]
+__all__ = ["ChunkBank", "Derivation", "Version"]
 
 Version = tuple[int, int]  # a fragment's (rounds landed, outer steps applied)
 Position = tuple[str, int]  # (tensor name, chunk index)
@@ -167,12 +167,6 @@ class ChunkBank:
             return None
         _, start, used = best
         return Derivation(p, tuple(specs[j] for j in range(start, last)), used)
-
-
-def kept_rounds(replay_rounds: int, numel: int, result_bytes: int) -> int:
-    """How many rounds' results a server keeps for a fragment of `numel` values whose
-    results are `result_bytes` each (`algo.replay.keep_replay`'s bounds)."""
-    return min(replay_rounds, 8 * numel // max(result_bytes, 1))
 
 
 @dataclass

@@ -79,16 +79,11 @@ def manifest_of(state: WorkerState, run_id: str, config_digest: str, chunk_bytes
         t = state.tensors[name]
         entries.append(TensorChunks(name=name, numel=t.numel(),
                                     chunks=hashed(name, t, lambda t=t: _bytes_view(t))))
-    replays = []
-    for p, kept in sorted(state.replays.items()):
-        if not all(enc.nbytes for enc in kept):
-            continue
-        first = state.rounds[p] - len(kept)
-        replays += [RoundReplay(fragment=p, round=first + j, codec=enc.codec,
-                                block_size=enc.block_size, numels=list(enc.numels),
-                                nbytes=enc.nbytes,
-                                chunks=hashed(replay_name(p, first + j), enc, enc.blob))
-                    for j, enc in enumerate(kept)]
+    empty = {p for p, kept in state.replays.items() if not all(enc.nbytes for enc in kept)}
+    replays = [RoundReplay(fragment=p, round=r, codec=enc.codec, block_size=enc.block_size,
+                           numels=list(enc.numels), nbytes=enc.nbytes,
+                           chunks=hashed(replay_name(p, r), enc, enc.blob))
+               for p, r, enc in state.replay_rounds() if p not in empty]
     if cache is not None:  # results no longer kept: forget their digests too
         listed = {replay_name(r.fragment, r.round) for r in replays}
         for name in [n for n in cache if n.startswith("replay.") and n not in listed]:
@@ -239,11 +234,6 @@ class Assembler:
     def needed(self) -> list[bytes]:
         """Digests not filled yet, in state order."""
         return [d for d in self._where if d not in self._filled]
-
-    def missing(self, names: Iterable[str]) -> list[bytes]:
-        """Digests of the tensors `names` not filled yet, in order, each once."""
-        return list(dict.fromkeys(d for n in names for d in self._chunks[n]
-                                  if d not in self._filled))
 
     def digests(self, name: str) -> list[bytes]:
         return list(self._chunks[name])

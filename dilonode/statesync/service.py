@@ -391,8 +391,7 @@ class _Served:
         for r in manifest.replays:
             index.update({d: (replay_name(r.fragment, r.round), i)
                           for i, d in enumerate(r.chunks)})
-        blobs = {replay_name(p, state.rounds[p] - len(kept) + j): enc.blob()
-                 for p, kept in state.replays.items() for j, enc in enumerate(kept)}
+        blobs = {replay_name(p, r): enc.blob() for p, r, enc in state.replay_rounds()}
         return cls(state, manifest, index, blobs)
 
     @property
@@ -433,14 +432,20 @@ class RateMeter:
 
     span: float = 3.0
     arrivals: deque[tuple[float, int]] = field(default_factory=deque)
+    total: int = 0  # bytes in `arrivals`
     first: float | None = None
 
     def add(self, nbytes: int, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now
         self.first = now if self.first is None else self.first
         self.arrivals.append((now, nbytes))
+        self.total += nbytes
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        """Drop replies older than `span` (asked once per request: no pass over them)."""
         while self.arrivals and self.arrivals[0][0] < now - self.span:
-            self.arrivals.popleft()
+            self.total -= self.arrivals.popleft()[1]
 
     def rate(self, now: float | None = None) -> float | None:
         """Bytes/s over the last `span` s; None until replies have come for `_RATE_AFTER_S`
@@ -448,11 +453,12 @@ class RateMeter:
         now = time.perf_counter() if now is None else now
         if self.first is None or now - self.first < _RATE_AFTER_S:
             return None
-        recent = [(t, n) for t, n in self.arrivals if t >= now - self.span]
-        if len(recent) < 2:  # one reply or none in the span: as slow as that says
-            return sum(n for _, n in recent) / self.span
+        self._forget(now)
+        if len(self.arrivals) < 2:  # one reply or none in the span: as slow as that says
+            return self.total / self.span
         # Between the first reply in the span and the last: what came after the first.
-        return sum(n for _, n in recent[1:]) / max(recent[-1][0] - recent[0][0], 1e-3)
+        (t0, n0), (t1, _) = self.arrivals[0], self.arrivals[-1]
+        return (self.total - n0) / max(t1 - t0, 1e-3)
 
     def window(self, chunk_bytes: int, peers: int, most: int,
                now: float | None = None) -> int:
@@ -489,15 +495,16 @@ class ResultRate:
                     self.new_rounds += not first
 
     def rate(self) -> float:
-        if self.since is None:
-            return 0.0
-        return self.new_bytes / max(time.perf_counter() - self.since, 1.0)
+        return self.new_bytes / self._elapsed()
 
     def rounds_per_second(self) -> float:
         """Rounds landing per second, over all fragments."""
-        if self.since is None:
-            return 0.0
-        return self.new_rounds / max(time.perf_counter() - self.since, 1.0)
+        return self.new_rounds / self._elapsed()
+
+    def _elapsed(self) -> float:
+        """Seconds since the first manifests (at least 1: a rate from one reading is not
+        one); the counts are 0 before any, so the rates are too."""
+        return max(time.perf_counter() - self.since, 1.0) if self.since is not None else 1.0
 
 
 class RecoveryError(RuntimeError):
@@ -679,12 +686,15 @@ class _Client:
                  "of round results, %d chunk(s) to derive by replaying rounds", len(needed),
                  target.step, len(results), len(derived))
 
-        def sink(digest: bytes, payload: bytes | memoryview) -> None:
-            if digest in wanted:
-                bank.put_result(digest, payload)
+        def put(digest: bytes, payload: bytes | memoryview) -> None:
             if asm.positions(digest):
                 asm.put(digest, payload)
                 bank.record_fetched(asm, digest, payload)
+
+        def sink(digest: bytes, payload: bytes | memoryview) -> None:
+            if digest in wanted:
+                bank.put_result(digest, payload)
+            put(digest, payload)
 
         sources = {p: m.tensor_digests() | {d for r in m.replays for d in r.chunks}
                    for p, m in manifests.items()}
@@ -692,8 +702,8 @@ class _Client:
                                 FetchPlan(results + needed, sources, asm.cb), sink):
             return None
         for job in jobs:  # decoding, the outer steps and hashing: off the network loop
-            filled, why = await asyncio.to_thread(job.run, bank, asm, self.replayer) \
-                if self.replayer else (0, "no replayer")
+            assert self.replayer is not None  # no jobs are planned without one
+            filled, why = await asyncio.to_thread(job.run, bank, asm, self.replayer)
             self.result.replayed += bool(filled)
             log.info("state sync: fragment %d: replayed rounds %d-%d (%d bytes of results) "
                      "on %d chunk(s) held: %d bytes not fetched%s", job.fragment, job.start,
@@ -702,11 +712,6 @@ class _Client:
         if asm.needed():  # what the plan could not fetch, or a replay that failed
             sources = {p: m.tensor_digests() for p, m in manifests.items() if p in self.addrs}
             plan = FetchPlan(fetch_order(target.manifest, asm.needed()), sources, asm.cb)
-
-            def put(digest: bytes, payload: bytes | memoryview) -> None:
-                asm.put(digest, payload)
-                bank.record_fetched(asm, digest, payload)
-
             if await self._transfer(target, manifests, plan, put):
                 return None
             if not plan.complete:

@@ -151,6 +151,12 @@ class WorkerState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def replay_rounds(self) -> list[tuple[int, int, EncodedResult]]:
+        """(fragment, round, its result) for every result kept, fragment by fragment,
+        oldest round first (the last of a fragment is round rounds[fragment] - 1)."""
+        return [(p, self.rounds[p] - len(kept) + j, enc)
+                for p, kept in sorted(self.replays.items()) for j, enc in enumerate(kept)]
+
     def meta(self) -> dict[str, object]:
         """The scalar part, JSON-ready."""
         return {"step": self.step, "rounds": list(self.rounds),

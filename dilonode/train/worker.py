@@ -36,7 +36,7 @@ from dilonode.algo.fragments import Fragment, assign_fragments, flatten, unflatt
 from dilonode.algo.mixing import mixed_chain, pack_state, unpack_state
 from dilonode.algo.outer import NonFiniteError, OuterState, merge, pseudo_gradient
 from dilonode.algo.pacing import Pacer, StepPacer, TimePacer, due_starts, final_rounds
-from dilonode.algo.replay import EncodedResult, keep_replay
+from dilonode.algo.replay import EncodedResult, keep_replay, replay_budget
 from dilonode.algo.schedule import SyncPlan, SyncStart
 from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 from dilonode.config import InnerOptConfig, RunConfig
@@ -534,7 +534,7 @@ class Worker:
         if result.encoded is not None and result.group_size > 1 and result.state_mean is None:
             self.replays[p] = keep_replay(kept, r, result.encoded,
                                           self.cfg.statesync.replay_rounds,
-                                          8 * result.encoded.numel)
+                                          replay_budget(result.encoded.numel))
         self.ranks.apply(p, params, new_global, self.algo.fragment_update_alpha)
 
     def _load_packed(self, p: int, packed: torch.Tensor) -> None:

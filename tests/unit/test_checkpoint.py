@@ -209,6 +209,14 @@ def _h4_p2_config():
         "codec": {"name": "float32"}})
 
 
+def _run_to(worker, step: int) -> None:
+    """Train, start and land rounds as the training loop does, up to `step`."""
+    while worker.step < step:
+        worker.train_step()
+        worker.launch()
+        worker.land()
+
+
 def test_worker_export_import_roundtrip():
     cfg = _h4_p2_config()
     a, _ = _worker(cfg)
@@ -240,20 +248,14 @@ def test_a_checkpoint_after_drain_resumes_without_rounds_due_again(tmp_path):
     land that round again with nothing in flight (found resuming a GPU swarm's node)."""
     cfg = _h4_p2_config()
     a, _ = _worker(cfg)
-    while a.step < 8:
-        a.train_step()
-        a.launch()
-        a.land()
+    _run_to(a, 8)
     a.drain()
     save_checkpoint(tmp_path, a.export_state(), RUN, DIGEST, keep=1)
     state, path = load_latest(tmp_path, RUN, DIGEST)
     assert path.name == "ckpt-0000000009.json" and (state.step, state.rounds) == (9, (2, 2))
     b, _ = _worker(cfg)
     b.import_state(state)
-    while b.step < 14:  # fragment 0 lands at 11, fragment 1 at 13
-        b.train_step()
-        b.launch()
-        b.land()
+    _run_to(b, 14)  # fragment 0 lands at 11, fragment 1 at 13
     assert b.stats.rounds == {0: 1, 1: 1}
 
 
@@ -289,10 +291,7 @@ def test_a_joiners_floor_leaves_out_a_round_due_but_not_launched_yet():
     for it to land (the two would wait on each other for the matchmaking window)."""
     cfg = _h4_p2_config()
     w, _ = _worker(cfg)
-    while w.step < 7:
-        w.train_step()
-        w.launch()
-        w.land()
+    _run_to(w, 7)
     w.train_step()  # step 8: fragment 1's round 1 is due, not launched
     src = SnapshotSource()
     src.attach(w)

@@ -14,10 +14,10 @@ import torch
 
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.outer import OuterState
-from dilonode.algo.replay import EncodedResult, keep_replay, replay_round
+from dilonode.algo.replay import EncodedResult, keep_replay, kept_rounds, replay_round
 from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet
 from dilonode.collective import ReduceResult
-from dilonode.statesync.bank import ChunkBank, kept_rounds
+from dilonode.statesync.bank import ChunkBank
 from dilonode.statesync.plan import Assembler, chunk_bytes_of, digests_of, manifest_of
 from dilonode.statesync.protocol import Manifest
 from dilonode.train.data import load_data
