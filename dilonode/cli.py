@@ -90,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The exit status of the command; a rank of a multi-rank node exits here instead
+    (`dist.exit_without_finalizing`: gloo can abort at interpreter exit)."""
+    code = _dispatch(argv)
+    dist = sys.modules.get("dilonode.train.dist")  # loaded only by commands that use ranks
+    if dist is not None and dist.used_process_groups():
+        dist.exit_without_finalizing(code)
+    return code
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from dilonode import commands  # deferred: each command imports what it needs
     from dilonode.cliargs import UserError

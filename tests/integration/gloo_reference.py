@@ -5,17 +5,20 @@ torch.distributed gloo on loopback, one process per worker. The simulator must m
 from __future__ import annotations
 
 import datetime
+import faulthandler
 
 import torch
 import torch.distributed as dist
 
 from dilonode.config import RunConfig
 from dilonode.train.data import load_data
+from dilonode.train.dist import exit_without_finalizing
 from dilonode.train.model import build_model, lm_loss
 from dilonode.train.worker import build_inner_optimizer
 
 
 def run(rank: int, world: int, port: int, cfg_json: str, out_path: str) -> None:
+    faulthandler.enable(all_threads=True)  # a crash names where it happened
     cfg = RunConfig.model_validate_json(cfg_json)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
@@ -47,3 +50,4 @@ def run(rank: int, world: int, port: int, cfg_json: str, out_path: str) -> None:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, out_path)
     dist.barrier()
     dist.destroy_process_group()
+    exit_without_finalizing(0)  # gloo can abort at interpreter exit (see there)
