@@ -53,6 +53,9 @@ class ChunkBank:
         self.cb = chunk_bytes
         self.held: dict[Position, Held] = {}
         self.results: dict[bytes, bytes] = {}  # result chunk digest -> payload
+        # (fragment, round) -> that round's result as a manifest listed it, kept across
+        # targets: a result fetched stays usable after the servers stop serving it.
+        self.specs: dict[tuple[int, int], RoundReplay] = {}
         self.lowest: dict[int, int] = {}  # fragment -> the oldest version still planned from
 
     def record(self, position: Position, version: Version, digest: bytes,
@@ -94,43 +97,71 @@ class ChunkBank:
              rounds_per_s: float = 0.0) -> list[Derivation]:
         """Per fragment of `asm`'s target, the derivation that saves the most bytes (the
         chunks it yields that `asm` still lacks, less the result bytes not yet held), if
-        any saves some. Forgets results the target no longer lists.
+        any saves some.
 
-        A derivation needs every round's result from its start on, and servers keep the
-        last `keep_rounds` (their statesync.replay_rounds, capped at the fragment's state
-        bytes: `kept_rounds`). Its results are fetched first, at `rate` bytes/s, while a
-        fragment lands `rounds_per_s` rounds a second, each pushing the oldest result out:
-        a start whose first result would be gone by then is not planned, then or later
-        (it only gets older; a plan flipping between deriving and fetching as the rates
-        move would waste what each fetched)."""
-        listed = {d for r in asm.manifest.replays for d in r.chunks}
-        self.results = {d: b for d, b in self.results.items() if d in listed}
-        return [job for p in range(len(asm.manifest.rounds))
+        A derivation needs every round's result from its start on. Results fetched for an
+        earlier target stay usable (with the manifest entry that listed them); the others
+        must be fetched, and servers keep only the last `keep_rounds` (their
+        statesync.replay_rounds, capped at the fragment's state bytes: `kept_rounds`).
+        They are fetched first, oldest first, at `rate` bytes/s, while a fragment lands
+        `rounds_per_s` rounds a second, each pushing the oldest result out: a start whose
+        oldest result not held would be gone by then is not planned, then or later (a plan
+        flipping between deriving and fetching as the rates move would waste what each
+        fetched). Results a derivation needs beyond twice the fragment's state bytes are
+        not worth holding (the state itself costs half of that), so no start needs more."""
+        for r in asm.manifest.replays:
+            self.specs[(r.fragment, r.round)] = r
+        jobs = [job for p in range(len(asm.manifest.rounds))
                 if (job := self._plan_fragment(asm, p, keep_rounds, rate, rounds_per_s))
                 is not None]
+        self._forget(asm)
+        return jobs
+
+    def _forget(self, asm: Assembler) -> None:
+        """Drop the results (and their entries) of rounds before every version still
+        planned from: no derivation can use them."""
+        m = asm.manifest
+        oldest = {p: m.rounds[p] for p in range(len(m.rounds))}
+        for (name, _), h in self.held.items():
+            p = _fragment(name)
+            if p in oldest and h.version[0] >= self.lowest.get(p, 0):
+                oldest[p] = min(oldest[p], h.version[0])
+        self.specs = {(p, r): spec for (p, r), spec in self.specs.items()
+                      if r >= oldest.get(p, r)}
+        listed = {d for spec in self.specs.values() for d in spec.chunks}
+        self.results = {d: b for d, b in self.results.items() if d in listed}
 
     def _plan_fragment(self, asm: Assembler, p: int, keep_rounds: int, rate: float | None,
                        rounds_per_s: float) -> Derivation | None:
         m = asm.manifest
         last, steps = m.rounds[p], m.outer_steps[p]
-        specs = m.replays_of(p)
+        specs = {r: spec for (f, r), spec in self.specs.items() if f == p}
+        served = m.replays_of(p)
         numel = m.tensors[2 * p].numel
         if not specs:
             return None
-        span = kept_rounds(keep_rounds, numel, max(r.nbytes for r in specs.values()))
-        lowest = self.lowest[p] = max(self.lowest.get(p, 0), last - span)
+        span = kept_rounds(keep_rounds, numel, max(r.nbytes for r in served.values())) \
+            if served else 0
+        lowest = self.lowest.setdefault(p, 0)
+
+        def held(j: int) -> bool:
+            return all(d in self.results for d in specs[j].chunks)
 
         def cost(start: int) -> int:
             """Bytes of the results from `start` on not held yet."""
-            return sum(specs[j].nbytes for j in range(start, last)
-                       if not all(d in self.results for d in specs[j].chunks))
+            return sum(specs[j].nbytes for j in range(start, last) if not held(j))
 
         def in_time(start: int) -> bool:
+            todo = [j for j in range(start, last) if not held(j)]
+            if not todo:
+                return True
+            if any(j not in served for j in todo):
+                return False
             landing = math.floor(cost(start) / rate * rounds_per_s) if rate else 0
-            return last - start + landing <= span
+            return last - todo[0] + landing <= span
 
         def usable(name: str) -> dict[int, Held]:
-            """Chunks of `name` that the rounds listed can bring to the target's version."""
+            """Chunks of `name` that the rounds known can bring to the target's version."""
             out = {}
             for i in range(len(asm.digests(name))):
                 h = self.held.get((name, i))
@@ -138,7 +169,8 @@ class ChunkBank:
                     continue
                 k, k_steps = h.version
                 if lowest <= k < last and k_steps == steps - (last - k) and \
-                        all(j in specs for j in range(k, last)):
+                        all(j in specs for j in range(k, last)) and \
+                        sum(specs[j].nbytes for j in range(k, last)) <= 16 * numel:
                     out[i] = h
             return out
 

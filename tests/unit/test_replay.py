@@ -337,3 +337,40 @@ def test_a_replay_is_not_planned_from_rounds_the_servers_may_drop_before_it_is_f
     assert held.plan(Assembler(m_new), keep_rounds=4) == []
     result = m_new.replays[0].nbytes
     assert kept_rounds(16, 6001, result) == 8 * 6001 // result == 14
+
+
+def test_results_fetched_for_an_earlier_target_still_derive_after_the_servers_drop_them():
+    """A joiner three rounds behind fetches the results of rounds 1-2, then round 3 lands
+    and its servers, keeping one round, now serve round 3's result alone: the results it
+    holds (with the manifest entries that listed them) still bring its state to the new
+    target, at the cost of round 3's result; a joiner holding none has nothing to derive."""
+    states = _history(rounds=3)  # fragment 1 at rounds 1 (states[0]) .. 4 (states[3])
+    bank = ChunkBank(CB)
+    _banked(bank, states[0])
+    m_mid = manifest_of(states[2], "run", DIGEST, CB)
+    (job,) = bank.plan(Assembler(m_mid))
+    assert (job.fragment, job.start) == (1, 1)
+    blobs = {d: blob[i * CB:(i + 1) * CB] for r, blob in _served(states[2], m_mid)
+             for i, d in enumerate(r.chunks)}
+    for d in job.wants(bank):
+        bank.put_result(d, blobs[d])
+    m_new = manifest_of(states[3], "run", DIGEST, CB)
+    last_only = m_new.model_copy(update={"replays": [r for r in m_new.replays
+                                                     if r.round == 3]})
+    asm = Assembler(last_only)
+    bank.fill(asm)
+    (job,) = bank.plan(asm, keep_rounds=1)
+    assert [r.round for r in job.rounds] == [1, 2, 3]
+    assert set(job.wants(bank)) == set(last_only.replays[0].chunks)
+    served = {d: blob[i * CB:(i + 1) * CB] for r, blob in _served(states[3], m_new)
+              for i, d in enumerate(r.chunks) if r.round == 3}
+    for d in job.wants(bank):
+        bank.put_result(d, served[d])
+    filled, why = job.run(bank, asm, REPLAYER)
+    assert why == "" and filled > 0
+    assert asm.needed() == []
+    assert torch.equal(asm.state().tensors["outer.1.weights"],
+                       states[3].tensors["outer.1.weights"])
+    fresh = ChunkBank(CB)
+    _banked(fresh, states[0])
+    assert fresh.plan(Assembler(last_only), keep_rounds=1) == []
