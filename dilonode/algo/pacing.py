@@ -192,9 +192,15 @@ class TimePacer:
 
 def due_starts(plan: SyncPlan, next_round: Sequence[int], ref_now: float,
                lead: float = 0.0) -> list[SyncStart]:
-    """The rounds to start at this boundary: for each fragment p, the newest round
-    r >= next_round[p] whose start step is <= ref_now + lead (rounds between next_round[p]
-    and r were missed: the worker was paused or slower than a whole period)."""
+    """The rounds to start at this boundary: for each fragment p whose round next_round[p]
+    has started by ref_now + lead, that round, unless a round after the next one has
+    started too: then the newest (the rounds between were missed: the worker was paused).
+
+    A worker only one round behind takes part in that round, late, rather than skip it: its
+    group waits for it in matchmaking (it is live), and a skip would leave its state a
+    round behind theirs, to be fetched again. That is a joiner whose state leaves out the
+    rounds in flight that counted it, or a node whose link is slower than rounds come (it
+    waited for another fragment's result); the swarm's pacemaker slows the clock for it."""
     out = []
     horizon = ref_now + lead
     for p in range(plan.num_fragments):
@@ -202,7 +208,7 @@ def due_starts(plan: SyncPlan, next_round: Sequence[int], ref_now: float,
             continue
         # rounds_started counts starts at steps <= floor(horizon); start steps are integers.
         newest = plan.rounds_started(p, math.floor(horizon)) - 1
-        out.append(SyncStart(p, max(newest, next_round[p])))
+        out.append(SyncStart(p, newest if newest > next_round[p] + 1 else next_round[p]))
     return out
 
 

@@ -302,6 +302,42 @@ def test_a_joiners_floor_leaves_out_a_round_due_but_not_launched_yet():
     assert list(w.pending) == [1] and src.step_now("J") == 8
 
 
+def test_a_joiner_takes_part_in_the_round_its_state_leaves_it_at_if_one_round_behind():
+    """Paced by the clock, a joiner adopts a state without the rounds in flight that count
+    it (the floor above): when it starts, the next round of that fragment may have started
+    too. It takes part in the round its state leaves it at (its group waits for it in
+    matchmaking) instead of skipping to the newer one; further behind, it skips as a paused
+    worker does."""
+    from dilonode.algo.pacing import SwarmClock, TimePacer
+    from dilonode.algo.schedule import SyncStart
+
+    cfg = _h4_p2_config()
+    src, _ = _worker(cfg)
+    _run_to(src, 7)
+    state = src.export_state()
+    assert list(state.rounds) == [2, 1]  # fragment 0: rounds 2, 6; fragment 1: round 4
+    timed = cfg.model_copy(update={"diloco": cfg.diloco.model_copy(update={"pacing": "time"})})
+    now = [14.5]  # fragment 0's round 3 started at reference step 14, fragment 1's 2 at 12
+
+    def joiner() -> Worker:
+        group = LocalGroup(1, get_codec(cfg.codec.name, cfg.codec.block_size))
+        w = Worker(timed, load_data(cfg.data), group.view(0), identity=1,
+                   pacer=TimePacer(lambda: now[0], SwarmClock(t0=0.0, step_seconds=1.0)))
+        w.import_state(state)
+        return w
+
+    w = joiner()
+    assert w.due() == [SyncStart(0, 2), SyncStart(1, 1)]
+    w.start_due(w.due())
+    assert w.stats.missed == 0 and sorted(w.pending) == [0, 1]
+    w.land()
+    now[0] = 22.5  # two rounds of each fragment since: behind as a paused worker is
+    w.pacer.restart()  # (no step time measured: no lead)
+    assert w.due() == [SyncStart(0, 5), SyncStart(1, 4)]
+    now[0] = 17.5  # a fresh joiner one round behind on fragment 0, two on fragment 1
+    assert joiner().due() == [SyncStart(0, 2), SyncStart(1, 3)]
+
+
 class _ResumingWorker:
     step, pending, wait_hook = 0, {}, None
 

@@ -41,9 +41,12 @@ def test_due_starts_with_a_lead_starts_at_the_last_boundary_before_the_opening()
     assert due_starts(plan, [1, 0, 0], 12.0, 2.0) == []  # round 0 already started
 
 
-def test_a_worker_slower_than_a_period_skips_to_the_newest_round():
-    plan = SyncPlan(10, 2, 1)  # fragment 0 opens at 5, 15, 25, 35
+def test_a_worker_paused_past_a_round_skips_to_the_newest_one_behind_by_one_takes_part():
+    plan = SyncPlan(10, 2, 1)  # fragment 0 opens at 5, 15, 25, 35; fragment 1 at 10, 20, 30
     assert due_starts(plan, [0, 0], 36.0) == [SyncStart(0, 3), SyncStart(1, 2)]
+    # One round behind (its next round and the one after have started): the next round.
+    assert due_starts(plan, [2, 1], 36.0) == [SyncStart(0, 2), SyncStart(1, 1)]
+    assert due_starts(plan, [3, 2], 36.0) == [SyncStart(0, 3), SyncStart(1, 2)]
     assert due_starts(plan, [0, 0], -math.inf, 1.0) == []  # no clock yet: nothing starts
 
 
