@@ -168,7 +168,7 @@ class TimePacer:
         what the swarm clock should not outrun (`retune_step_seconds`). None until the
         window is full (the first steps carry warm-up)."""
         b = self._boundaries
-        if len(b) < b.maxlen or b[-1] <= b[0]:
+        if b.maxlen is None or len(b) < b.maxlen or b[-1] <= b[0]:
             return None
         return (b[-1] - b[0]) / (len(b) - 1)
 

@@ -313,7 +313,7 @@ class FrameDecoder:
     def _start_collect(self) -> None:
         """Move the start of a large, incomplete body from `_buf` into `_body`."""
         assert self._need is not None
-        self._body = memoryview(np.empty(self._need, dtype=np.uint8))
+        self._body = memoryview(np.empty(self._need, dtype=np.uint8).data)
         available = len(self._buf) - self._pos
         with memoryview(self._buf) as view:
             self._body[:available] = view[self._pos:]
