@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dilonode.algo.replay import EncodedResult, kept_rounds
+from dilonode.algo.replay import EncodedResult, kept_rounds, replay_budget
 from dilonode.statesync.plan import Assembler, Replayer, chunk_bytes_of, chunk_digest
 from dilonode.statesync.protocol import RoundReplay
 from dilonode.train.state import WorkerState, fragment_names, tensor_names
@@ -160,6 +160,12 @@ class ChunkBank:
             landing = math.floor(cost(start) / rate * rounds_per_s) if rate else 0
             return last - todo[0] + landing <= span
 
+        # Versions the rounds known reach the target from, within twice the state's bytes
+        # of results (one per version held, not per chunk).
+        reach = {k: all(j in specs for j in range(k, last)) and
+                 sum(specs[j].nbytes for j in range(k, last)) <= 2 * replay_budget(numel)
+                 for k in {h.version[0] for h in self.held.values()} if lowest <= k < last}
+
         def usable(name: str) -> dict[int, Held]:
             """Chunks of `name` that the rounds known can bring to the target's version."""
             out = {}
@@ -168,9 +174,7 @@ class ChunkBank:
                 if h is None:
                     continue
                 k, k_steps = h.version
-                if lowest <= k < last and k_steps == steps - (last - k) and \
-                        all(j in specs for j in range(k, last)) and \
-                        sum(specs[j].nbytes for j in range(k, last)) <= 16 * numel:
+                if reach.get(k, False) and k_steps == steps - (last - k):
                     out[i] = h
             return out
 
