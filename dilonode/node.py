@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -307,7 +308,9 @@ class Node:
                                  frozen=lambda: any(w.next_round) or bool(w.pending),
                                  ttl=max(4 * self.cfg.network.peer_ttl, 60.0),
                                  retune=self._retune if a.retune_clock else None,
-                                 pacemaker=self._is_pacemaker, lead_steps=a.sync_every)
+                                 pacemaker=self._is_pacemaker, lead_steps=a.sync_every,
+                                 link_unmeasured=lambda: len(w.stats.recent_latency) < 3)
+        self.keeper.on_link = self._announce_link
         try:
             self.clock.tick()  # a clock that already stands is followed from the first step
         except (TimeoutError, RuntimeError) as exc:
@@ -316,15 +319,39 @@ class Node:
 
     def _is_pacemaker(self) -> bool:
         """The live node with the smallest peer id retunes the swarm clock (one at a time;
-        two at once, in a partition, resolve by the clock records' rule)."""
+        two at once, in a partition, resolve by the clock records' rule). A node whose own
+        record is not among them yet (a joiner still fetching the state) is not live: it
+        knows no round latencies of its own, and a second pacemaker's epoch races the
+        first's."""
         if self.membership is None:
             return False
         live = {r.peer_id for r in self.membership.live_peers(max_age=math.inf)}
-        return self.peer_id == min(live | {self.peer_id})
+        return self.peer_id in live and self.peer_id == min(live)
 
-    def _retune(self, clock: Any, ref_now: float) -> float | None:
+    def _announce_link(self, rate_Bps: float, result_bytes: dict[int, int], peers: int) -> None:
+        """Our state fetch measured our link: tell the pacemaker how long a round of every
+        fragment takes on it (`pacing.link_busy_seconds`), so that the clock slows before
+        our first round, not after slow ones. Fragments whose results the manifests did not
+        list count as the mean of those that did."""
+        from dilonode.algo.pacing import link_busy_seconds
+
+        if self.clock is None or not result_bytes:
+            return
+        mean = sum(result_bytes.values()) / len(result_bytes)
+        sizes = [result_bytes.get(p, mean)
+                 for p in range(self.cfg.diloco.effective().num_fragments)]
+        busy = link_busy_seconds(sizes, peers, rate_Bps)
+        log.info("link: state sync moved %.2f MB/s; a round of every fragment with %d peers "
+                 "takes %.1f s of it (published until our rounds measure it)",
+                 rate_Bps / 1e6, peers, busy)
+        if busy > 0:
+            self.clock.announce_link(busy, rate_Bps)
+
+    def _retune(self, clock: Any, ref_now: float,
+                link_busy: Sequence[float] = ()) -> float | None:
         """Seconds per reference step the swarm needs (`pacing.retune_step_seconds`), from
-        the round latencies and, when the clock was measured rather than set by hand
+        the round latencies, what the links of nodes not yet in rounds take for a round of
+        every fragment, and, when the clock was measured rather than set by hand
         (diloco.step_seconds unset), the paces (wall seconds per own step) that live nodes
         publish."""
         from dilonode.algo.pacing import retune_step_seconds
@@ -341,10 +368,10 @@ class Node:
                 latencies.append(value)
             if measured and (value := _positive(status.get("pace_s"))) is not None:
                 steps.append(value)
-        if not latencies and not steps:
+        if not latencies and not steps and not link_busy:
             return None
         return retune_step_seconds(clock, latencies, steps, a.sync_every,
-                                   a.min_round_seconds, a.max_round_seconds)
+                                   a.min_round_seconds, a.max_round_seconds, link_busy)
 
     async def _form(self, fragment: int, round_no: int, attempt: int,
                     exclude: set[str]) -> FormedGroup:

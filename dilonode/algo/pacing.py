@@ -43,7 +43,7 @@ from dilonode.algo.schedule import SyncPlan, SyncStart
 _HAIR = 1e-6
 
 __all__ = ["Pacer", "StepPacer", "SwarmClock", "TimePacer", "due_starts", "final_rounds",
-           "retune_step_seconds"]
+           "link_busy_seconds", "retune_step_seconds"]
 
 
 @dataclass(frozen=True)
@@ -227,16 +227,37 @@ def final_rounds(plan: SyncPlan, next_round: Sequence[int], end_step: int) -> li
     return out
 
 
+def link_busy_seconds(result_bytes: Sequence[float], peers: int, rate_Bps: float) -> float:
+    """Seconds of a link that moves `rate_Bps` each way one round of every fragment takes,
+    in a swarm of `peers` nodes (this one included); `result_bytes`: each fragment's
+    encoded round result. 0.0 when nothing is known.
+
+    In a butterfly round a node moves, each way, (N-1)/N of its encoded contribution and
+    as much of the reduced result: 2 (N-1)/N x bytes / rate seconds of its link. A joiner
+    measures its link in its state fetch and asks the clock for room for this before its
+    first round (`retune_step_seconds`); its measured round latencies take over after.
+    """
+    if peers < 2 or not result_bytes or not (math.isfinite(rate_Bps) and rate_Bps > 0):
+        return 0.0
+    return sum(2.0 * (peers - 1) / peers * b / rate_Bps for b in result_bytes)
+
+
 def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
                         step_times: Sequence[float], sync_every: int,
-                        min_round_s: float, max_round_s: float) -> float | None:
+                        min_round_s: float, max_round_s: float,
+                        link_busy: Sequence[float] = ()) -> float | None:
     """Seconds per reference step the swarm needs now, or None to keep `clock` as it is.
 
     Two needs; the slower clock wins, kept within min_round_s..max_round_s per round period
     (`sync_every` reference steps):
 
     * links (`round_p90s`: each node's 90th-percentile round latency, matchmaking
-      included): a round lands within half a round period, so nobody blocks on a result;
+      included): a round lands within half a round period, so nobody blocks on a result.
+      `link_busy`: nodes not yet in rounds (a joiner that measured its link in its state
+      fetch, `link_busy_seconds`) add the time their link takes for a round of every
+      fragment to the slowest latency: the most a round can take if every fragment's
+      round goes through that link at once, as a joiner's first rounds do. The clock then
+      slows before its first round rather than after its rounds were late;
     * throughput (`step_times`: live nodes' wall seconds per own step, `TimePacer.pace_s`;
       empty when the clock's rate was set by hand): one reference step is one step of the
       fastest node, so a run of N reference steps trains N of its steps. A clock proposed
@@ -244,14 +265,16 @@ def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
       (docs/autotune-results.md): evaluations, waits and contention come later.
 
     Without step times the clock is never made faster than it started. Hysteresis: a need
-    set by throughput retunes past 5% either way (paces are averages over many steps); one
-    set by the links past 25% slower or 2x faster (latencies jump with the rounds' traffic).
+    set by throughput or by a joiner's link retunes past 5% (paces are averages over many
+    steps, a link's need is one estimate); one set by latencies alone past 25% slower or
+    2x faster (latencies jump with the rounds' traffic).
     """
     lo, hi = min_round_s / sync_every, max_round_s / sync_every
-    links = 2.0 * max(round_p90s) / sync_every if round_p90s else 0.0
+    slowest, busy = max(round_p90s, default=0.0), max(link_busy, default=0.0)
+    links = 2.0 * (slowest + busy) / sync_every
     pace = min(step_times) if step_times else clock.step_seconds
     want = min(max(links, pace, lo), hi)
     now = clock.current_step_seconds
-    if step_times and want > links:
+    if (step_times and want > links) or (busy > 0 and want > now):
         return want if abs(want / now - 1.0) > 0.05 else None
     return want if want > 1.25 * now or want < 0.5 * now else None

@@ -32,6 +32,7 @@ from dilonode.config import RunConfig
 from dilonode.statesync.link import StreamOpener
 from dilonode.statesync.plan import Replayer
 from dilonode.statesync.service import (
+    LinkHook,
     Recovery,
     RecoveryError,
     SnapshotSource,
@@ -89,6 +90,9 @@ class StateKeeper:
         # and which peers of the last read those are.
         self.opener: StreamOpener | None = None
         self._streamed: frozenset[str] = frozenset()
+        # Called once per recovery whose transfer ran long enough to measure our link:
+        # (bytes/s, each fragment's round result bytes, peers counting us) (`recover`).
+        self.on_link: LinkHook | None = None
 
     # -- start -------------------------------------------------------------------------
     @property
@@ -176,7 +180,8 @@ class StateKeeper:
                       own_candidate=same_rounds and not prefer, wait_behind=wait,
                       wait_from_step=started, replayer=self._replayer(), prefer=prefer,
                       opener=self.opener, streamed=self._streamed,
-                      floor_patience=net.matchmaking_timeout + net.allreduce_timeout)
+                      floor_patience=net.matchmaking_timeout + net.allreduce_timeout,
+                      on_link=self.on_link)
         try:
             got = thread.run(asyncio.wait_for(job, sc.recover_timeout),
                              timeout=sc.recover_timeout + 10.0)

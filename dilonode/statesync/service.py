@@ -68,9 +68,13 @@ from dilonode.statesync.protocol import (
 from dilonode.train.state import WorkerState
 from dilonode.wire.errors import RemoteProtocolError, one_line
 
-__all__ = ["Recovery", "RecoveryError", "SnapshotSource", "StateServer", "recover"]
+__all__ = ["LinkHook", "Recovery", "RecoveryError", "SnapshotSource", "StateServer",
+           "recover"]
 
 log = logging.getLogger(__name__)
+
+# (bytes/s chunks arrive at, round result bytes per fragment, peers counting us): `recover`.
+LinkHook = Callable[[float, dict[int, int], int], None]
 
 _IDLE_CLOSE_S = 120.0  # a connection with no request for this long is closed
 _STREAM_LIMIT = 1 << 16  # asyncio's default buffer limit of a server's StreamReader
@@ -79,6 +83,11 @@ _RETRY_S = 0.2  # pause before asking peers again (busy, or a round is landing)
 _RATE_AFTER_S = 0.5  # the transfer rate is trusted after this long (near-end estimate)
 _WATCH_S = 1.0  # during a fetch, re-read manifests this often (a round may land)
 _IN_FLIGHT_S = 1.0  # chunk requests in flight: about this many seconds of the fetch's rate
+# The link rate a joiner reports (`recover`'s on_link): bytes that arrived from
+# `_LINK_FROM_S` to `_LINK_AFTER_S` s after the first reply. Chunks land in clumps (every
+# peer's replies progress together), so a 3 s reading was off by 0.7-1.5x on a 10 Mbit/s
+# link; a fetch this long also has enough left for its rounds to load that link.
+_LINK_FROM_S, _LINK_AFTER_S = 2.0, 12.0
 _HOLD_S = 120.0  # snapshots are dropped after this long without a manifest request
 BUSY = "busy"  # error reason prefix: ask again shortly
 MAX_SOURCES = 8  # peers asked at once; more adds connections, not bandwidth
@@ -434,12 +443,14 @@ class RateMeter:
     arrivals: deque[tuple[float, int]] = field(default_factory=deque)
     total: int = 0  # bytes in `arrivals`
     first: float | None = None
+    received: int = 0  # bytes since the first reply
 
     def add(self, nbytes: int, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now
         self.first = now if self.first is None else self.first
         self.arrivals.append((now, nbytes))
         self.total += nbytes
+        self.received += nbytes
         self._forget(now)
 
     def _forget(self, now: float) -> None:
@@ -479,6 +490,7 @@ class ResultRate:
     first manifests read are not counted)."""
 
     seen: set[tuple[int, int]] = field(default_factory=set)
+    sizes: dict[int, int] = field(default_factory=dict)  # fragment -> its latest result bytes
     new_bytes: int = 0
     new_rounds: int = 0
     since: float | None = None
@@ -491,6 +503,7 @@ class ResultRate:
             for r in m.replays:
                 if (r.fragment, r.round) not in self.seen:
                     self.seen.add((r.fragment, r.round))
+                    self.sizes[r.fragment] = r.nbytes
                     self.new_bytes += 0 if first else r.nbytes
                     self.new_rounds += not first
 
@@ -554,6 +567,8 @@ class _Client:
         self.fetched_once = False
         # Called once when a fetch is expected to end within `lead` s (then cleared).
         self.near_end: Callable[[], None] | None = None
+        self.on_link: LinkHook | None = None  # see `recover`; cleared once called
+        self._link_mark: tuple[float, int] | None = None  # (when, meter.received) then
         self.lead = 0.0
         self.results_seen = ResultRate()  # how fast the served state moves on
         self.planned = 0  # chunks the last fetch set out to get
@@ -726,6 +741,7 @@ class _Client:
         peers moved on to a newer state meanwhile (the fetch was cut short)."""
         changed, stop = asyncio.Event(), asyncio.Event()
         watches = [asyncio.create_task(self._watch_end(plan, target.manifest.chunk_bytes)),
+                   asyncio.create_task(self._watch_link()),
                    asyncio.create_task(self._watch_newer(target, dict(manifests), stop,
                                                          changed))]
         try:
@@ -740,6 +756,24 @@ class _Client:
             self.result.sources[peer] = self.result.sources.get(peer, 0) + n
             self.result.fetched_bytes += n
         return not plan.complete and stop.is_set()
+
+    async def _watch_link(self) -> None:
+        """Report the rate chunks arrived at (`on_link`) from `_LINK_FROM_S` after the first
+        reply (before: the request window's ramp) to `_LINK_AFTER_S`, over every transfer
+        of this recovery (a slow joiner's passes end every few seconds as rounds land)."""
+        meter = self.meter
+        while self.on_link is not None:
+            await asyncio.sleep(0.25)
+            now = time.perf_counter()
+            if meter.first is None or now - meter.first < _LINK_FROM_S:
+                continue
+            if self._link_mark is None:
+                self._link_mark = (now, meter.received)
+            elif now - meter.first >= _LINK_AFTER_S and self.results_seen.sizes:
+                t0, got0 = self._link_mark
+                hook, self.on_link = self.on_link, None
+                hook((meter.received - got0) / (now - t0), dict(self.results_seen.sizes),
+                     len(self.addrs) + 1)
 
     async def _watch_end(self, plan: FetchPlan, chunk_bytes: int) -> None:
         """Call `near_end` once the chunks still missing should arrive within `lead` s at
@@ -818,7 +852,8 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                   replayer: Replayer | None = None,
                   prefer: Collection[str] = (), opener: StreamOpener | None = None,
                   streamed: Collection[str] = (),
-                  floor_patience: float = math.inf) -> Recovery | None:
+                  floor_patience: float = math.inf,
+                  on_link: LinkHook | None = None) -> Recovery | None:
     """Fetch the swarm's current outer state from `peers` (peer id -> state address).
 
     Each connection proves that the peer id it was looked up under answers, and proves us
@@ -865,11 +900,17 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     state does not move for longer is not landing one (it may itself be blocked, adopting
     a state), and waiting on it would make two nodes wait on each other. Chains catch a
     round missed this way at the next round.
+
+    `on_link`: called once, `_LINK_AFTER_S` after the first chunk arrived, with the rate
+    chunks arrived at since `_LINK_FROM_S` (bytes/s: our link, unless the peers serve
+    slower), the round results' bytes per fragment the manifests list, and the number of
+    peers counting us: what the node needs to ask the swarm's clock for rounds its link
+    can carry before it takes part (`pacing.link_busy_seconds`).
     """
     t0 = time.perf_counter()
     me = _whoami(auth, peer_id)
     client = _Client(peers, run_id, config_digest, cfg, auth, me, opener, streamed)
-    client.replayer = replayer
+    client.replayer, client.on_link = replayer, on_link
     own = ({me: await asyncio.to_thread(manifest_of, local, run_id, config_digest,
                                         cfg.chunk_bytes)}  # hashes the whole state
            if own_candidate and local is not None else {})

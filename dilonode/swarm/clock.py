@@ -18,6 +18,12 @@ speed meet in every round. Agreement without a coordinator:
 * A clock whose `t0` lies in the future, or older than `max_age`, is ignored: it cannot be
   this run's.
 
+* A node whose link the swarm has not seen in rounds yet (a joiner, which measured it in
+  its state fetch) publishes how long its link takes for a round of every fragment
+  (`announce_link`, a `LinkRecord`) until its own rounds measure it; the pacemaker reads
+  those records with the peers' latencies, so the clock slows before the joiner's first
+  round.
+
 Hosts read their wall clock (`time.time`), so they should run NTP; skew within a fraction
 of `network.matchmaking_window` is absorbed by matchmaking.
 """
@@ -28,12 +34,12 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dilonode.algo.pacing import SwarmClock, TimePacer
 from dilonode.swarm.dht import decode_entries
-from dilonode.swarm.records import ClockRecord, clock_key, encode_record
+from dilonode.swarm.records import ClockRecord, LinkRecord, clock_key, encode_record, link_key
 
 __all__ = ["ClockKeeper", "Proposal", "Retune", "clock_of", "standing_clock"]
 
@@ -41,9 +47,10 @@ log = logging.getLogger(__name__)
 
 # Seconds per reference step this node proposes, or None while it does not know yet.
 Proposal = Callable[[], float | None]
-# (the clock followed, the reference step now) -> seconds per step the swarm needs now, or
-# None to keep the clock as it is (asked only of the pacemaker).
-Retune = Callable[[SwarmClock, float], float | None]
+# (the clock followed, the reference step now, the seconds nodes' links take for a round
+# of every fragment (`LinkRecord`)) -> seconds per step the swarm needs now, or None to
+# keep the clock as it is (asked only of the pacemaker).
+Retune = Callable[[SwarmClock, float, Sequence[float]], float | None]
 
 
 def standing_clock(records: dict[str, ClockRecord], now: float,
@@ -73,7 +80,7 @@ class ClockKeeper:
                  frozen: Callable[[], bool], *, ttl: float = 60.0, poll: float = 0.5,
                  wall: Callable[[], float] = time.time, retune: Retune | None = None,
                  pacemaker: Callable[[], bool] = lambda: False, lead_steps: float = 30.0,
-                 ) -> None:
+                 link_unmeasured: Callable[[], bool] = lambda: True) -> None:
         self.dht, self.run_id, self.pacer = dht, run_id, pacer
         self.propose, self.frozen = propose, frozen
         self.retune, self.pacemaker, self.lead_steps = retune, pacemaker, lead_steps
@@ -82,6 +89,11 @@ class ClockKeeper:
         self.following: ClockRecord | None = None
         self.switches = 0  # clocks followed after this node had started rounds
         self._published_at = float("-inf")
+        # What our link takes for a round of every fragment (announce_link), published
+        # while `link_unmeasured()` (our rounds have not measured it), then left to expire.
+        self.link: LinkRecord | None = None
+        self.link_unmeasured = link_unmeasured
+        self._link_published_at = float("-inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -106,6 +118,36 @@ class ClockKeeper:
         if self.following is not None and \
                 time.monotonic() - self._published_at > self.ttl / 3:
             self._publish()
+        self._publish_link()
+
+    def announce_link(self, busy_s: float, rate_Bps: float) -> None:
+        """Tell the pacemaker that a round of every fragment takes `busy_s` of our link
+        (moving `rate_Bps` each way: `pacing.link_busy_seconds`) until our rounds measure
+        it; published at the next pass (any thread may call this)."""
+        self.link = LinkRecord(peer_id=self.dht.peer_id, run_id=self.run_id,
+                               busy_s=busy_s, rate_Bps=rate_Bps)
+        self._link_published_at = float("-inf")
+
+    def _publish_link(self) -> None:
+        link = self.link
+        if link is None:
+            return
+        if not self.link_unmeasured():
+            # Our latencies say it now: withdraw the need (a record of 0 replaces ours).
+            link = link.model_copy(update={"busy_s": 0.0})
+            self.link, self._link_published_at = None, float("-inf")
+        if time.monotonic() - self._link_published_at > self.ttl / 3:
+            self.dht.store_raw(link_key(self.run_id), self.dht.peer_id,
+                               encode_record(link, self.dht.credentials), self.ttl)
+            self._link_published_at = time.monotonic()
+
+    def read_links(self, timeout: float = 5.0) -> list[float]:
+        """What the links of nodes not yet measured in rounds take for a round of every
+        fragment (s)."""
+        key = link_key(self.run_id)
+        raw = self.dht.get_raw(key, timeout=timeout)
+        return [r.busy_s for r in decode_entries(self.dht, key, raw, LinkRecord,
+                                                   self.dht.credentials).values() if r.busy_s]
 
     @property
     def read_every(self) -> float:
@@ -124,7 +166,7 @@ class ClockKeeper:
         now_ref = clock.ref_step(self.wall())
         if clock.epochs and now_ref < clock.epochs[-1][0]:
             return  # the last change has not applied yet
-        rate = self.retune(clock, now_ref)
+        rate = self.retune(clock, now_ref, self.read_links())
         if rate is None:
             return
         ahead = max(self.lead_steps,

@@ -12,6 +12,9 @@ usable. Two kinds exist:
 * `ClockRecord`: the swarm clock a node follows (start time, seconds per reference step),
   under `clock_key(run_id)`; every node republishes the one it follows, so it outlives
   any node (`dilonode.swarm.clock`).
+* `LinkRecord`: how long a node's link takes for a round of every fragment, before its
+  rounds measure it (a joiner, from its state fetch), under `link_key(run_id)`, read by
+  the clock's pacemaker.
 * `FinalRecord`: the digest of a node's outer weights at the end of the run, under
   `final_key(run_id)`, which the end-of-run agreement check compares
   (`dilonode.swarm.agreement`).
@@ -42,6 +45,7 @@ __all__ = [
     "ClockRecord",
     "FinalRecord",
     "GroupEntry",
+    "LinkRecord",
     "MAX_ROSTER",
     "PeerRecord",
     "Record",
@@ -52,6 +56,7 @@ __all__ = [
     "encode_record",
     "final_key",
     "group_key",
+    "link_key",
     "peers_key",
 ]
 
@@ -163,6 +168,22 @@ class ClockRecord(SignedRecord):
         return value
 
 
+class LinkRecord(SignedRecord):
+    """Seconds of the author's link a round of every fragment takes
+    (`algo.pacing.link_busy_seconds`), from the rate it measured (`rate_Bps`, bytes/s each
+    way), published while it has no round latencies of its own: the pacemaker slows the
+    clock for it before it takes part; 0 once they have (the need is withdrawn: its
+    latencies carry it, and counting both would slow the clock twice for one link)."""
+
+    busy_s: float = Field(ge=0.0, le=86400.0)
+    rate_Bps: float = Field(gt=0.0)
+
+    @field_validator("busy_s", "rate_Bps")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        return _check_finite(value)
+
+
 class FinalRecord(SignedRecord):
     """A node's outer state when its run ended: the sha256 of its outer weights, its round
     counters and chains, and the tokens it trained (who stands if nodes disagree)."""
@@ -259,6 +280,11 @@ def group_key(run_id: str, fragment: int, round: int, attempt: int, index: int =
 def clock_key(run_id: str) -> str:
     """DHT key of the swarm clock records (subkey: the republishing peer's id)."""
     return f"{_KEY_PREFIX}/{run_id}/clock"
+
+
+def link_key(run_id: str) -> str:
+    """DHT key of the link records (subkey: peer id)."""
+    return f"{_KEY_PREFIX}/{run_id}/link"
 
 
 def final_key(run_id: str) -> str:

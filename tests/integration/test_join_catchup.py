@@ -288,3 +288,32 @@ def test_rounds_landing_all_through_a_slow_fetch_are_replayed_on_the_chunks_held
     # again costs whatever part of a fragment a round overtook.
     assert replayed.fetched_bytes < fetched_again.fetched_bytes - results, \
         (replayed.fetched_bytes, fetched_again.fetched_bytes, results, OLD.nbytes)
+
+
+@pytest.mark.timeout(90)
+def test_a_joiner_reports_the_rate_its_link_moved_and_the_round_results_once(monkeypatch):
+    """What the node asks the swarm clock for (`pacing.link_busy_seconds`) comes from this
+    report: the rate chunks arrived at through the throttled proxies (3 x RATE, not
+    loopback's hundreds of MB/s), each fragment's result bytes the manifests list, and the
+    peers counting the joiner."""
+    from dilonode.statesync import service
+
+    # The fetch takes ~2 s here.
+    monkeypatch.setattr(service, "_LINK_FROM_S", 0.3)
+    monkeypatch.setattr(service, "_LINK_AFTER_S", 1.5)
+    served = _replayed(OLD, 2)
+    reports: list[tuple[float, dict[int, int], int]] = []
+
+    async def job(peers, servers, workers) -> Recovery | None:
+        for w in workers:
+            w.state = served
+        return await recover(peers, None, CFG.run_id, DIGEST, CFG.statesync, peer_id="joiner",
+                             on_link=lambda *report: reports.append(report))
+
+    rec, _ = _run(job)
+    assert rec is not None
+    _assert_same(rec.state, served, "recovered vs served")
+    assert len(reports) == 1, reports
+    rate, sizes, peers = reports[0]
+    assert 0.3 * 3 * RATE < rate < 1.3 * 3 * RATE, rate
+    assert sizes == {2: len(served.replays[2][-1].blob())} and peers == 4

@@ -16,7 +16,7 @@ from dilonode.status.swarm import swarm_agreement
 from dilonode.swarm.agreement import FinalBoard, standing_digest, verdict
 from dilonode.swarm.clock import ClockKeeper, standing_clock
 from dilonode.swarm.matchmaking import form_group, standing_chain
-from dilonode.swarm.records import ClockRecord, FinalRecord, GroupEntry
+from dilonode.swarm.records import ClockRecord, FinalRecord, GroupEntry, LinkRecord
 from tests.boards import Board, View
 
 RUN = "agree-unit"
@@ -178,7 +178,8 @@ def test_the_pacemaker_slows_the_clock_for_everyone_without_renumbering_rounds()
         dht = _FakeDHT(board, Credentials(IDS[i], RUN))
         keepers.append(ClockKeeper(
             dht, RUN, TimePacer(lambda: wall[0]), propose=lambda: 0.1, frozen=lambda: True,
-            wall=lambda: wall[0], retune=lambda clock, ref: 0.4 if not clock.epochs else None,
+            wall=lambda: wall[0],
+            retune=lambda clock, ref, links: 0.4 if not clock.epochs else None,
             pacemaker=lambda i=i: i == 0, lead_steps=30))
     keepers[0].tick()  # proposes the clock, then retunes it (as the pacemaker)
     wall[0] += 1.0
@@ -196,3 +197,61 @@ def test_the_pacemaker_slows_the_clock_for_everyone_without_renumbering_rounds()
     assert clocks[0].ref_step(t_switch - 0.1) == pytest.approx(since - 1.0)  # 0.1 s steps
     assert clocks[0].ref_step(t_switch + 0.4) == pytest.approx(since + 1.0)  # then 0.4 s
     assert keepers[0].retunes == 1 and keepers[1].retunes == 0
+
+
+def test_a_joiners_link_record_reaches_the_pacemakers_retune_until_its_rounds_measure_it():
+    board, wall = Board(), [1_795_000_000.0]
+    asked: list[list[float]] = []
+    measured = [False]
+
+    def retune(clock, ref, links):
+        asked.append(sorted(links))
+        return None
+
+    pacemaker = ClockKeeper(_FakeDHT(board, Credentials(IDS[0], RUN)), RUN,
+                            TimePacer(lambda: wall[0]), propose=lambda: 0.3,
+                            frozen=lambda: True, wall=lambda: wall[0], retune=retune,
+                            pacemaker=lambda: True)
+    joiner = ClockKeeper(_FakeDHT(board, Credentials(IDS[1], RUN)), RUN,
+                         TimePacer(lambda: wall[0]), propose=lambda: None, frozen=lambda: False,
+                         wall=lambda: wall[0], link_unmeasured=lambda: not measured[0])
+    pacemaker.tick()
+    assert asked == [[]]  # no link records yet
+    joiner.announce_link(4.6, 1.35e6)
+    joiner.tick()  # follows the clock, publishes its link's need
+    pacemaker.tick()
+    assert asked[-1] == [4.6]
+    # Once the joiner's own rounds measure its link it withdraws the need (its latencies,
+    # which the pacemaker reads too, carry it now).
+    measured[0] = True
+    joiner.tick()
+    pacemaker.tick()
+    assert joiner.link is None and asked[-1] == []
+    # A negative time is no record.
+    with pytest.raises(ValueError):
+        LinkRecord(peer_id=IDS[2].peer_id, run_id=RUN, busy_s=-1.0, rate_Bps=1.0)
+
+
+def test_only_a_live_node_paces_the_clock_not_a_joiner_still_fetching():
+    from types import SimpleNamespace
+
+    from dilonode.node import Node
+
+    class _Membership:
+        def __init__(self, ids):
+            self.ids = ids
+
+        def live_peers(self, max_age=0.0):
+            return [SimpleNamespace(peer_id=i) for i in self.ids]
+
+    peers = [i.peer_id for i in IDS[1:4]]
+
+    def paces(me: str, live: list[str]) -> bool:
+        return Node._is_pacemaker(SimpleNamespace(membership=_Membership(live), peer_id=me))
+
+    # The smallest id has not published its record yet (it is fetching the state): the
+    # smallest live one paces, and it does not.
+    assert not paces(IDS[0].peer_id, peers) and paces(peers[0], peers)
+    # Once its record is live, it takes over.
+    assert paces(IDS[0].peer_id, [IDS[0].peer_id, *peers]) and \
+        not paces(peers[0], [IDS[0].peer_id, *peers])

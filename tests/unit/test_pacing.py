@@ -14,6 +14,7 @@ from dilonode.algo.pacing import (
     TimePacer,
     due_starts,
     final_rounds,
+    link_busy_seconds,
     retune_step_seconds,
 )
 from dilonode.algo.schedule import SyncPlan, SyncStart, auto_merge_delay
@@ -287,3 +288,33 @@ def test_time_pacer_lead_is_in_reference_steps_at_the_current_rate():
     assert ref == pytest.approx(50.0 + (10.4 - 5.0) / 0.4)
     assert lead == pytest.approx(0.2 / 0.4, abs=1e-5)  # half a reference step, not two
     assert clock.rate_at(49.0) == 0.1 and clock.rate_at(50.0) == 0.4
+
+
+def test_link_busy_seconds_is_a_butterfly_round_of_every_fragment_on_the_link():
+    # 5 nodes, 3 fragments of 1 MB results, 1 MB/s each way: a round moves 2 x 4/5 MB.
+    assert link_busy_seconds([1e6] * 3, 5, 1e6) == pytest.approx(3 * 1.6)
+    assert link_busy_seconds([1e6, 2e6], 2, 1e6) == pytest.approx(1.0 + 2.0)
+    # Nothing to say: alone, no results known, no rate.
+    assert link_busy_seconds([1e6], 1, 1e6) == 0.0
+    assert link_busy_seconds([], 4, 1e6) == 0.0
+    assert link_busy_seconds([1e6], 4, 0.0) == link_busy_seconds([1e6], 4, math.nan) == 0.0
+
+
+def test_retune_slows_the_clock_for_a_joiners_link_before_its_rounds_measure_it():
+    clock = SwarmClock(0.0, 0.3)  # 9 s periods; the swarm's own rounds take 0.6 s
+    assert _retune(clock, latencies=[0.6], steps=[0.3]) is None
+
+    def retune(busy: float, now: SwarmClock = clock) -> float | None:
+        return retune_step_seconds(now, [0.6], [0.3], H, LO, HI, link_busy=[busy])
+
+    # A joiner's link takes 4.6 s for a round of every fragment: all three through it at
+    # once, a round takes 0.6 + 4.6 s, and must land within half a period of 10.4 s.
+    assert retune(4.6) == pytest.approx(10.4 / H)
+    # One estimate, not a jittery latency: past 5% it retunes (not only past 25%).
+    assert retune(4.6, clock.with_epoch(40.0, 9.8 / H)) == pytest.approx(10.4 / H)
+    assert retune(4.6, clock.with_epoch(40.0, 10.0 / H)) is None
+    # A clock already slower is not sped up for it (the usual 2x rule still holds).
+    assert retune(4.6, clock.with_epoch(40.0, 0.5)) is None
+    # Measured latencies that need more win.
+    assert retune_step_seconds(clock, [12.0], [0.3], H, LO, HI, link_busy=[1.0]) == \
+        pytest.approx(26.0 / H)
