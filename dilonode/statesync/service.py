@@ -324,6 +324,12 @@ class StateServer:
             pass  # the joiner is done or gone
         except RemoteProtocolError as exc:
             self._refused(ticket, peer, exc)
+        except (RuntimeError, asyncio.CancelledError):
+            # `aclose` closed the connection while an answer was being made (uvloop refuses
+            # the write), or gave up waiting for it: nothing is left to send. Ending quietly
+            # keeps asyncio from logging an ERROR per connection at every shutdown.
+            if not writer.is_closing():
+                raise
         finally:
             self._conns.pop(task, None)
             writer.close()

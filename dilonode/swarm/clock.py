@@ -17,12 +17,11 @@ speed meet in every round. Agreement without a coordinator:
   differ from the others') make it adopt their state at its next round.
 * A clock whose `t0` lies in the future, or older than `max_age`, is ignored: it cannot be
   this run's.
-
 * A node whose link the swarm has not seen in rounds yet (a joiner, which measured it in
   its state fetch) publishes how long its link takes for a round of every fragment
   (`announce_link`, a `LinkRecord`) until its own rounds measure it; the pacemaker reads
   those records with the peers' latencies, so the clock slows before the joiner's first
-  round.
+  round; then it withdraws the record (its latencies carry its link).
 
 Hosts read their wall clock (`time.time`), so they should run NTP; skew within a fraction
 of `network.matchmaking_window` is absorbed by matchmaking.
@@ -90,7 +89,7 @@ class ClockKeeper:
         self.switches = 0  # clocks followed after this node had started rounds
         self._published_at = float("-inf")
         # What our link takes for a round of every fragment (announce_link), published
-        # while `link_unmeasured()` (our rounds have not measured it), then left to expire.
+        # while `link_unmeasured()` (our rounds have not measured it), then withdrawn.
         self.link: LinkRecord | None = None
         self.link_unmeasured = link_unmeasured
         self._link_published_at = float("-inf")

@@ -207,3 +207,33 @@ def test_node_counts_refused_state_sync_connections_with_the_data_planes(ids):
     finally:
         keeper.close(thread)
         thread.stop()
+
+
+def test_a_server_closing_while_an_answer_is_made_ends_the_connection_quietly(ids, caplog):
+    """A node stopping while a joiner waits on a snapshot (the trainer has not come by):
+    `aclose` closes the connection first, the answer then finds it closed (uvloop refuses
+    the write), and the handler ends without asyncio logging an ERROR for it."""
+    uvloop = pytest.importorskip("uvloop")
+    from dilonode.statesync.link import Link
+
+    server_id, joiner = ids[0], ids[1]
+    source = SnapshotSource(_FixedWorker(TRUTH))
+    source.training(True)  # a snapshot waits for the trainer's next pass: snapshot_wait
+    server = StateServer(source, CFG.run_id, DIGEST, CFG.statesync, auth=_creds(server_id))
+    caplog.set_level(logging.ERROR, logger="asyncio")
+
+    async def main() -> None:
+        addr = await server.start()
+        conn = await Link.connect(addr, _creds(joiner), CFG.run_id, joiner.peer_id,
+                                  server_id.peer_id, 5.0)
+        conn.send(ManifestRequest(run_id=CFG.run_id))
+        async with asyncio.timeout(5.0):
+            while not source._wanted:  # the server is waiting on the trainer now
+                await asyncio.sleep(0.01)
+        await server.aclose()  # its answer comes after snapshot_wait, on a closed socket
+        conn.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
