@@ -98,10 +98,19 @@ class ClockKeeper:
 
     # -- one pass (the thread repeats it; tests call it directly) ------------------------
     def read(self, timeout: float = 5.0) -> ClockRecord | None:
-        key = clock_key(self.run_id)
+        return standing_clock(self._records(clock_key(self.run_id), ClockRecord, timeout),
+                              self.wall())
+
+    def _records(self, key: str, kind: Any, timeout: float) -> dict[str, Any]:
+        """The valid signed records of `kind` under `key`, by peer id (one DHT read)."""
         raw = self.dht.get_raw(key, timeout=timeout)
-        return standing_clock(decode_entries(self.dht, key, raw, ClockRecord,
-                                             self.dht.credentials), self.wall())
+        return decode_entries(self.dht, key, raw, kind, self.dht.credentials)
+
+    def _store(self, key: str, record: Any) -> float:
+        """Store our signed `record` under `key` (our subkey) for `ttl`; when it was stored."""
+        self.dht.store_raw(key, self.dht.peer_id, encode_record(record, self.dht.credentials),
+                           self.ttl)
+        return time.monotonic()
 
     def tick(self) -> None:
         """Read the clocks; follow the standing one or propose ours; republish when due."""
@@ -136,17 +145,13 @@ class ClockKeeper:
             link = link.model_copy(update={"busy_s": 0.0})
             self.link, self._link_published_at = None, float("-inf")
         if time.monotonic() - self._link_published_at > self.ttl / 3:
-            self.dht.store_raw(link_key(self.run_id), self.dht.peer_id,
-                               encode_record(link, self.dht.credentials), self.ttl)
-            self._link_published_at = time.monotonic()
+            self._link_published_at = self._store(link_key(self.run_id), link)
 
     def read_links(self, timeout: float = 5.0) -> list[float]:
         """What the links of nodes not yet measured in rounds take for a round of every
         fragment (s)."""
-        key = link_key(self.run_id)
-        raw = self.dht.get_raw(key, timeout=timeout)
-        return [r.busy_s for r in decode_entries(self.dht, key, raw, LinkRecord,
-                                                   self.dht.credentials).values() if r.busy_s]
+        links = self._records(link_key(self.run_id), LinkRecord, timeout)
+        return [r.busy_s for r in links.values() if r.busy_s]
 
     @property
     def read_every(self) -> float:
@@ -206,9 +211,7 @@ class ClockKeeper:
     def _publish(self) -> None:
         assert self.following is not None
         mine = self.following.model_copy(update={"peer_id": self.dht.peer_id})
-        self.dht.store_raw(clock_key(self.run_id), self.dht.peer_id,
-                           encode_record(mine, self.dht.credentials), self.ttl)
-        self._published_at = time.monotonic()
+        self._published_at = self._store(clock_key(self.run_id), mine)
 
     # -- background thread ---------------------------------------------------------------
     def start(self) -> None:
