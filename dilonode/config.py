@@ -307,7 +307,9 @@ class NetworkConfig(_Frozen):
         "launches and a host sync: 4M-value chunks ran fastest on the 2-core box and the "
         "H100 host alike (docs/codec-results.md)")
     bandwidth_mbps: float = Field(
-        100.0, gt=0.0, description="advertised bandwidth; weights this node's butterfly part")
+        100.0, gt=0.0, description="advertised bandwidth; weights this node's butterfly part "
+        "(its share of each round's traffic). A joiner whose state fetch measured a slower "
+        "link advertises that instead: this is the most a node claims")
     min_peers: int = Field(
         1, ge=1, description="wait until this many peers (self included) are visible to start")
     start_timeout: float = Field(120.0, gt=0.0, description="longest wait for min_peers")

@@ -329,17 +329,30 @@ class Node:
         return self.peer_id in live and self.peer_id == min(live)
 
     def _announce_link(self, rate_Bps: float, result_bytes: dict[int, int], peers: int) -> None:
-        """Our state fetch measured our link: tell the pacemaker how long a round of every
-        fragment takes on it (`pacing.link_busy_seconds`), so that the clock slows before
-        our first round, not after slow ones. Fragments whose results the manifests did not
-        list count as the mean of those that did."""
+        """Our state fetch measured our link. If it is slower than `network.bandwidth_mbps`,
+        take that as our weight in rounds (a smaller part of each round's traffic goes
+        through it); and tell the pacemaker how long a round of every fragment takes on it
+        (`pacing.link_busy_seconds`), so that the clock slows before our first round, not
+        after slow ones. Fragments whose results the manifests did not list count as the
+        mean of those that did."""
         from dilonode.algo.pacing import link_busy_seconds
 
+        if self.membership is not None and self.membership.advertise_bandwidth(
+                rate_Bps * 8e-6):
+            log.info("link: state sync moved %.1f Mbit/s, under network.bandwidth_mbps = %g: "
+                     "our rounds give us a part of that weight", rate_Bps * 8e-6,
+                     self.cfg.network.bandwidth_mbps)
         if self.clock is None or not result_bytes:
             return
         mean = sum(result_bytes.values()) / len(result_bytes)
         sizes = [result_bytes.get(p, mean)
                  for p in range(self.cfg.diloco.effective().num_fragments)]
+        # As if our part were an equal one, though our weight may now be smaller: while we
+        # fetch, the clock must also leave our link room for the results of every round
+        # that lands meanwhile (B / rate each), or the fetch chases them pass after pass
+        # while our peers wait for our first round. Counting the smaller part (1.07 B
+        # against 1.6 B here) set a 22% faster clock, and in that run the joiner took 20 s
+        # from its publish to its first round, its peers waiting (docs/autotune-results.md).
         busy = link_busy_seconds(sizes, peers, rate_Bps)
         log.info("link: state sync moved %.2f MB/s; a round of every fragment with %d peers "
                  "takes %.1f s of it (published until our rounds measure it)",
@@ -593,6 +606,19 @@ class Node:
             log.error("end-of-run agreement check failed: %s", exc)
             got = Verdict(mine.digest, missing=sorted(expected))
         (log.error if got.agrees is False else log.info)("end of run: %s", got.line())
+        # Stay until the peers holding our weights have read them: they may still be
+        # checking, and once we leave our record can no longer be read.
+        t0 = time.monotonic()
+        try:
+            got.unconfirmed = board.linger(mine, got.same if got.agrees else (), wait)
+        except (TimeoutError, RuntimeError) as exc:
+            log.warning("end-of-run check: could not say our check ended: %s", exc)
+        if (stayed := time.monotonic() - t0) >= 1.0 and not got.unconfirmed:
+            log.info("end of run: stayed %.1f s until the peers on our weights had checked "
+                     "them", stayed)
+        if got.unconfirmed:
+            log.warning("end of run: left before %d peer(s) ended their check: %s",
+                        len(got.unconfirmed), ", ".join(got.unconfirmed))
         return got
 
     def _final_peers(self) -> set[str]:

@@ -8,6 +8,11 @@ rounds, and any other live peer that published one), and compares. Pure decision
 the ones that stand, adopts them through state sync before it checks again
 (`dilonode.node`). A node that still differs says in one line from whom, and exits
 non-zero: a swarm never ends as two models with every node reporting success.
+
+A record lives on the DHT nodes that store it, and those leave when their runs end. So a
+node that agrees republishes its record marked `checked` and stays until every peer holding
+its weights has done the same (`FinalBoard.linger`): the last node to check, typically the
+one that served the others its weights, still finds their adopted records to read.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class Verdict:
     differ: dict[str, str] = field(default_factory=dict)  # peer -> its digest
     missing: list[str] = field(default_factory=list)  # expected, published nothing in time
     adopted: bool = False  # we took the standing weights from peers at the end
+    unconfirmed: list[str] = field(default_factory=list)  # left before these ended their check
 
     @property
     def agrees(self) -> bool | None:
@@ -68,7 +74,8 @@ class Verdict:
     def as_dict(self) -> dict[str, Any]:
         return {"agrees": self.agrees, "digest": self.digest, "same": sorted(self.same),
                 "differ": dict(sorted(self.differ.items())), "missing": sorted(self.missing),
-                "adopted": self.adopted, "line": self.line()}
+                "adopted": self.adopted, "unconfirmed": sorted(self.unconfirmed),
+                "line": self.line()}
 
 
 def verdict(mine: FinalRecord, others: Mapping[str, FinalRecord],
@@ -108,13 +115,9 @@ class FinalBoard:
         `settle`, until none of them differs any more) or `timeout` passes. With `settle`,
         while every peer that differs says it is adopting our weights, wait up to
         `patience` instead: a state fetch on a loaded host outlasts a round's timeouts."""
-        start = time.monotonic()
+        start, failed = time.monotonic(), 0
         while True:
-            others: Mapping[str, FinalRecord] = {}
-            try:
-                others = self.read(timeout=min(5.0, max(timeout, 0.1)))
-            except (TimeoutError, RuntimeError) as exc:
-                log.debug("end-of-run check: DHT read failed: %s", exc)
+            others, failed = self._read_counting(timeout, failed)
             got = verdict(mine, others, expected)
             if not got.missing and not (settle and got.differ):
                 return got
@@ -125,3 +128,34 @@ class FinalBoard:
             if time.monotonic() - start >= limit:
                 return got
             time.sleep(poll)
+
+    def linger(self, mine: FinalRecord, peers: Collection[str], timeout: float,
+               poll: float = 0.5) -> list[str]:
+        """Publish our record as `checked`, then wait until every one of `peers` has
+        published a checked record of our weights and end step, or `timeout` passes; the
+        peers that had not (sorted). Until then our DHT keeps our records, and theirs,
+        readable for a peer still checking."""
+        self.publish(mine.model_copy(update={"checked": True}))
+        start, failed = time.monotonic(), 0
+        while True:
+            others, failed = self._read_counting(timeout, failed)
+            left = sorted(p for p in peers if not _checked(others.get(p), mine))
+            if not left or time.monotonic() - start >= timeout:
+                return left
+            time.sleep(poll)
+
+    def _read_counting(self, timeout: float,
+                       failed: int) -> tuple[Mapping[str, FinalRecord], int]:
+        """One bounded read (empty if it fails) and the count of failed reads so far; the
+        first failure is a warning: a node that cannot read the records cannot agree."""
+        try:
+            return self.read(timeout=min(5.0, max(timeout, 0.1))), failed
+        except (TimeoutError, RuntimeError) as exc:
+            (log.warning if not failed else log.debug)(
+                "end-of-run check: could not read the peers' final records: %s", exc)
+            return {}, failed + 1
+
+
+def _checked(rec: FinalRecord | None, mine: FinalRecord) -> bool:
+    return (rec is not None and rec.checked and rec.digest == mine.digest
+            and rec.end_step == mine.end_step)

@@ -45,6 +45,9 @@ class Membership:
         self.local_state = local_state or (lambda _fragment: ("", 0))
         self.state_addr: str | None = None  # advertised state-sync listener, if any
         self.reachable = True  # False: behind a NAT, dial us by libp2p stream (swarm/reach)
+        # Our weight in a round's split (butterfly part sizes): the configured bandwidth,
+        # lowered to what our link measured (`advertise_bandwidth`).
+        self.bandwidth_mbps = net.bandwidth_mbps
         # Peer records can be briefly missing from a DHT read: peers that were in our groups
         # within one record ttl are expected too (a dead one costs a window, as its record does).
         self._seen: dict[str, float] = {}
@@ -78,10 +81,18 @@ class Membership:
             except Exception as exc:  # leaving must not fail because the DHT is unwell
                 log.warning("could not withdraw peer record: %s", exc)
 
+    def advertise_bandwidth(self, measured_mbps: float) -> bool:
+        """Take a measured link rate as our weight in rounds from now on, if it is below the
+        configured one (`network.bandwidth_mbps` is the most we claim); True if it was."""
+        if not 0.0 < measured_mbps < self.bandwidth_mbps:
+            return False
+        self.bandwidth_mbps = measured_mbps
+        return True
+
     def publish(self, leaving: bool = False) -> None:
         status = {"leaving": True} if leaving else self.status()
         record = PeerRecord(peer_id=self.dht.peer_id, run_id=self.run_id,
-                            data_addr=self.data_addr, bandwidth_mbps=self.net.bandwidth_mbps,
+                            data_addr=self.data_addr, bandwidth_mbps=self.bandwidth_mbps,
                             step=int(status.get("step", 0)), status=status,
                             state_addr=self.state_addr, reachable=self.reachable)
         # hivemind keeps the value expiring last: the leaving record must outlive the last one.
@@ -137,7 +148,7 @@ class Membership:
         chain, tokens = self.local_state(fragment)
         me = GroupEntry(peer_id=self.dht.peer_id, run_id=self.run_id, data_addr=self.data_addr,
                         fragment=fragment, round=round_no, attempt=attempt,
-                        bandwidth_mbps=self.net.bandwidth_mbps, settings=self.settings,
+                        bandwidth_mbps=self.bandwidth_mbps, settings=self.settings,
                         chain=chain, tokens=tokens, grouped=is_grouped)
         group = form_group(self.dht, self.run_id, fragment, round_no, attempt, me,
                            self.net.matchmaking_window, self.net.matchmaking_timeout,

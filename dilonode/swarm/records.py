@@ -197,6 +197,10 @@ class FinalRecord(SignedRecord):
     # holders of those weights wait for it rather than give up after a round's timeout.
     # Optional, so readers of the same protocol version that predate it ignore it.
     adopting: str = Field("", pattern=r"^([0-9a-f]{64})?$")
+    # True once this node's own check has ended and it is about to leave: the peers holding
+    # its weights keep their DHT up until they read it, since a record that lives only on
+    # nodes that have left can no longer be read (optional, as `adopting`).
+    checked: bool = False
 
 
 # Longest roster a leader may publish: keeps an entry well under MAX_RECORD_BYTES.

@@ -46,6 +46,9 @@ def test_six_nodes_in_groups_of_three_end_in_agreement(tmp_path):
         assert x["grouped"] and x["largest_group"] == 3, x
         assert x["skipped_rounds"] == 0, x["dropped_peers"]
         assert x["agreement"]["agrees"] is True, x["agreement"]
+        # Each stayed until every peer on its weights had ended its own check (the last
+        # one to check once read stale records of peers that had left, and exited 3).
+        assert x["agreement"]["unconfirmed"] == [], x["agreement"]
     assert len({x["outer_digest"] for x in s}) == 1, "nodes disagree"
     states = [torch.load(tmp_path / f"node-{i}" / "outer.pt") for i in range(NODES)]
     for state in states[1:]:

@@ -159,6 +159,46 @@ def test_holders_of_the_standing_weights_wait_for_peers_adopting_them_and_no_lon
     assert got.agrees is False and 0.5 <= took < 5.0
 
 
+def test_a_node_that_agrees_stays_until_the_peers_holding_its_weights_ended_their_check():
+    # The peers that adopted a holder's weights agree first, while the holder (serving them
+    # the weights) still checks; their records live on their DHTs, so they must not leave
+    # before the holder read them.
+    board = Board()
+    adopter = FinalBoard(View(board, Credentials(IDS[1], RUN)), RUN)
+    holder = FinalBoard(View(board, Credentials(IDS[0], RUN)), RUN)
+    mine, held = _final(1, "a" * 64), _final(0, "a" * 64)
+    holder.publish(held)
+
+    def linger(timeout: float) -> tuple[list[str], float]:
+        t0 = time.monotonic()
+        return adopter.linger(mine, [IDS[0].peer_id], timeout, poll=0.02), time.monotonic() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(linger, 30.0)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            waiting.result(timeout=1.0)  # the holder has not ended its check
+        # What the holder reads meanwhile: the adopter's record, marked checked.
+        got = holder.collect(held, {IDS[1].peer_id}, 1.0, poll=0.02)
+        assert got.agrees is True and holder.read()[IDS[1].peer_id].checked
+        # A checked record of other weights or another end step does not release it...
+        for other in (_final(0, "b" * 64), _final(0, "a" * 64, end=96)):
+            holder.publish(other.model_copy(update={"checked": True}))
+            with pytest.raises(concurrent.futures.TimeoutError):
+                waiting.result(timeout=0.3)
+        # ...the holder's own check ending on our weights does.
+        holder.publish(held.model_copy(update={"checked": True}))
+        left, took = waiting.result(timeout=10.0)
+    assert left == [] and took < 10.0
+    # Bounded: a peer that never ends its check is named once the timeout passes.
+    silent = FinalBoard(View(board, Credentials(IDS[2], RUN)), RUN)
+    silent.publish(_final(2, "a" * 64))
+    t0 = time.monotonic()
+    left = adopter.linger(mine, [IDS[0].peer_id, IDS[2].peer_id], 0.3, poll=0.02)
+    assert left == [IDS[2].peer_id] and 0.3 <= time.monotonic() - t0 < 5.0
+    # With nobody to wait for it only says its check ended.
+    assert adopter.linger(mine, [], 30.0) == []
+
+
 def test_swarm_view_says_whether_nodes_hold_one_model():
     rows = [{"state_chain": f"4:{CHAIN_A[:12]};3:{CHAIN_A[:12]}"},
             {"state_chain": f"5:{CHAIN_B[:12]};3:{CHAIN_A[:12]}"},  # a round ahead: fine

@@ -243,6 +243,30 @@ def test_a_dead_peer_is_not_waited_for_in_the_next_rounds(known_by: str) -> None
     assert not m.counts(1, 6, live[2].peer_id) and not m.counts(2, 5, live[2].peer_id)
 
 
+def test_a_node_whose_link_measured_slower_weighs_that_in_the_groups_it_forms() -> None:
+    """A joiner's state fetch measured its link below network.bandwidth_mbps: the groups
+    it forms from then on size its part by the measured rate (a small share of the round's
+    traffic goes through its link). A measured rate above the configured one is not taken:
+    the configured figure is the most a node claims."""
+    from dilonode.config import NetworkConfig
+    from dilonode.swarm.membership import Membership
+
+    board, live = Board(), IDS[1:3]
+    net = NetworkConfig(matchmaking_window=0.5, matchmaking_timeout=6.0, peer_ttl=30.0,
+                        bandwidth_mbps=100.0)
+    slow, fast = (Membership(_Peers(board, i, live), RUN, net,  # type: ignore[arg-type]
+                             f"127.0.0.1:{7001 + k}") for k, i in enumerate(live))
+    assert slow.advertise_bandwidth(8.4) and slow.bandwidth_mbps == 8.4
+    assert not fast.advertise_bandwidth(400.0) and fast.bandwidth_mbps == 100.0
+    assert not fast.advertise_bandwidth(0.0) and not slow.advertise_bandwidth(9.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(m.form_blocking, 0, 5, 0, set()) for m in (slow, fast)]
+        groups = [f.result(timeout=30) for f in futs]
+    weight = {g.members: dict(zip(g.members, g.weights, strict=True)) for g in groups}
+    assert len(weight) == 1 and next(iter(weight.values())) == {
+        live[0].peer_id: 8.4, live[1].peer_id: 100.0}
+
+
 def test_a_lone_peer_stops_waiting_for_an_expected_peer_found_dead() -> None:
     """Alone past its window, a peer waits for the expected ones, asking again at every poll:
     once the one it waits for is found dead (it hung up on the data plane), it closes alone
