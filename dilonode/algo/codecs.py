@@ -52,9 +52,11 @@ __all__ = [
     "CodecError",
     "CodecMeta",
     "all_finite",
+    "check_layout",
     "decode_shared",
     "get_codec",
     "max_abs_error_bound",
+    "sums_raw_values",
 ]
 
 CODEC_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "int8", "int4", "fp4")
@@ -62,6 +64,7 @@ CODEC_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "int8", "int4"
 Buffer = bytes | bytearray | memoryview
 
 _SCALE_BYTES = 4
+_EXP_ALL_ONES = 0x7F800000  # sign-cleared float32 bits at or above: Inf or NaN
 _F32_OVERFLOW = 2.0**128 - 2.0**103  # smallest magnitude float32 round-to-nearest sends to inf
 
 
@@ -114,6 +117,19 @@ def decode_shared(codec: Codec, data: bytes, meta: CodecMeta) -> torch.Tensor:
     if isinstance(codec, _FloatCodec):
         return codec.decode_shared(data, meta)
     return codec.decode(data, meta)
+
+
+def check_layout(codec: Codec, data: Buffer, meta: CodecMeta) -> None:
+    """The part of `codec.check` that reads no values: the meta and the data's length."""
+    block = not isinstance(codec, _FloatCodec)
+    _check_length(codec, data, _check_meta(codec, meta, check_block=block))
+
+
+def sums_raw_values(codec: Codec) -> bool:
+    """Whether `codec.accumulate` sums the received values as they are, unchecked (float32
+    with the compiled kernels): a sum is non-finite when any value summed is, so a caller
+    may `check_layout` on arrival and check the values only if the sum is non-finite."""
+    return isinstance(codec, _FloatCodec) and codec.fast and codec.name == "float32"
 
 
 def all_finite(a: np.ndarray | torch.Tensor) -> bool:
@@ -326,7 +342,11 @@ class _FloatCodec:
         mv = _check_length(self, data, n)
         dst = _out_array(out, n)
         wire = np.frombuffer(mv, dtype=self._wire)  # (n,) read-only view of the bytes
-        if self._dtype == torch.float32:
+        if self._dtype == torch.float32 and self.fast:
+            # The copy and the finiteness check in one pass (little-endian: bits as sent).
+            if kernels.copy_bits_max(wire.view(np.int32), dst.view(np.int32)) < _EXP_ALL_ONES:
+                return
+        elif self._dtype == torch.float32:
             np.copyto(dst, wire)  # byte-swaps on big-endian hosts, else a plain copy
         else:
             half = torch.from_numpy(wire.astype(self._wire.newbyteorder("=")))  # (n,) int16

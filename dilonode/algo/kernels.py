@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["ADD", "ADD_DIVIDE", "ADD_SCALED", "AVAILABLE", "MODES", "WRITE", "WRITE_SCALED",
-           "absmax_bits", "accumulate_f32", "count_int8_min", "count_nibble8",
+           "absmax_bits", "accumulate_f32", "copy_bits_max", "count_int8_min", "count_nibble8",
            "dequantize_int4", "dequantize_int8", "dequantize_nibbles", "quantize_fp4",
            "quantize_int4", "quantize_int8"]
 
@@ -122,6 +122,19 @@ def quantize_fp4(x: np.ndarray, bs: int, div: np.ndarray, mids: np.ndarray,
         ob = out[lo // 2:(hi + 1) // 2]
         for j in range(ob.size):
             ob[j] = q[2 * j] | (q[2 * j + 1] << 4)
+
+
+@_jit
+def copy_bits_max(src: np.ndarray, out: np.ndarray) -> int:
+    """src, out: (n,) int32 bit patterns of float32 values: copy src into out and return
+    the max of the sign-cleared patterns (>= 0x7F800000: some value is NaN or Inf), one
+    pass over src where a copy and a finiteness check would make two."""
+    m = np.int32(0)
+    for i in range(src.size):
+        b = src[i]
+        out[i] = b
+        m = max(m, b & np.int32(0x7FFFFFFF))
+    return m
 
 
 @_jit

@@ -8,7 +8,10 @@ compute the same bits; they differ in where:
 * `HostPath` (CPU tensors): the codecs of `codecs.py` (compiled kernels by default). An
   accepted contribution stays encoded (the payload, checked) until its chunk is complete;
   the owner then dequantizes each contribution straight into the result in member order,
-  one pass per contribution (float32 payloads are summed from the received bytes).
+  one pass per contribution. float32 payloads are summed from the received bytes and
+  checked only through their sum: NaN and Inf survive a sum, the mean's encode refuses a
+  non-finite one, and only then is each contribution checked to name its sender
+  (`culprit`), one pass fewer over every contribution.
 * `TorchPath` (a CUDA tensor, or any tensor when asked): `torch_codecs.py` on the tensor's
   device. Contributions are encoded for all other parts at once when the round starts and
   copied to the host in one piece per part; received payloads are copied to the device and
@@ -29,7 +32,14 @@ from typing import Union
 
 import torch
 
-from dilonode.algo.codecs import Codec, CodecMeta, decode_shared
+from dilonode.algo.codecs import (
+    Codec,
+    CodecError,
+    CodecMeta,
+    check_layout,
+    decode_shared,
+    sums_raw_values,
+)
 from dilonode.algo.spliced import SplicedEncoding
 from dilonode.algo.torch_codecs import decode_torch, encode_chunks_torch, encode_torch
 
@@ -51,6 +61,7 @@ class HostPath:
         self.local = local  # (numel,) float32 CPU, contiguous, checked finite
         self.lossless = codec.name == "float32"
         self.encoded = encoded  # `local` as the node's ranks encoded it, or None
+        self.deferred = sums_raw_values(codec)  # values checked through their sum
 
     def meta(self, numel: int) -> CodecMeta:
         return CodecMeta(codec=self.codec.name, numel=numel, block_size=self.codec.block_size)
@@ -72,9 +83,27 @@ class HostPath:
         return self.codec.encode(own)[0]
 
     def accept(self, payload: Payload, meta: CodecMeta) -> Accepted:
-        """Check a contribution (CodecError if bad) and keep it for its chunk's reduction."""
-        self.codec.check(payload, meta)
+        """Check a contribution (CodecError if bad) and keep it for its chunk's reduction;
+        float32 values are checked later, through their sum (module docstring)."""
+        if self.deferred:
+            check_layout(self.codec, payload, meta)
+        else:
+            self.codec.check(payload, meta)
         return payload
+
+    def culprit(self, accepted: Sequence[Accepted], numel: int) -> tuple[int, str] | None:
+        """The first accepted contribution whose values `accept` did not check and that
+        are bad, and why; None if there is none (a sum of finite values overflowed)."""
+        if not self.deferred:
+            return None
+        meta = self.meta(numel)
+        for i, item in enumerate(accepted):
+            assert not isinstance(item, torch.Tensor)
+            try:
+                self.codec.check(item, meta)
+            except CodecError as exc:
+                return i, str(exc)
+        return None
 
     def own(self, start: int, numel: int) -> Accepted:
         """Our own contribution to our part, treated as everyone's: encoded."""
@@ -145,6 +174,9 @@ class TorchPath:
 
     def accept(self, payload: Payload, meta: CodecMeta) -> Accepted:
         return decode_torch(self.codec, self._to_device(payload), meta)  # (numel,)
+
+    def culprit(self, accepted: Sequence[Accepted], numel: int) -> tuple[int, str] | None:
+        return None  # every contribution was decoded, and so checked, on arrival
 
     def own(self, start: int, numel: int) -> Accepted:
         data = encode_torch(self.codec, self.local[start:start + numel])

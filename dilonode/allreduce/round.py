@@ -760,15 +760,23 @@ class AllReduceRound:
             steps = reduction_steps(weights, len(ordered))
             value, rejected = self._path.combine(ordered, steps, target), ()
         else:
-            # Every contribution was checked on arrival (ours at construction).
-            chunks = [self._path.values(c, numel) for c in ordered]
+            # Every contribution was checked on arrival (ours at construction), except
+            # float32 values on the host path, which `values` checks now.
+            try:
+                chunks = [self._path.values(c, numel) for c in ordered]
+            except CodecError:
+                if (bad := self._bad_contribution(k, ordered, numel)) is None:
+                    raise
+                return bad
             combined = aggregate(chunks, self.aggregator, weights=weights,
                                  assume_finite=True)
             value, rejected = combined.value, combined.rejected
         self._rejected_by.setdefault(me, set()).update(rejected)
         try:
             payload, meta = self._path.encode(value), self._path.meta(numel)
-        except CodecError as exc:  # e.g. float32 sums overflowing to inf
+        except CodecError as exc:  # a NaN/Inf summed unchecked, or finite sums overflowing
+            if (bad := self._bad_contribution(k, ordered, numel)) is not None:
+                return bad
             return self._fail(f"cannot encode the mean of my chunk {k}: {exc}", (), abort=True)
         # float32 decodes to exactly what it encoded: a mean already in place stays.
         in_place = value is target and self._lossless
@@ -788,6 +796,18 @@ class AllReduceRound:
             self._held_last = None
             actions += self._send(self._others(), msg)
         return actions + self._maybe_complete()
+
+    def _bad_contribution(self, k: int, ordered: list[Accepted],
+                          numel: int) -> list[Action] | None:
+        """Fail naming the member whose contribution to chunk k holds values `accept` left
+        unchecked that are bad (`DataPath.culprit`), as `accept` would have; None if none
+        does."""
+        found = self._path.culprit(ordered, numel)
+        if found is None:
+            return None
+        i, why = found
+        return self._fail(f"{self.spec.describe(i)}: contribution chunk {k}: bad payload: "
+                          f"{why}", (i,), abort=True)
 
     def _own_contribution(self, start: int, numel: int) -> Accepted:
         """local[start:start + numel] treated as every contribution is: encoded (decoded

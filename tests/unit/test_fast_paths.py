@@ -73,6 +73,32 @@ def test_float32_decode_into_refuses_non_finite_payload() -> None:
         codec.decode_into(data, meta, torch.empty(3))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+@pytest.mark.parametrize("where", [0, 517, 999])
+def test_float32_decode_copies_and_checks_in_one_pass_as_the_two_passes_did(
+        bad: float | None, where: int) -> None:
+    # Every float32 bit pattern class: signed zeros, subnormals, the extremes, a NaN
+    # payload; the compiled copy must give the same bits as the reference's copy, and
+    # refuse exactly what it refuses.
+    x = np.random.default_rng(where).standard_normal(1000).astype(np.float32)
+    x[1:7] = [0.0, -0.0, 1e-45, -1e-40, F32_MAX, -F32_MAX]
+    if bad is not None:
+        x[where] = bad
+    data, meta = x.astype("<f4").tobytes(), get_codec("float32").encode(torch.zeros(1000))[1]
+    outs = []
+    for codec in (get_codec("float32"), get_codec("float32", reference=True)):
+        out = torch.full((1000,), 7.0)
+        try:
+            codec.decode_into(data, meta, out)
+            outs.append(out.numpy().view(np.int32).copy())
+        except CodecError as exc:
+            outs.append(str(exc))
+    assert isinstance(outs[0], str) == (bad is not None)
+    assert (outs[0] == outs[1]) if isinstance(outs[0], str) else np.array_equal(*outs)
+    if bad is None:
+        assert np.array_equal(outs[0], x.view(np.int32))
+
+
 # ---------------------------------------------------------------------- frame decoder
 
 

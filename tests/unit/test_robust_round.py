@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +14,15 @@ from dilonode.algo.codecs import get_codec
 from dilonode.algo.robust import AggregatorSpec, BanTracker
 from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet, RoundState
 from dilonode.allreduce.driver import RoundPolicy, SwarmRounds
+from dilonode.allreduce.memnet import Faults
 from dilonode.collective import LocalGroup, SyncKey
-from dilonode.wire import RemoteProtocolError, Result, message_from_dict, message_to_dict
+from dilonode.wire import (
+    Contribution,
+    RemoteProtocolError,
+    Result,
+    message_from_dict,
+    message_to_dict,
+)
 
 N, NUMEL, CHUNK = 4, 1000, 128
 
@@ -62,6 +70,30 @@ def test_members_agree_with_each_other_and_the_simulator(codec: str, agg: Aggreg
     honest = torch.stack(xs[:3]).mean(dim=0)
     assert float((rounds[0].result - honest).abs().max()) < 0.5  # the mean is ~25 away
     assert float((torch.stack(xs).mean(dim=0) - honest).abs().max()) > 5
+
+
+@pytest.mark.parametrize("agg", [AggregatorSpec(), AggregatorSpec(name="trimmed_mean")])
+def test_a_nan_in_float32_values_checked_at_the_reduction_names_its_sender(agg):
+    # float32 contributions are checked through their chunk's reduction, not on arrival
+    # (datapath.HostPath): the plain mean's encode refuses the NaN it summed, a robust
+    # aggregator's decode refuses it; either way the round fails naming the sender.
+    def poison(msg):
+        if not isinstance(msg, Contribution):
+            return msg
+        payload = bytearray(msg.payload)
+        payload[8:12] = struct.pack("<f", float("nan"))
+        return msg.model_copy(update={"payload": bytes(payload)})
+
+    spec, xs = _spec(), _inputs()
+    rounds = [AllReduceRound(spec, i, x, timeout=30.0, aggregator=agg)
+              for i, x in enumerate(xs)]
+    MemNet(rounds, Faults().corrupt(3, 0, poison, once=True), start=0.0, wire=True).run()
+    failure = rounds[0].failure
+    assert rounds[0].state is RoundState.FAILED and failure.culprits == (3,), failure
+    assert "p3" in failure.reason and "bad payload" in failure.reason
+    assert "non-finite" in failure.reason, failure.reason
+    assert all(r.state is RoundState.FAILED for r in rounds)
+    assert all(r.failure.reported == (3,) for r in rounds[1:])
 
 
 def test_rejection_in_one_part_reaches_every_member_through_the_result():
