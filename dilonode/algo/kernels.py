@@ -125,7 +125,7 @@ def quantize_fp4(x: np.ndarray, bs: int, div: np.ndarray, mids: np.ndarray,
 
 
 @_jit
-def copy_bits_max(src: np.ndarray, out: np.ndarray) -> int:
+def copy_bits_max(src: np.ndarray, out: np.ndarray) -> np.int32:
     """src, out: (n,) int32 bit patterns of float32 values: copy src into out and return
     the max of the sign-cleared patterns (>= 0x7F800000: some value is NaN or Inf), one
     pass over src where a copy and a finiteness check would make two."""
