@@ -126,10 +126,13 @@ def test_end_of_run_verdict_names_who_differs_and_which_weights_stand():
                             IDS[1].peer_id: _final(1, "b" * 64, 9)}) == "b" * 64
 
 
+def _final_board(board: Board, i: int) -> FinalBoard:
+    return FinalBoard(View(board, Credentials(IDS[i], RUN)), RUN)
+
+
 def test_holders_of_the_standing_weights_wait_for_peers_adopting_them_and_no_longer():
     board = Board()
-    holder = FinalBoard(View(board, Credentials(IDS[0], RUN)), RUN)
-    peer = FinalBoard(View(board, Credentials(IDS[1], RUN)), RUN)
+    holder, peer = _final_board(board, 0), _final_board(board, 1)
     mine, theirs = _final(0, "a" * 64), _final(1, "b" * 64)
     holder.publish(mine)
 
@@ -164,8 +167,7 @@ def test_a_node_that_agrees_stays_until_the_peers_holding_its_weights_ended_thei
     # the weights) still checks; their records live on their DHTs, so they must not leave
     # before the holder read them.
     board = Board()
-    adopter = FinalBoard(View(board, Credentials(IDS[1], RUN)), RUN)
-    holder = FinalBoard(View(board, Credentials(IDS[0], RUN)), RUN)
+    adopter, holder = _final_board(board, 1), _final_board(board, 0)
     mine, held = _final(1, "a" * 64), _final(0, "a" * 64)
     holder.publish(held)
 
@@ -190,7 +192,7 @@ def test_a_node_that_agrees_stays_until_the_peers_holding_its_weights_ended_thei
         left, took = waiting.result(timeout=10.0)
     assert left == [] and took < 10.0
     # Bounded: a peer that never ends its check is named once the timeout passes.
-    silent = FinalBoard(View(board, Credentials(IDS[2], RUN)), RUN)
+    silent = _final_board(board, 2)
     silent.publish(_final(2, "a" * 64))
     t0 = time.monotonic()
     left = adopter.linger(mine, [IDS[0].peer_id, IDS[2].peer_id], 0.3, poll=0.02)
