@@ -23,8 +23,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dilonode.swarm.dht import decode_entries
-from dilonode.swarm.records import FinalRecord, encode_record, final_key
+from dilonode.swarm.dht import read_records, store_record
+from dilonode.swarm.records import FinalRecord, final_key
 
 __all__ = ["FinalBoard", "Verdict", "standing_digest", "verdict"]
 
@@ -100,14 +100,10 @@ class FinalBoard:
         self.dht, self.run_id, self.ttl = dht, run_id, ttl
 
     def publish(self, record: FinalRecord, timeout: float = 10.0) -> None:
-        self.dht.store_raw(final_key(self.run_id), self.dht.peer_id,
-                           encode_record(record, self.dht.credentials), self.ttl,
-                           timeout=timeout)
+        store_record(self.dht, final_key(self.run_id), record, self.ttl, timeout=timeout)
 
     def read(self, timeout: float = 5.0) -> dict[str, FinalRecord]:
-        key = final_key(self.run_id)
-        raw = self.dht.get_raw(key, timeout=timeout)
-        return decode_entries(self.dht, key, raw, FinalRecord, self.dht.credentials)
+        return read_records(self.dht, final_key(self.run_id), FinalRecord, timeout)
 
     def collect(self, mine: FinalRecord, expected: Collection[str], timeout: float,
                 poll: float = 0.5, settle: bool = False, patience: float = 0.0) -> Verdict:

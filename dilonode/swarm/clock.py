@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dilonode.algo.pacing import SwarmClock, TimePacer
-from dilonode.swarm.dht import decode_entries
-from dilonode.swarm.records import ClockRecord, LinkRecord, clock_key, encode_record, link_key
+from dilonode.swarm.dht import read_records, store_record
+from dilonode.swarm.records import ClockRecord, LinkRecord, clock_key, link_key
 
 __all__ = ["ClockKeeper", "Proposal", "Retune", "clock_of", "standing_clock"]
 
@@ -98,18 +98,12 @@ class ClockKeeper:
 
     # -- one pass (the thread repeats it; tests call it directly) ------------------------
     def read(self, timeout: float = 5.0) -> ClockRecord | None:
-        return standing_clock(self._records(clock_key(self.run_id), ClockRecord, timeout),
-                              self.wall())
+        return standing_clock(read_records(self.dht, clock_key(self.run_id), ClockRecord,
+                                           timeout), self.wall())
 
-    def _records(self, key: str, kind: Any, timeout: float) -> dict[str, Any]:
-        """The valid signed records of `kind` under `key`, by peer id (one DHT read)."""
-        raw = self.dht.get_raw(key, timeout=timeout)
-        return decode_entries(self.dht, key, raw, kind, self.dht.credentials)
-
-    def _store(self, key: str, record: Any) -> float:
-        """Store our signed `record` under `key` (our subkey) for `ttl`; when it was stored."""
-        self.dht.store_raw(key, self.dht.peer_id, encode_record(record, self.dht.credentials),
-                           self.ttl)
+    def _store(self, key: str, record: ClockRecord | LinkRecord) -> float:
+        """Store our `record` under `key` for `ttl`; when it was stored."""
+        store_record(self.dht, key, record, self.ttl)
         return time.monotonic()
 
     def tick(self) -> None:
@@ -150,7 +144,7 @@ class ClockKeeper:
     def read_links(self, timeout: float = 5.0) -> list[float]:
         """What the links of nodes not yet measured in rounds take for a round of every
         fragment (s)."""
-        links = self._records(link_key(self.run_id), LinkRecord, timeout)
+        links = read_records(self.dht, link_key(self.run_id), LinkRecord, timeout)
         return [r.busy_s for r in links.values() if r.busy_s]
 
     @property

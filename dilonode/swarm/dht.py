@@ -73,13 +73,14 @@ from dilonode.swarm.records import (
     RUN_ID_PATTERN,
     PeerRecord,
     Record,
+    SignedRecord,
     decode_record,
     encode_record,
     peers_key,
 )
 
 __all__ = ["DHTUnavailable", "RawEntry", "SwarmDHT", "decode_entries", "owner_subkey",
-           "plain_subkey", "split_maddr"]
+           "plain_subkey", "read_records", "split_maddr", "store_record"]
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,21 @@ def decode_entries(board: Any, key: str, raw: dict[str, RawEntry], kind: type[R]
         else:
             out[subkey] = record
     return out
+
+
+def read_records(board: Any, key: str, kind: type[R],
+                 timeout: float | None = None) -> dict[str, R]:
+    """The valid signed records of `kind` under `key` on `board` (a `SwarmDHT` or anything
+    with its raw calls), by peer id: one read, then `decode_entries`."""
+    raw = board.get_raw(key, timeout=timeout)
+    return decode_entries(board, key, raw, kind, board.credentials)
+
+
+def store_record(board: Any, key: str, record: SignedRecord, ttl: float,
+                 timeout: float | None = None) -> bool:
+    """Store our signed `record` under `key`, our subkey, for `ttl` s; False if refused."""
+    return bool(board.store_raw(key, board.peer_id, encode_record(record, board.credentials),
+                                ttl, timeout=timeout))
 
 
 def owner_subkey(identity: Identity) -> str:
@@ -866,10 +882,8 @@ class SwarmDHT:
         """Valid, unexpired PeerRecords of this run and protocol version, sorted by peer id."""
         from hivemind.utils import get_dht_time
 
-        key = peers_key(self.run_id)
         now = get_dht_time()
-        records = decode_entries(self, key, self.get_raw(key, timeout=timeout), PeerRecord,
-                                 self.credentials)
+        records = read_records(self, peers_key(self.run_id), PeerRecord, timeout)
         return [r for _, r in sorted(records.items()) if r.expires_at > now]
 
     # -- plumbing --------------------------------------------------------------------------
