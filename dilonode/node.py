@@ -375,16 +375,20 @@ class Node:
         own = p90(list(self.worker.stats.recent_latency))
         latencies = [own] if own is not None else []
         steps = [s] if measured and (s := self.worker.pacer.pace_s) else []
+        behind = [float(self.worker.swarm_step - self.worker.step)] if steps else []
         for rec in self.membership.live_peers(max_age=math.inf) if self.membership else []:
             status = rec.status or {}
             if (value := _positive(status.get("round_p90_s"))) is not None:
                 latencies.append(value)
             if measured and (value := _positive(status.get("pace_s"))) is not None:
                 steps.append(value)
+                if (lag := _steps_behind(status)) is not None:
+                    behind.append(lag)
         if not latencies and not steps and not link_busy:
             return None
         return retune_step_seconds(clock, latencies, steps, a.sync_every,
-                                   a.min_round_seconds, a.max_round_seconds, link_busy)
+                                   a.min_round_seconds, a.max_round_seconds, link_busy,
+                                   behind)
 
     async def _form(self, fragment: int, round_no: int, attempt: int,
                     exclude: set[str]) -> FormedGroup:
@@ -718,6 +722,16 @@ def _serves_replays(cfg: RunConfig) -> bool:
     Not for float32: the result is then as large as the fragment's weights, so keeping it
     would add the model's size in memory to save a joiner at most half a fragment."""
     return cfg.statesync.enabled and cfg.diloco.mode != "ddp" and cfg.codec.name != "float32"
+
+
+def _steps_behind(status: dict[str, Any]) -> float | None:
+    """Reference steps the clock read minus the own steps a peer had trained, at its last
+    published step (`swarm_step`, `step` of its status), else None (peers' data)."""
+    ref, own = status.get("swarm_step"), status.get("step")
+    if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40
+           for v in (ref, own)):
+        return float(ref - own)
+    return None
 
 
 def _positive(value: Any) -> float | None:

@@ -38,6 +38,10 @@ from typing import Protocol
 
 from dilonode.algo.schedule import SyncPlan, SyncStart
 
+# The most the clock slows below the fastest node's pace to give back steps it ran ahead
+# of that node (`retune_step_seconds`): rounds then come at most this much further apart.
+_CATCH_UP_MAX = 0.25
+
 # Keeps a boundary that lands on an opening from also counting as "before" the next one
 # (equal-speed workers on an exact clock then start exactly where step pacing does).
 _HAIR = 1e-6
@@ -245,7 +249,8 @@ def link_busy_seconds(result_bytes: Sequence[float], peers: int, rate_Bps: float
 def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
                         step_times: Sequence[float], sync_every: int,
                         min_round_s: float, max_round_s: float,
-                        link_busy: Sequence[float] = ()) -> float | None:
+                        link_busy: Sequence[float] = (),
+                        behind: Sequence[float] = ()) -> float | None:
     """Seconds per reference step the swarm needs now, or None to keep `clock` as it is.
 
     Two needs; the slower clock wins, kept within min_round_s..max_round_s per round period
@@ -263,6 +268,12 @@ def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
       fastest node, so a run of N reference steps trains N of its steps. A clock proposed
       from a node's first steps ran 12-23% ahead of the nodes on a shared host
       (docs/autotune-results.md): evaluations, waits and contention come later.
+      `behind`: each live node's reference steps minus its own steps. A pace alone keeps
+      the rate but never gives back the steps a clock already ran ahead (its first rate,
+      paces that are averages, the 5% band): the nodes then train fewer steps than the run
+      has (559-574 of 600 on the test bed). While even the node furthest along is behind,
+      the clock runs slower than its pace by that lag over two round periods (at most
+      `_CATCH_UP_MAX`). Nodes ahead of the clock do not speed it up past the pace.
 
     Without step times the clock is never made faster than it started. Hysteresis: a need
     set by throughput or by a joiner's link retunes past 5% (paces are averages over many
@@ -273,6 +284,8 @@ def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
     slowest, busy = max(round_p90s, default=0.0), max(link_busy, default=0.0)
     links = 2.0 * (slowest + busy) / sync_every
     pace = min(step_times) if step_times else clock.step_seconds
+    if step_times and (lag := min(behind, default=0.0)) > 0:
+        pace *= 1.0 + min(lag / (2.0 * sync_every), _CATCH_UP_MAX)
     want = min(max(links, pace, lo), hi)
     now = clock.current_step_seconds
     if (step_times and want > links) or (busy > 0 and want > now):

@@ -297,3 +297,34 @@ def test_only_a_live_node_paces_the_clock_not_a_joiner_still_fetching():
     # Once its record is live, it takes over.
     assert paces(IDS[0].peer_id, [IDS[0].peer_id, *peers]) and \
         not paces(peers[0], [IDS[0].peer_id, *peers])
+
+
+def test_the_pacemaker_reads_how_far_behind_the_clock_each_live_node_is():
+    from collections import deque
+    from types import SimpleNamespace
+
+    from dilonode.algo.pacing import SwarmClock
+    from dilonode.node import Node
+
+    algo = SimpleNamespace(step_seconds=None, sync_every=30, min_round_seconds=5.0,
+                           max_round_seconds=3600.0)
+    worker = SimpleNamespace(stats=SimpleNamespace(recent_latency=deque([0.6])),
+                             pacer=SimpleNamespace(pace_s=0.24), swarm_step=200, step=190)
+
+    def retune(*statuses: dict) -> float | None:
+        peers = [SimpleNamespace(status=s) for s in statuses]
+        node = SimpleNamespace(cfg=SimpleNamespace(diloco=SimpleNamespace(effective=lambda: algo)),
+                               worker=worker,
+                               membership=SimpleNamespace(live_peers=lambda max_age: peers))
+        return Node._retune(node, SwarmClock(0.0, 0.24), 200.0)
+
+    # We are 10 steps behind, a peer 15: the node furthest along sets the catch-up.
+    assert retune({"pace_s": 0.3, "swarm_step": 200, "step": 185}) == \
+        pytest.approx(0.24 * (1 + 10 / 60))
+    # A peer at the clock: nothing to give back. Malformed or missing fields count as no
+    # reading (peers' data), and so does a peer without a pace yet.
+    assert retune({"pace_s": 0.3, "swarm_step": 200, "step": 200}) is None
+    for bad in ({"pace_s": 0.3, "swarm_step": "200", "step": 0},
+                {"pace_s": 0.3, "swarm_step": True, "step": 0},
+                {"pace_s": 0.3, "step": 0}, {"swarm_step": 200, "step": 0}):
+        assert retune(bad) == pytest.approx(0.24 * (1 + 10 / 60))

@@ -238,6 +238,27 @@ def test_retune_keeps_a_clock_within_five_percent_of_the_nodes():
     assert _retune(clock, latencies=[0.6], steps=[0.212]) == pytest.approx(0.212)
 
 
+def test_retune_gives_back_the_steps_the_clock_ran_ahead_of_the_node_furthest_along():
+    clock = SwarmClock(0.0, 0.24)  # at the fastest node's pace: nothing to do on pace alone
+
+    def retune(behind, steps=(0.24, 0.3)) -> float | None:
+        return retune_step_seconds(clock, [0.6], list(steps), H, LO, HI, behind=behind)
+
+    assert retune([]) is None
+    # Every node is 12+ reference steps behind the clock: it slows by 12 steps over two
+    # round periods (60 reference steps), so the node furthest along catches up.
+    assert retune([30.0, 12.0]) == pytest.approx(0.24 * (1 + 12 / 60))
+    # A lag inside the 5% band (3 steps over 60) is left alone.
+    assert retune([2.0, 40.0]) is None
+    # One node at or ahead of the clock: nothing given back, and no faster than its pace.
+    assert retune([-20.0, 40.0]) is None
+    assert retune([0.0, 40.0]) is None
+    # At most 25% slower than the pace, however far behind.
+    assert retune([500.0]) == pytest.approx(0.24 * 1.25)
+    # A clock set by hand (no step times) is not paced by the nodes at all.
+    assert retune([30.0], steps=()) is None
+
+
 def test_time_pacer_pace_counts_evaluations_and_waits_over_its_window():
     t = [0.0]
     pacer = TimePacer(lambda: t[0], SwarmClock(0.0, 0.1), pace_window=4)
