@@ -270,8 +270,9 @@ def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
       (docs/autotune-results.md): evaluations, waits and contention come later.
       `behind`: each live node's reference steps minus its own steps. A pace alone keeps
       the rate but never gives back the steps a clock already ran ahead (its first rate,
-      paces that are averages, the 5% band): the nodes then train fewer steps than the run
-      has (559-574 of 600 on the test bed). While even the node furthest along is behind,
+      paces that are averages, the 5% band), so the steps a run trains followed one node's
+      first measurement (544-705 in runs of 600 on the test bed, fewer on 4 of 5 seeds).
+      While even the node furthest along is behind,
       the clock runs slower than its pace by that lag over two round periods (at most
       `_CATCH_UP_MAX`). Nodes ahead of the clock do not speed it up past the pace.
 
