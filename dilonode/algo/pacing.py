@@ -272,9 +272,9 @@ def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
       the rate but never gives back the steps a clock already ran ahead (its first rate,
       paces that are averages, the 5% band), so the steps a run trains followed one node's
       first measurement (544-705 in runs of 600 on the test bed, fewer on 4 of 5 seeds).
-      While even the node furthest along is behind,
-      the clock runs slower than its pace by that lag over two round periods (at most
-      `_CATCH_UP_MAX`). Nodes ahead of the clock do not speed it up past the pace.
+      While even the node furthest along is behind, the clock runs slower than its pace
+      by that lag over two round periods (at most `_CATCH_UP_MAX`). Nodes ahead of the
+      clock do not speed it up past the pace.
 
     Without step times the clock is never made faster than it started. Hysteresis: a need
     set by throughput or by a joiner's link retunes past 5% (paces are averages over many
