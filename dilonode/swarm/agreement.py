@@ -136,15 +136,16 @@ class FinalBoard:
         while True:
             others, failed = self._read_counting(timeout, failed)
             left = sorted(p for p in peers if not _checked(others.get(p), mine))
-            if not left and peers:
-                # A peer that ended its check as we did may have read just before our
-                # record was there, and reads again within `poll`. Our record lives on the
-                # DHT nodes that stored it, which may be the peers leaving now: stay until
-                # that read is done (test_groups: the last holder waited out its timeout
-                # for a peer that had left the same instant).
-                time.sleep(2 * poll)
+            if not left:
+                if peers:
+                    # A peer that ended its check as we did may have read just before our
+                    # record was there, and reads again within `poll`. Our record lives on
+                    # the DHT nodes that stored it, which may be the peers leaving now:
+                    # stay until that read is done (test_groups: the last holder waited
+                    # out its timeout for a peer that had left the same instant).
+                    time.sleep(2 * poll)
                 return left
-            if not left or time.monotonic() - start >= timeout:
+            if time.monotonic() - start >= timeout:
                 return left
             time.sleep(poll)
 
