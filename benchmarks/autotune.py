@@ -4,14 +4,15 @@ retuned by its pacemaker) against hand-tuned tau, on the WAN test bed.
 4 nodes at each link rate run Streaming DiLoCo (int4) three ways in turn:
 
 * `auto`: the default config with `fragment_sync_delay = "auto"` (paced by the swarm
-  clock: a result merges H/P - 1 reference steps after its round started, or when it
-  arrives if later, and the clock slows if rounds take more than half a round period on
+  clock: a result merges half of H/P reference steps, rounded up, after its round
+  started, or when it arrives if later, and the clock slows if rounds take more than half a round period on
   any node);
 * `tau=5`, `tau=8`: paced by steps with a hand-set overlap (what docs/operations.md told
   users to size by hand: tau x step time > round latency);
-* `timed-tau=K` (only when named in --runs, K = 1 or 8): paced by the clock, merging no
-  earlier than K reference steps after a round started (K = 1: as soon as the result is
-  there, what `auto` did before it chose a delay).
+* `timed-tau=K` (only when named in --runs, K = 1, 8 or 9): paced by the clock, merging
+  no earlier than K reference steps after a round started (K = 1: as soon as the result
+  is there, what `auto` did before it chose a delay; K = 9: H/P - 1 at H = 30, P = 3, what
+  it chose before half the gap).
 
 Plus `auto+slow-joiner`: the auto run with a fifth node on a 10 Mbit/s link joining
 mid-run. Per run: compute utilization (share of wall time not blocked on the network;
@@ -49,6 +50,7 @@ VARIANTS = {
     # round started: separates the merge delay from the pacing.
     "timed-tau=8": {"pacing": "time", "fragment_sync_delay": 8},
     "timed-tau=1": {"pacing": "time", "fragment_sync_delay": 1},
+    "timed-tau=9": {"pacing": "time", "fragment_sync_delay": 9},
 }
 
 

@@ -9,8 +9,8 @@ seq 64, batch 2, int4, H = 30, P = 3, alpha 0.5, 600 steps. Each method is one c
 * `timed-tau=1`: paced by the clock, merged as soon as the result is there (what
   `fragment_sync_delay = "auto"` did before it chose a delay), rounds taking --latency
   reference steps;
-* `auto`: paced by the clock with `fragment_sync_delay = "auto"` (H/P - 1 reference steps
-  after the round's start, or when the result arrives if later), same latency.
+* `auto`: paced by the clock with `fragment_sync_delay = "auto"` (half of H/P reference
+  steps, rounded up, after the round's start, or when the result arrives if later), same latency.
 
 With --speeds the clock-paced methods run workers of those speeds (the test bed's nodes
 share 2 cores and step a few percent apart); the step-paced ones stay equal.

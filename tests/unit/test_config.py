@@ -61,7 +61,7 @@ def test_bad_override_syntax():
 def test_auto_merge_delay_resolves_from_h_and_p_and_names_itself_when_invalid():
     cfg = load_config(overrides={"diloco": {"fragment_sync_delay": "auto", "sync_every": 30,
                                             "num_fragments": 3}})
-    assert cfg.diloco.effective().fragment_sync_delay == 9
+    assert cfg.diloco.effective().fragment_sync_delay == 5
     with pytest.raises(ConfigError, match=r"diloco.fragment_sync_delay = 'auto' \(1\): must "
                                           r"be < diloco.sync_every = 1"):
         load_config(overrides={"diloco": {"fragment_sync_delay": "auto", "sync_every": 1,

@@ -124,30 +124,30 @@ def test_mixed_speeds_every_worker_contributes_to_every_round_and_all_agree():
     assert report.virtual_s == pytest.approx(40.0, abs=4.0)
 
 
-def test_auto_merge_delay_is_one_step_short_of_the_next_fragments_start():
-    # H = 30, P = 3: starts at 10, 20, 30 -> merge 9 steps after each.
-    assert auto_merge_delay(30, 3) == 9
-    assert auto_merge_delay(10, 2) == 4
-    assert auto_merge_delay(31, 3) == 9  # starts 10, 20, 31: the narrowest gap decides
-    assert auto_merge_delay(30, 1) == 29
+def test_auto_merge_delay_is_half_the_gap_to_the_next_fragments_start():
+    # H = 30, P = 3: starts at 10, 20, 30 -> merge 5 steps after each.
+    assert auto_merge_delay(30, 3) == 5
+    assert auto_merge_delay(10, 2) == 3  # gaps of 5: rounded up
+    assert auto_merge_delay(31, 3) == 5  # starts 10, 20, 31: the narrowest gap decides
+    assert auto_merge_delay(30, 1) == 15
     assert auto_merge_delay(3, 3) == 1  # gaps of one step: never 0 (that would block)
-    for h, p in [(30, 3), (31, 3), (12, 5), (100, 7)]:
+    for h, p in [(30, 3), (31, 3), (12, 5), (100, 7), (3, 3)]:
         plan = SyncPlan(h, p, auto_merge_delay(h, p))
-        # Every round lands before any other round starts: one round in flight at a time.
+        # Every round lands no later than the next round of any fragment starts.
         starts = sorted(plan.start_step(f, r) for f in range(p) for r in range(3))
-        assert all(a + plan.delay < b for a, b in zip(starts, starts[1:], strict=False))
+        assert all(a + plan.delay <= b for a, b in zip(starts, starts[1:], strict=False))
 
 
 def test_auto_merges_at_the_steps_of_the_same_hand_set_tau_when_results_come_in_time():
     """Paced by the clock at equal speeds, with results back 1.5 reference steps after a
-    round starts, "auto" (H/P - 1 = 4 here) merges each result exactly where step-paced
-    tau = 4 does: the same weights, bit for bit."""
+    round starts, "auto" (half of H/P = 5 here, rounded up: 3) merges each result exactly
+    where step-paced tau = 3 does: the same weights, bit for bit."""
     auto = simulate(_cfg(sim={"workers": 3, "latency": 1.5},
                          diloco={"pacing": "time", "fragment_sync_delay": "auto",
                                  "step_seconds": 1.0}))
     hand = simulate(_cfg(sim={"workers": 3},
-                         diloco={"pacing": "steps", "fragment_sync_delay": 4}))
-    assert auto.fragment_sync_delay == 4
+                         diloco={"pacing": "steps", "fragment_sync_delay": 3}))
+    assert auto.fragment_sync_delay == 3
     assert auto.outer_digest == hand.outer_digest and auto.workers_agree
     # Merging as soon as the result is there (tau 1) is another run.
     eager = simulate(_cfg(sim={"workers": 3, "latency": 1.5},
@@ -161,7 +161,7 @@ def test_auto_merges_at_the_steps_of_the_same_hand_set_tau_when_results_come_in_
 
 
 def test_a_result_later_than_the_delay_merges_when_it_arrives_without_waiting():
-    """Latency 4.5 reference steps, past auto's 4: the result is there at the boundary 5
+    """Latency 4.5 reference steps, past auto's 3: the result is there at the boundary 5
     steps after the start, where it merges (as step-paced tau = 5), and nobody waits."""
     late = simulate(_cfg(sim={"workers": 3, "latency": 4.5},
                          diloco={"pacing": "time", "fragment_sync_delay": "auto",
@@ -173,9 +173,10 @@ def test_a_result_later_than_the_delay_merges_when_it_arrives_without_waiting():
 
 
 def test_clock_paced_delay_counts_reference_steps_whatever_a_workers_speed(monkeypatch):
-    """Workers of speeds 1 and 0.5 (two reference steps per own step), auto's tau = 4: the
-    fast one merges each round 4 own steps after starting it, the slow one 2 (4 reference
-    steps, the same moment of the clock), and neither waited for a result in the run."""
+    """Workers of speeds 1 and 0.5 (two reference steps per own step), H = 16, P = 2 so
+    that auto's tau is 4: the fast one merges each round 4 own steps after starting it, the
+    slow one 2 (4 reference steps, the same moment of the clock), and neither waited for a
+    result in the run."""
     import dilonode.sim as sim
 
     built = sim._build_workers
@@ -188,7 +189,8 @@ def test_clock_paced_delay_counts_reference_steps_whatever_a_workers_speed(monke
 
     monkeypatch.setattr(sim, "_build_workers", traced)
     cfg = _cfg(sim={"workers": 2, "speeds": [1.0, 0.5], "latency": 0.5},
-               diloco={"pacing": "time", "fragment_sync_delay": "auto", "step_seconds": 1.0})
+               diloco={"pacing": "time", "fragment_sync_delay": "auto", "step_seconds": 1.0,
+                       "sync_every": 16})
     got = {}
     report = simulate(cfg, on_step=lambda s, ws: got.update(w=ws))
     assert report.workers_agree
