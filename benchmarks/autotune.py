@@ -5,8 +5,8 @@ retuned by its pacemaker) against hand-tuned tau, on the WAN test bed.
 
 * `auto`: the default config with `fragment_sync_delay = "auto"` (paced by the swarm
   clock: a result merges half of H/P reference steps, rounded up, after its round
-  started, or when it arrives if later, and the clock slows if rounds take more than half a round period on
-  any node);
+  started, or when it arrives if later, and the clock slows if rounds take more than
+  half a round period on any node);
 * `tau=5`, `tau=8`: paced by steps with a hand-set overlap (what docs/operations.md told
   users to size by hand: tau x step time > round latency);
 * `timed-tau=K` (only when named in --runs, K = 1, 8 or 9): paced by the clock, merging

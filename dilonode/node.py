@@ -614,7 +614,8 @@ class Node:
         # checking, and once we leave our record can no longer be read.
         t0 = time.monotonic()
         try:
-            got.unconfirmed = board.linger(mine, got.same if got.agrees else (), wait)
+            got.unconfirmed = board.linger(mine, got.same if got.agrees else (), wait,
+                                           gone=self._left_cleanly)
         except (TimeoutError, RuntimeError) as exc:
             log.warning("end-of-run check: could not say our check ended: %s", exc)
         if (stayed := time.monotonic() - t0) >= 1.0 and not got.unconfirmed:
@@ -624,6 +625,16 @@ class Node:
             log.warning("end of run: left before %d peer(s) ended their check: %s",
                         len(got.unconfirmed), ", ".join(got.unconfirmed))
         return got
+
+    def _left_cleanly(self) -> set[str]:
+        """Peers whose membership record says they left (empty if the DHT cannot say)."""
+        try:
+            assert self.dht is not None
+            return {r.peer_id for r in self.dht.fetch_peers(timeout=5.0)
+                    if (r.status or {}).get("leaving")}
+        except (TimeoutError, RuntimeError) as exc:
+            log.debug("end-of-run check: could not read the peers' records: %s", exc)
+            return set()
 
     def _final_peers(self) -> set[str]:
         """Whom the end-of-run check waits for: the members of our last rounds and every
