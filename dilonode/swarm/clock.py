@@ -38,7 +38,13 @@ from typing import Any
 
 from dilonode.algo.pacing import SwarmClock, TimePacer
 from dilonode.swarm.dht import read_records, store_record
-from dilonode.swarm.records import ClockRecord, LinkRecord, clock_key, link_key
+from dilonode.swarm.records import (
+    MAX_CLOCK_EPOCHS,
+    ClockRecord,
+    LinkRecord,
+    clock_key,
+    link_key,
+)
 
 __all__ = ["ClockKeeper", "Proposal", "Retune", "clock_of", "standing_clock"]
 
@@ -84,6 +90,7 @@ class ClockKeeper:
         self.propose, self.frozen = propose, frozen
         self.retune, self.pacemaker, self.lead_steps = retune, pacemaker, lead_steps
         self.retunes = 0  # epochs this node added
+        self._full_warned = False
         self.ttl, self.poll, self.wall = ttl, poll, wall
         self.following: ClockRecord | None = None
         self.switches = 0  # clocks followed after this node had started rounds
@@ -166,6 +173,15 @@ class ClockKeeper:
             return  # the last change has not applied yet
         rate = self.retune(clock, now_ref, self.read_links())
         if rate is None:
+            return
+        if len(clock.epochs) >= MAX_CLOCK_EPOCHS:
+            # One more would make the record invalid to every reader: the peers would keep
+            # the clock we left, and we would read theirs back at the next pass.
+            if not self._full_warned:
+                log.warning("swarm clock: %d epochs, the most a clock record holds; the rate "
+                            "stays at %.4g s per reference step (wanted %.4g s)",
+                            len(clock.epochs), clock.current_step_seconds, rate)
+                self._full_warned = True
             return
         ahead = max(self.lead_steps,
                     (1.5 * self.read_every + 2.0) / clock.rate_at(now_ref))

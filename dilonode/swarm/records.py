@@ -63,6 +63,9 @@ __all__ = [
 # Records are small; anything bigger is garbage or abuse and is refused before msgpack
 # allocates anything for it.
 MAX_RECORD_BYTES = 64 * 1024
+# A clock's retunings (`ClockRecord.epochs`): about 20 bytes each, so a full history stays
+# well inside a record; the pacemaker adds none past it.
+MAX_CLOCK_EPOCHS = 1024
 # Same rule as RunConfig.run_id: keeps keys and the group digest unambiguous.
 RUN_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 # libp2p peer ids in their base58 text form.
@@ -147,7 +150,7 @@ class ClockRecord(SignedRecord):
     step_seconds: float = Field(gt=0.0, le=86400.0)
     origin: str = Field(pattern=PEER_ID_PATTERN)
     # Later epochs: [reference step it starts at, seconds per step], increasing starts.
-    epochs: list[list[float]] = Field(default_factory=list, max_length=1024)
+    epochs: list[list[float]] = Field(default_factory=list, max_length=MAX_CLOCK_EPOCHS)
 
     @field_validator("t0", "step_seconds")
     @classmethod

@@ -16,7 +16,13 @@ from dilonode.status.swarm import swarm_agreement
 from dilonode.swarm.agreement import FinalBoard, standing_digest, verdict
 from dilonode.swarm.clock import ClockKeeper, standing_clock
 from dilonode.swarm.matchmaking import form_group, standing_chain
-from dilonode.swarm.records import ClockRecord, FinalRecord, GroupEntry, LinkRecord
+from dilonode.swarm.records import (
+    MAX_CLOCK_EPOCHS,
+    ClockRecord,
+    FinalRecord,
+    GroupEntry,
+    LinkRecord,
+)
 from tests.boards import Board, View
 
 RUN = "agree-unit"
@@ -260,6 +266,46 @@ def test_the_pacemaker_slows_the_clock_for_everyone_without_renumbering_rounds()
     assert clocks[0].ref_step(t_switch - 0.1) == pytest.approx(since - 1.0)  # 0.1 s steps
     assert clocks[0].ref_step(t_switch + 0.4) == pytest.approx(since + 1.0)  # then 0.4 s
     assert keepers[0].retunes == 1 and keepers[1].retunes == 0
+
+
+def test_a_clock_with_the_most_epochs_a_record_holds_is_kept_not_made_unreadable(caplog):
+    # One epoch more would be rejected by every reader: the peers would stay on the clock
+    # the pacemaker left, and the pacemaker would flip back and forth between the two.
+    board, wall = Board(), [1_795_000_000.0]
+    full = ClockRecord(peer_id=IDS[0].peer_id, run_id=RUN, t0=wall[0] - 1000.0,
+                       step_seconds=0.1, origin=IDS[0].peer_id,
+                       epochs=[[float(i), 0.1] for i in range(MAX_CLOCK_EPOCHS)])
+    asked = []
+
+    def retune(clock, ref, links):
+        asked.append(ref)
+        return 0.4
+
+    pacemaker = ClockKeeper(_FakeDHT(board, Credentials(IDS[0], RUN)), RUN,
+                            TimePacer(lambda: wall[0]), propose=lambda: 0.1,
+                            frozen=lambda: True, wall=lambda: wall[0], retune=retune,
+                            pacemaker=lambda: True)
+    reader = ClockKeeper(_FakeDHT(board, Credentials(IDS[1], RUN)), RUN,
+                         TimePacer(lambda: wall[0]), propose=lambda: None,
+                         frozen=lambda: True, wall=lambda: wall[0])
+    pacemaker._follow(full)
+    with caplog.at_level("WARNING", logger="dilonode.swarm.clock"):
+        for _ in range(3):
+            pacemaker.tick()
+            wall[0] += 5.0
+    assert len(asked) == 3 and pacemaker.retunes == 0
+    assert len(pacemaker.following.epochs) == MAX_CLOCK_EPOCHS
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "the most a clock record holds" in caplog.records[0].message
+    reader.tick()  # the published record is still one every node reads
+    assert reader.pacer.clock == pacemaker.pacer.clock
+    # One below the limit, a pacemaker adds its epoch.
+    fresh = ClockKeeper(_FakeDHT(Board(), Credentials(IDS[0], RUN)), RUN,
+                        TimePacer(lambda: wall[0]), propose=lambda: 0.1, frozen=lambda: True,
+                        wall=lambda: wall[0], retune=retune, pacemaker=lambda: True)
+    fresh._follow(full.model_copy(update={"epochs": full.epochs[:-1]}))
+    fresh.tick()
+    assert fresh.retunes == 1 and len(fresh.following.epochs) == MAX_CLOCK_EPOCHS
 
 
 def test_a_joiners_link_record_reaches_the_pacemakers_retune_until_its_rounds_measure_it():
