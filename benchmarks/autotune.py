@@ -17,7 +17,9 @@ retuned by its pacemaker) against hand-tuned tau, on the WAN test bed.
 Plus `auto+slow-joiner`: the auto run with a fifth node on a 10 Mbit/s link joining
 mid-run. Per run: compute utilization (share of wall time not blocked on the network;
 mean and worst node), round latency, rounds per fragment, the clock's retunings, final
-eval loss and agreement. Needs root (network namespaces).
+eval loss (the nodes' own, on 1,024 tokens, and node-0's saved outer weights on the whole
+eval split, `reeval.py`, which "vs best hand-tuned" compares) and agreement. Needs root
+(network namespaces).
 
     sudo .venv/bin/python benchmarks/autotune.py --rates 100,20 --steps 600 \
         --json runs/bench/autotune.json
@@ -36,7 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `deploy` lives at the root
 
-from results import save_rows  # noqa: E402  (benchmarks/ is on sys.path)
+from reeval import eval_run  # noqa: E402  (benchmarks/ is on sys.path)
+from results import save_rows  # noqa: E402
 
 from deploy.testbed import swarm_on_testbed, unavailable_reason  # noqa: E402
 from dilonode.config import load_config  # noqa: E402
@@ -95,6 +98,9 @@ def run(args: argparse.Namespace, name: str, rate: float) -> dict[str, Any]:
     nodes = [summaries[f"node-{i}"] for i in range(args.nodes) if f"node-{i}" in summaries]
     retunes = sum(_retunes(out / n) for n in summaries)
     row = summarize(name, rate, nodes, retunes) | {"wall_s": round(wall, 1)}
+    # The nodes evaluate 1,024 tokens; the final weights on the whole eval split tell two
+    # runs apart more surely (benchmarks/reeval.py).
+    row["final_loss_split"] = eval_run(out) if (out / "node-0" / "outer.pt").exists() else None
     # Before the end-of-run rounds of every fragment, which a short
     # benchmark run weighs far more than a real one.
     during = [training[f"node-{i}"] for i in range(args.nodes) if f"node-{i}" in training]
@@ -162,18 +168,20 @@ def summarize(name: str, rate: float, nodes: list[dict[str, Any]],
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| link | run | utilization mean (min) | while training | round latency | "
-            "late rounds | clock "
-            "retunes | steps per node | final eval loss | vs best hand-tuned | agree | wall |")
-    out = [head, "|" + "---|" * 12]
+            "late rounds | clock retunes | steps per node | final eval loss (nodes) | "
+            "loss, whole eval split | vs best hand-tuned | agree | wall |")
+    out = [head, "|" + "---|" * 13]
     for r in rows:
-        hand = [x["final_eval_loss"] for x in rows
+        loss = r.get("final_loss_split") or r["final_eval_loss"]
+        hand = [x.get("final_loss_split") or x["final_eval_loss"] for x in rows
                 if x["rate_mbit"] == r["rate_mbit"] and x["run"].startswith("tau")]
-        rel = f"{(r['final_eval_loss'] / min(hand) - 1) * 100:+.2f}%" if hand else "-"
+        rel = f"{(loss / min(hand) - 1) * 100:+.2f}%" if hand else "-"
+        split = f"{r['final_loss_split']:.4f}" if r.get("final_loss_split") else "-"
         out.append(f"| {r['rate_mbit']:g} Mbit/s | {r['run']} | {r['utilization_mean']:.1%} "
                    f"({r['utilization_min']:.1%}) | {r['utilization_training'] or 0:.1%} "
                    f"| {r['latency_mean_s'] or 0:.2f} s "
                    f"| {r['late_rounds']} | {r['clock_retunes']} | {r['steps_mean']:.0f} "
-                   f"| {r['final_eval_loss']:.4f} | {rel} "
+                   f"| {r['final_eval_loss']:.4f} | {split} | {rel} "
                    f"| {'yes' if r['identical_outer'] else 'NO'} | {r['wall_s']:.0f} s |")
     return "\n".join(out)
 

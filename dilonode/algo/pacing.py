@@ -149,13 +149,14 @@ class TimePacer:
     timed = True
 
     def __init__(self, now: Callable[[], float], clock: SwarmClock | None = None,
-                 window: int = 9, pace_window: int = 64) -> None:
+                 window: int = 9, pace_window: int = 64, pace_first: int = 16) -> None:
         self.now = now
         self.clock = clock
         self._intervals: deque[float] = deque(maxlen=window)
         self._pause = 0.0  # announced at the last boundary: not part of the step time
         # Times of the recent step boundaries, the last one included (`pace_s`).
         self._boundaries: deque[float] = deque(maxlen=pace_window + 1)
+        self._pace_first = pace_first
 
     @property
     def step_s(self) -> float | None:
@@ -169,12 +170,18 @@ class TimePacer:
     def pace_s(self) -> float | None:
         """Wall seconds per own step over the last `pace_window` steps, evaluations and
         waits included: how fast this worker gets through reference steps' worth of work,
-        what the swarm clock should not outrun (`retune_step_seconds`). None until the
-        window is full (the first steps carry warm-up)."""
+        what the swarm clock should not outrun (`retune_step_seconds`). Until the window is
+        full, over the steps after the first two (they carry warm-up) once there are
+        `pace_first` of them, None before: a clock proposed from one node's first steps
+        ran 30-40% ahead of the nodes on the test bed, and waiting for a full window left
+        it there for the first 130-160 reference steps (docs/autotune-results.md)."""
         b = self._boundaries
-        if b.maxlen is None or len(b) < b.maxlen or b[-1] <= b[0]:
+        if b.maxlen is None:
             return None
-        return (b[-1] - b[0]) / (len(b) - 1)
+        first = 0 if len(b) == b.maxlen else 2
+        if len(b) - 1 - first < min(self._pace_first, b.maxlen - 1) or b[-1] <= b[first]:
+            return None
+        return (b[-1] - b[first]) / (len(b) - 1 - first)
 
     def at_step(self, own_step: int, pause_s: float = 0.0) -> tuple[float, float]:
         t = self.now()

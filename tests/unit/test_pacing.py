@@ -278,6 +278,26 @@ def test_time_pacer_pace_counts_evaluations_and_waits_over_its_window():
     assert pacer.pace_s is None
 
 
+def test_time_pacer_gives_a_first_pace_after_pace_first_steps_leaving_out_the_warm_up():
+    t = [0.0]
+    pacer = TimePacer(lambda: t[0], SwarmClock(0.0, 0.1), pace_window=64, pace_first=16)
+    # Two slow first steps (warm-up), then 0.25 s a step.
+    for step, dt in enumerate([2.0, 1.0] + [0.25] * 40):
+        pacer.at_step(step)
+        t[0] += dt
+        if step < 18:  # 16 intervals after the first two boundaries: boundary 18
+            assert pacer.pace_s is None, step
+        else:
+            assert pacer.pace_s == pytest.approx(0.25), step
+    # Once the window is full, every step in it counts, as before.
+    for step in range(42, 80):
+        pacer.at_step(step)
+        t[0] += 0.5
+    assert pacer.pace_s == pytest.approx((37 * 0.5 + 27 * 0.25) / 64)
+    pacer.restart()
+    assert pacer.pace_s is None
+
+
 def test_retune_for_the_links_wins_over_throughput_when_rounds_take_longer():
     # p90 of 9 s: rounds must come every 18 s at least = 0.6 s per reference step.
     clock = SwarmClock(0.0, 0.2)
