@@ -93,6 +93,7 @@ def auto_merge_delay(sync_every: int, num_fragments: int) -> int:
     that arrives later merges when it arrives, so the delay never costs waiting and the
     merge follows the links on its own when they are slow; on fast links it waits for
     the delay. Merging about two steps in, or one step before the next fragment's round
-    (H/P - 1), ended higher than half the gap in the simulator and on the test bed
-    (docs/autotune-results.md, measured at H = 30, P = 3)."""
+    (H/P - 1), ended higher on the mean in the simulator; on the test bed the delay's
+    effect was inside the spread between runs (docs/autotune-results.md, measured at
+    H = 30, P = 3)."""
     return max((min(SyncPlan(sync_every, num_fragments).start_gaps()) + 1) // 2, 1)
