@@ -36,7 +36,9 @@ def eval_run(run: Path, batches: int = 0, node: str = "node-0") -> float:
     (0: as many as the split holds without overlapping windows)."""
     cfg = RunConfig.model_validate(json.loads((run / "swarm-config.json").read_text()))
     key = cfg.data.model_dump_json()
-    data = _data_cache.get(key) or _data_cache.setdefault(key, load_data(cfg.data))
+    if key not in _data_cache:  # one corpus load for every run of the same data config
+        _data_cache[key] = load_data(cfg.data)
+    data = _data_cache[key]
     model = build_model(cfg.model, data.vocab_size)
     state = torch.load(run / node / "outer.pt", map_location="cpu", weights_only=True)
     model.load_state_dict(state)
