@@ -37,7 +37,7 @@ import math
 import operator
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -54,6 +54,7 @@ __all__ = [
     "all_finite",
     "check_layout",
     "decode_shared",
+    "fold_float32",
     "get_codec",
     "max_abs_error_bound",
     "sums_raw_values",
@@ -130,6 +131,44 @@ def sums_raw_values(codec: Codec) -> bool:
     with the compiled kernels): a sum is non-finite when any value summed is, so a caller
     may `check_layout` on arrival and check the values only if the sum is non-finite."""
     return isinstance(codec, _FloatCodec) and codec.fast and codec.name == "float32"
+
+
+def fold_float32(codec: Codec, payloads: Sequence[Buffer], steps: Sequence[tuple[str, float]],
+                 out: torch.Tensor) -> memoryview | None:
+    """`codec.accumulate` of each float32 payload (member order) by its step of
+    `butterfly.reduction_steps`, then `codec.encode` of the result, in one sweep over out
+    per `kernels.FOLD_WIDTH` payloads where there would be a pass per payload, a pass to
+    check the result and a copy to encode it: same bits. Returns the encoded result (a
+    read-only view of a fresh buffer); CodecError if it is not finite, as `encode` would
+    raise. None, having done nothing, where this does not apply: not `sums_raw_values`,
+    a big-endian host, or steps that are not a reduction's (write first, add_divide last).
+    The payloads must have passed `check_layout`."""
+    n = out.numel()
+    names = [name for name, _ in steps]
+    if (not sums_raw_values(codec) or sys.byteorder != "little" or not names
+            or len(names) != len(payloads) or names[0] not in ("write", "write_scaled")
+            or any(x not in ("add", "add_scaled") for x in names[1:-1])
+            or (len(names) > 1 and names[-1] not in ("add", "add_scaled", "add_divide"))):
+        return None
+    dst = _out_array(out, n)
+    srcs = [np.frombuffer(_check_length(codec, p, n), dtype=np.float32) for p in payloads]
+    terms = [np.float32(c) if name.endswith("_scaled") else np.float32(1.0) for name, c in steps]
+    divisor = np.float32(steps[-1][1]) if names[-1] == "add_divide" else np.float32(1.0)
+    bits = np.empty(n, dtype=np.int32)
+    none = np.empty(0, dtype=np.int32)
+    width = kernels.FOLD_WIDTH
+    top = 0
+    for j in range(0, len(srcs), width):
+        batch = srcs[j:j + width]
+        coefs = np.ones(width, dtype=np.float32)
+        coefs[:len(batch)] = terms[j:j + width]
+        last = j + width >= len(srcs)
+        top = kernels.fold_f32(dst, *batch, *[batch[0]] * (width - len(batch)), len(batch),
+                               coefs, j == 0, divisor if last else np.float32(1.0),
+                               bits if last else none)
+    if top >= _EXP_ALL_ONES:
+        _raise_non_finite(out)
+    return bits.data.cast("B").toreadonly()
 
 
 def all_finite(a: np.ndarray | torch.Tensor) -> bool:

@@ -23,14 +23,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ADD", "ADD_DIVIDE", "ADD_SCALED", "AVAILABLE", "MODES", "WRITE", "WRITE_SCALED",
-           "absmax_bits", "accumulate_f32", "copy_bits_max", "count_int8_min", "count_nibble8",
-           "dequantize_int4", "dequantize_int8", "dequantize_nibbles", "quantize_fp4",
-           "quantize_int4", "quantize_int8"]
+__all__ = ["ADD", "ADD_DIVIDE", "ADD_SCALED", "AVAILABLE", "FOLD_WIDTH", "MODES", "WRITE",
+           "WRITE_SCALED", "absmax_bits", "accumulate_f32", "copy_bits_max", "count_int8_min",
+           "count_nibble8", "dequantize_int4", "dequantize_int8", "dequantize_nibbles",
+           "fold_f32", "quantize_fp4", "quantize_int4", "quantize_int8"]
 
 WRITE, ADD, WRITE_SCALED, ADD_SCALED, ADD_DIVIDE = 0, 1, 2, 3, 4
 MODES = {"write": WRITE, "add": ADD, "write_scaled": WRITE_SCALED,
          "add_scaled": ADD_SCALED, "add_divide": ADD_DIVIDE}
+FOLD_WIDTH = 4  # sources one `fold_f32` call sums
+_FOLD_BLOCK = 1024  # values per block of `fold_f32`: its later passes read them from L1
 
 numba: Any
 try:
@@ -232,3 +234,55 @@ def dequantize_nibbles(p: np.ndarray, lut: np.ndarray, scale: np.ndarray, bs: in
 def accumulate_f32(src: np.ndarray, out: np.ndarray, coef: np.float32, mode: int) -> None:
     """Store float32 values src: (n,) into out: (n,) by `mode`."""
     _store(out, src, np.float32(1.0), coef, mode)  # x * 1 is x exactly
+
+
+@_jit
+def fold_f32(out: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray,
+             count: int, coefs: np.ndarray, first: bool, divisor: np.float32,
+             bits: np.ndarray) -> np.int32:
+    """Up to `FOLD_WIDTH` steps of `butterfly.reduction_steps` over float32 sources in one
+    sweep, where `accumulate_f32` makes one pass per source: the first `count` of a, b, c,
+    d (each (n,)) are summed into out: (n,) left to right, each term f32(v * coefs[j]),
+    from out or, if `first`, from nothing (the write / write_scaled step), then divided by
+    `divisor` (the add_divide step; 1 for none). The same operations in the same order, so
+    the same bits: v * 1 and x / 1 are exact, and the sum starts from -0.0, which adds
+    nothing to any value (not even -0.0's sign). If `bits` has n values it receives the
+    result's bit patterns (the encoded float32 result, in the same sweep); returns the max
+    of the result's sign-cleared bits (>= 0x7F800000: some value is NaN or Inf)."""
+    n = out.size
+    m = np.int32(0)
+    ob = out.view(np.int32)
+    keep = bits.size == n
+    c0, c1, c2, c3 = coefs[0], coefs[1], coefs[2], coefs[3]
+    zero = np.float32(-0.0)
+    for lo in range(0, n, _FOLD_BLOCK):
+        hi = min(lo + _FOLD_BLOCK, n)
+        o, av, bv, cv, dv = out[lo:hi], a[lo:hi], b[lo:hi], c[lo:hi], d[lo:hi]
+        if first:
+            for i in range(hi - lo):
+                o[i] = zero
+        # One straight loop per source count: a branch inside would stop vectorization.
+        if count == 1:
+            for i in range(hi - lo):
+                o[i] = (o[i] + av[i] * c0) / divisor
+        elif count == 2:
+            for i in range(hi - lo):
+                o[i] = ((o[i] + av[i] * c0) + bv[i] * c1) / divisor
+        elif count == 3:
+            for i in range(hi - lo):
+                o[i] = (((o[i] + av[i] * c0) + bv[i] * c1) + cv[i] * c2) / divisor
+        else:
+            for i in range(hi - lo):
+                o[i] = ((((o[i] + av[i] * c0) + bv[i] * c1) + cv[i] * c2)
+                        + dv[i] * c3) / divisor
+        xb = ob[lo:hi]
+        if keep:
+            kb = bits[lo:hi]
+            for i in range(hi - lo):
+                x = xb[i]
+                kb[i] = x
+                m = max(m, x & np.int32(0x7FFFFFFF))
+        else:
+            for i in range(hi - lo):
+                m = max(m, xb[i] & np.int32(0x7FFFFFFF))
+    return m

@@ -38,6 +38,7 @@ from dilonode.algo.codecs import (
     CodecMeta,
     check_layout,
     decode_shared,
+    fold_float32,
     sums_raw_values,
 )
 from dilonode.algo.spliced import SplicedEncoding
@@ -118,6 +119,17 @@ class HostPath:
             self.codec.accumulate(item, meta, out, step, coef)
         return out
 
+    def combine_encode(self, accepted: Sequence[Accepted], steps: Sequence[tuple[str, float]],
+                       out: torch.Tensor) -> tuple[torch.Tensor, Payload]:
+        """`combine`, then `encode` of the result (CodecError if it is not finite); float32
+        payloads in one sweep per four of them (`codecs.fold_float32`)."""
+        if self.deferred:
+            payloads = [item for item in accepted if not isinstance(item, torch.Tensor)]
+            if (encoded := fold_float32(self.codec, payloads, steps, out)) is not None:
+                return out, encoded
+        value = self.combine(accepted, steps, out)
+        return value, self.encode(value)
+
     def values(self, item: Accepted, numel: int) -> torch.Tensor:
         """The decoded values of an accepted contribution (robust aggregators need them)."""
         assert not isinstance(item, torch.Tensor)
@@ -197,6 +209,11 @@ class TorchPath:
             else:
                 out.add_(v).div_(self._divisor(coef))
         return out
+
+    def combine_encode(self, accepted: Sequence[Accepted], steps: Sequence[tuple[str, float]],
+                       out: torch.Tensor) -> tuple[torch.Tensor, Payload]:
+        value = self.combine(accepted, steps, out)
+        return value, self.encode(value)
 
     def values(self, item: Accepted, numel: int) -> torch.Tensor:
         assert isinstance(item, torch.Tensor)

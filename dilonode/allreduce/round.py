@@ -753,12 +753,17 @@ class AllReduceRound:
         weights = [self._weights[i] for i in range(spec.size)]
         target = self._output()[start:start + numel]
         plain = self.aggregator.name == "mean" and not self.aggregator.norm_bound
+        encoded: bytes | memoryview | None = None
         if plain and not check_claims(weights, self.aggregator.max_weight_ratio):
             # The plain (token-weighted) mean, folded contribution by contribution straight
             # into the output slice (no temporaries), where the decoded mean goes anyway:
-            # `reduce_weighted`'s operations in its order (`reduction_steps`).
+            # `reduce_weighted`'s operations in its order (`reduction_steps`), and encoded.
             steps = reduction_steps(weights, len(ordered))
-            value, rejected = self._path.combine(ordered, steps, target), ()
+            try:
+                value, encoded = self._path.combine_encode(ordered, steps, target)
+            except CodecError as exc:  # as `encode` below
+                return self._unencodable(k, ordered, numel, exc)
+            rejected: tuple[int, ...] = ()
         else:
             # Every contribution was checked on arrival (ours at construction), except
             # float32 values on the host path, which `values` checks now.
@@ -773,11 +778,10 @@ class AllReduceRound:
             value, rejected = combined.value, combined.rejected
         self._rejected_by.setdefault(me, set()).update(rejected)
         try:
-            payload, meta = self._path.encode(value), self._path.meta(numel)
-        except CodecError as exc:  # a NaN/Inf summed unchecked, or finite sums overflowing
-            if (bad := self._bad_contribution(k, ordered, numel)) is not None:
-                return bad
-            return self._fail(f"cannot encode the mean of my chunk {k}: {exc}", (), abort=True)
+            payload = self._path.encode(value) if encoded is None else encoded
+        except CodecError as exc:
+            return self._unencodable(k, ordered, numel, exc)
+        meta = self._path.meta(numel)
         # float32 decodes to exactly what it encoded: a mean already in place stays.
         in_place = value is target and self._lossless
         self._keep(me, k, payload, meta, in_place=in_place)
@@ -796,6 +800,14 @@ class AllReduceRound:
             self._held_last = None
             actions += self._send(self._others(), msg)
         return actions + self._maybe_complete()
+
+    def _unencodable(self, k: int, ordered: list[Accepted], numel: int,
+                     exc: CodecError) -> list[Action]:
+        """The mean of my chunk k does not encode: a NaN/Inf summed unchecked (fail naming
+        its sender), or finite sums overflowing."""
+        if (bad := self._bad_contribution(k, ordered, numel)) is not None:
+            return bad
+        return self._fail(f"cannot encode the mean of my chunk {k}: {exc}", (), abort=True)
 
     def _bad_contribution(self, k: int, ordered: list[Accepted],
                           numel: int) -> list[Action] | None:

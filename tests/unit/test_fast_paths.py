@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from dilonode.algo import kernels
 from dilonode.algo.codecs import CODEC_NAMES, CodecError, all_finite, get_codec
 from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet, RoundState
 from dilonode.allreduce.round import chunk_hash, part_digest, result_digest, round_digest
@@ -245,6 +246,74 @@ def test_float32_round_result_is_the_exact_member_order_mean() -> None:
     assert all(r.state is RoundState.DONE and torch.equal(r.result, expected) for r in rounds)
     assert all(torch.equal(x, torch.randn(1000, generator=torch.Generator().manual_seed(i)))
                for i, x in enumerate(xs))  # the local values were only read
+
+
+# ---------------------------------------------------------------------- fold_float32
+
+
+def _fold_inputs(n_members: int, numel: int, seed: int) -> list[bytes]:
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(numel, generator=g) * 10.0 ** (i % 7 - 3) for i in range(n_members)]
+    xs[0][:3] = torch.tensor([-0.0, 1e-45, -1e-45])  # a signed zero and subnormals
+    if n_members > 1:
+        xs[1][:3] = torch.tensor([-0.0, -1e-45, 1e-45])
+    return [x.numpy().tobytes() for x in xs]
+
+
+@pytest.mark.skipif(not kernels.AVAILABLE, reason="numba not importable")
+@pytest.mark.parametrize("n_members", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("weights", [None, "uneven"])
+def test_fold_float32_is_accumulate_per_step_then_encode_bit_for_bit(
+        n_members: int, weights: str | None) -> None:
+    from dilonode.algo.butterfly import reduction_steps
+    from dilonode.algo.codecs import CodecMeta, fold_float32
+
+    codec, numel = get_codec("float32"), 3001  # blocks of the kernel and a short last one
+    payloads = _fold_inputs(n_members, numel, n_members)
+    w = None if weights is None else [1.0 + 3 * i for i in range(n_members)]
+    steps = reduction_steps(w, n_members)
+    expected = torch.full((numel,), float("nan"))
+    for data, (step, coef) in zip(payloads, steps, strict=True):
+        codec.accumulate(data, CodecMeta("float32", numel, 1), expected, step, coef)
+    out = torch.full((numel,), float("nan"))
+    encoded = fold_float32(codec, payloads, steps, out)
+    assert encoded is not None and encoded.readonly
+    assert out.numpy().tobytes() == expected.numpy().tobytes()  # -0.0 kept, bit for bit
+    assert bytes(encoded) == codec.encode(expected)[0]
+
+
+@pytest.mark.skipif(not kernels.AVAILABLE, reason="numba not importable")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fold_float32_refuses_a_result_that_is_not_finite_as_encode_does(bad: float) -> None:
+    from dilonode.algo.butterfly import reduction_steps
+    from dilonode.algo.codecs import fold_float32
+
+    codec, numel = get_codec("float32"), 2100
+    payloads = _fold_inputs(6, numel, 0)
+    x = np.frombuffer(payloads[5], dtype=np.float32).copy()
+    x[2099] = bad  # in the second batch's last block
+    payloads[5] = x.tobytes()
+    with pytest.raises(CodecError, match="refusing to encode 1 non-finite value"):
+        fold_float32(codec, payloads, reduction_steps(None, 6), torch.empty(numel))
+    big = [np.full(numel, F32_MAX, dtype=np.float32).tobytes()] * 2  # finite, sum overflows
+    with pytest.raises(CodecError, match=f"non-finite value\\(s\\) \\(NaN/Inf\\) of {numel}"):
+        fold_float32(codec, big, [("write", 1.0), ("add", 1.0)], torch.empty(numel))
+
+
+def test_fold_float32_leaves_what_it_does_not_apply_to() -> None:
+    from dilonode.algo.codecs import fold_float32
+
+    out = torch.full((8,), 7.0)
+    data = [np.ones(8, dtype=np.float32).tobytes()] * 2
+    f32 = get_codec("float32")
+    for codec, steps in [(get_codec("int4", 8), [("write", 1.0), ("add", 1.0)]),
+                         (f32, [("add", 1.0), ("add", 1.0)]),  # not from the first step
+                         (f32, [("write", 1.0)]),  # not a step per payload
+                         (f32, [("add_divide", 2.0), ("write", 1.0)])]:
+        assert fold_float32(codec, data, steps, out) is None
+    assert torch.equal(out, torch.full((8,), 7.0))  # untouched
+    assert fold_float32(f32, data, [("write", 1.0), ("add_divide", 2.0)], out) is not None
+    assert torch.equal(out, torch.ones(8))
 
 
 # ---------------------------------------------------------------------- frame tags
