@@ -155,11 +155,16 @@ class _FrameMac:
     took a tenth of a float32 round's CPU.
     """
 
-    def __init__(self, key: bytes, seq: int) -> None:
+    def __init__(self, key: algorithms.AES, seq: int) -> None:
+        self._ctx = Cipher(key, modes.GCM(seq.to_bytes(_NONCE, "big"))).encryptor()
+
+    @staticmethod
+    def key(key: bytes) -> algorithms.AES:
+        """The AES key object for `key`, made once per connection and direction: making it
+        for every frame cost a few microseconds of Python each (key checks)."""
         if len(key) != 32:
             raise ValueError(f"frame MAC key: need 32 bytes, got {len(key)}")
-        nonce = seq.to_bytes(_NONCE, "big")
-        self._ctx = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+        return algorithms.AES(key)
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         self._ctx.authenticate_additional_data(data)
@@ -173,7 +178,7 @@ class FrameSealer:
     """Connector side: the tag to write after each frame, in order."""
 
     def __init__(self, key: bytes) -> None:
-        self._key = key
+        self._key = _FrameMac.key(key)
         self._seq = 0
 
     def seal(self, *frame: bytes | bytearray | memoryview) -> bytes:
@@ -193,7 +198,7 @@ class TaggedFrameReader:
     """
 
     def __init__(self, key: bytes, decoder: FrameDecoder) -> None:
-        self._key = key
+        self._key = _FrameMac.key(key)
         self._decoder = decoder
         self._seq = 0
         self._mac = self._new_mac()
