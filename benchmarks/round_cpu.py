@@ -1,16 +1,17 @@
 """CPU seconds per peer of one all-reduce round without sockets: N `AllReduceRound`s in one
 process over `MemNet` (real msgpack framing, codecs, reduction and digests; no TCP, MAC or
-event loop), so the figure moves little with the load of a shared machine. Like the data
-plane, it first tunes glibc malloc (`tune_allocator`); --no-tune-malloc leaves it alone.
+event loop). Like the data plane, it first tunes glibc malloc (`tune_allocator`);
+--no-tune-malloc leaves it alone.
 
     .venv/bin/python benchmarks/round_cpu.py                        # float32,int4, 10M values
     .venv/bin/python benchmarks/round_cpu.py --codecs int8 --numel 1000000 --profile 20
     .venv/bin/python benchmarks/round_cpu.py --data-path torch     # the device codecs, on CPU
-    .venv/bin/python benchmarks/round_cpu.py --reuse-output        # results as the daemon keeps them
+    .venv/bin/python benchmarks/round_cpu.py --reuse-output        # results kept as the daemon does
 
 Chunks by the round rule (`butterfly.round_chunk_numel`) unless --chunk says otherwise;
 --reuse-output writes each peer's result into one buffer kept across rounds (as the daemon
-does) instead of a fresh one, whose page faults otherwise dominate a float32 round. Prints, per codec, the process CPU time of a whole round divided by the number of peers:
+does) instead of a fresh one, whose page faults otherwise dominate a float32 round.
+Prints, per codec, the process CPU time of a whole round divided by the number of peers:
 the minimum and every value over --rounds rounds (one warm-up round is not counted), and
 the fewest minor page faults per peer of a round.
 """
