@@ -141,8 +141,9 @@ def fold_float32(codec: Codec, payloads: Sequence[Buffer], steps: Sequence[tuple
     check the result and a copy to encode it: same bits. Returns the encoded result (a
     read-only view of a fresh buffer); CodecError if it is not finite, as `encode` would
     raise. None, having done nothing, where this does not apply: not `sums_raw_values`,
-    a big-endian host, or steps that are not a reduction's (write first, add_divide last).
-    The payloads must have passed `check_layout`."""
+    a big-endian host, or steps that are not one per payload in a reduction's order (a
+    write or write_scaled first, then adds, an add_divide only last). The payloads must
+    have passed `check_layout`."""
     n = out.numel()
     names = [name for name, _ in steps]
     if (not sums_raw_values(codec) or sys.byteorder != "little" or not names
