@@ -24,7 +24,7 @@ import torch
 
 from dilonode.config import RunConfig
 from dilonode.train.data import TokenData, load_data
-from dilonode.train.model import build_model, lm_loss
+from dilonode.train.model import build_model, mean_loss
 
 __all__ = ["eval_run"]
 
@@ -45,9 +45,8 @@ def eval_run(run: Path, batches: int = 0, node: str = "node-0") -> float:
     model.eval()
     if batches <= 0:  # every window of the split once, none overlapping
         batches = (len(data.eval_tokens) - 1) // (cfg.data.seq_len * cfg.data.batch_size)
-    windows = data.eval_batches(cfg.data.seq_len, cfg.data.batch_size, batches)
-    with torch.no_grad():
-        return sum(float(lm_loss(model, x, y)) for x, y in windows) / len(windows)
+    return mean_loss(model, data.eval_batches(cfg.data.seq_len, cfg.data.batch_size, batches),
+                     "cpu")
 
 
 def main() -> int:

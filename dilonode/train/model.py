@@ -31,6 +31,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dilonode.config import ModelConfig
+from dilonode.train.device import autocast
 
 __all__ = [
     "PRESETS",
@@ -49,6 +51,7 @@ __all__ = [
     "Transformer",
     "build_model",
     "lm_loss",
+    "mean_loss",
     "model_identity",
     "param_count",
     "resolve_model_dims",
@@ -391,6 +394,18 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy of `model(x)` against targets y (both [B, T]), in float32."""
     logits = _logits_of(model(x))  # [B, T, V]
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              device: torch.device | str) -> float:
+    """Mean `lm_loss` of `model` (on `device`) over (x, y) batches, under the device's
+    autocast: a node's evaluation of its outer weights, and `benchmarks/reeval.py`'s."""
+    total = 0.0
+    for x, y in batches:
+        with autocast(device):
+            total += float(lm_loss(model, x.to(device), y.to(device)))
+    return total / max(len(batches), 1)
 
 
 def param_count(model: nn.Module) -> int:

@@ -43,7 +43,7 @@ from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TokenData
 from dilonode.train.device import autocast, pick_device
 from dilonode.train.dist import SingleRank
-from dilonode.train.model import build_model, lm_loss
+from dilonode.train.model import build_model, lm_loss, mean_loss
 from dilonode.train.state import (
     WorkerState,
     adoption_step,
@@ -708,12 +708,7 @@ class Worker:
         """Mean loss of the outer weights over fixed held-out batches."""
         if self.ranks.world > 1:
             return self._evaluate_ranks(batches)
-        model = self.outer_model().eval()
-        total = 0.0
-        for x, y in batches:
-            with autocast(self.device):
-                total += float(lm_loss(model, x.to(self.device), y.to(self.device)))
-        return total / max(len(batches), 1)
+        return mean_loss(self.outer_model().eval(), batches, self.device)
 
     def _evaluate_ranks(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Every rank: the outer weights swapped into the inner model, each rank's rows of
