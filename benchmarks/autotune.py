@@ -172,10 +172,12 @@ def table(rows: list[dict[str, Any]]) -> str:
             "loss, whole eval split | vs best hand-tuned | agree | wall |")
     out = [head, "|" + "---|" * 13]
     for r in rows:
-        loss = r.get("final_loss_split") or r["final_eval_loss"]
-        hand = [x.get("final_loss_split") or x["final_eval_loss"] for x in rows
-                if x["rate_mbit"] == r["rate_mbit"] and x["run"].startswith("tau")]
-        rel = f"{(loss / min(hand) - 1) * 100:+.2f}%" if hand else "-"
+        same_rate = [x for x in rows if x["rate_mbit"] == r["rate_mbit"]]
+        # One metric for every run compared: the whole split if each has it.
+        key = ("final_loss_split" if all(x.get("final_loss_split") for x in same_rate)
+               else "final_eval_loss")
+        hand = [x[key] for x in same_rate if x["run"].startswith("tau")]
+        rel = f"{(r[key] / min(hand) - 1) * 100:+.2f}%" if hand else "-"
         split = f"{r['final_loss_split']:.4f}" if r.get("final_loss_split") else "-"
         out.append(f"| {r['rate_mbit']:g} Mbit/s | {r['run']} | {r['utilization_mean']:.1%} "
                    f"({r['utilization_min']:.1%}) | {r['utilization_training'] or 0:.1%} "
