@@ -246,9 +246,10 @@ def fold_f32(out: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np
     from out or, if `first`, from nothing (the write / write_scaled step), then divided by
     `divisor` (the add_divide step; 1 for none). The same operations in the same order, so
     the same bits: v * 1 and x / 1 are exact, and the sum starts from -0.0, which adds
-    nothing to any value (not even -0.0's sign). If `bits` has n values it receives the
-    result's bit patterns (the encoded float32 result, in the same sweep); returns the max
-    of the result's sign-cleared bits (>= 0x7F800000: some value is NaN or Inf)."""
+    nothing to any value (not even -0.0's sign). If `bits` has n values (the last call of
+    a fold) it receives the result's bit patterns (the encoded float32 result, in the same
+    sweep) and the return is the max of the result's sign-cleared bits (>= 0x7F800000:
+    some value is NaN or Inf); otherwise 0."""
     n = out.size
     m = np.int32(0)
     ob = out.view(np.int32)
@@ -275,14 +276,10 @@ def fold_f32(out: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np
             for i in range(hi - lo):
                 o[i] = ((((o[i] + av[i] * c0) + bv[i] * c1) + cv[i] * c2)
                         + dv[i] * c3) / divisor
-        xb = ob[lo:hi]
         if keep:
-            kb = bits[lo:hi]
+            xb, kb = ob[lo:hi], bits[lo:hi]
             for i in range(hi - lo):
                 x = xb[i]
                 kb[i] = x
                 m = max(m, x & np.int32(0x7FFFFFFF))
-        else:
-            for i in range(hi - lo):
-                m = max(m, xb[i] & np.int32(0x7FFFFFFF))
     return m
