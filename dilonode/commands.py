@@ -178,7 +178,7 @@ def _run_leader(args: argparse.Namespace, cfg: Any, env: Any) -> int:
         raise UserError(str(exc)) from None
     out = Path(cfg.paths.out_dir)
     try:
-        node.start()
+        node.start(stop)
         _announce(node, out, fmt)
         if fmt == "json" and (rec := node.keeper.recovery) is not None:
             print(recovered_event(rec), flush=True)

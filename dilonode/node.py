@@ -137,7 +137,9 @@ class Node:
         self._hard_exit: threading.Timer | None = None
 
     # -- life cycle ------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, stop: threading.Event | None = None) -> None:
+        """Join the swarm (see the module docstring). `stop` (run()'s event) ends the wait
+        for `network.min_peers` early: a node signalled while it waits stops at once."""
         net = self.cfg.network
         self.admission.setup(self.cfg.admission)  # before the DHT forks: it inherits the limit
         self.reachability = reach.resolve(net.reachable, net.host, net.announce_host,
@@ -205,7 +207,7 @@ class Node:
         self._start_clock()
         self.keeper.prepare(self.worker, self.collective.thread, self.dht,
                             publish=self.membership.start)
-        self.membership.wait_for_peers(net.min_peers, net.start_timeout)
+        self.membership.wait_for_peers(net.min_peers, net.start_timeout, stop)
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())
         self._supervise()

@@ -113,13 +113,23 @@ class Membership:
             self._live = (time.monotonic(), peers)
         return peers
 
-    def wait_for_peers(self, need: int, timeout: float) -> list[PeerRecord]:
+    def wait_for_peers(self, need: int, timeout: float,
+                       stop: threading.Event | None = None) -> list[PeerRecord]:
+        """The live peers once `need` of them are visible; TimeoutError after `timeout` s.
+        Returns early, with fewer, once `stop` is set: a node asked to stop while it waits
+        for its peers stops then, not when its start timeout runs out."""
         deadline = time.monotonic() + timeout
-        while len(seen := self.live_peers()) < need:
+        stop = stop or threading.Event()
+        logged = False
+        while len(seen := self.live_peers()) < need and not stop.is_set():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"network.min_peers = {need}: only {len(seen)} peer(s) "
                                    f"visible after {timeout} s")
-            time.sleep(0.2)
+            if not logged:
+                log.info("waiting for network.min_peers = %d peers (%d visible), at most "
+                         "%g s", need, len(seen), timeout)
+                logged = True
+            stop.wait(0.2)
         return seen
 
     async def form(self, fragment: int, round_no: int, attempt: int,
