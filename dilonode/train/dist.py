@@ -28,7 +28,6 @@ node stops (dilonode/launch.py then stops every rank).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import inspect
@@ -36,12 +35,11 @@ import logging
 import math
 import os
 import platform
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,7 +59,7 @@ from dilonode.train.ranks import (
 )
 
 __all__ = ["NodeRanks", "RankEnv", "RankFailure", "SingleRank", "device_info", "follow",
-           "exit_without_finalizing", "init_node_ranks", "rank_device", "used_process_groups"]
+           "init_node_ranks", "rank_device", "used_process_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -72,24 +70,6 @@ _used_groups = False  # set once this process joined a torch.distributed process
 def used_process_groups() -> bool:
     """Whether this process joined a process group (`init_node_ranks`)."""
     return _used_groups
-
-
-def exit_without_finalizing(code: int) -> NoReturn:
-    """End a process that used gloo with `code`, skipping interpreter finalization.
-
-    At interpreter exit, after `destroy_process_group` and with no Python frame left, gloo
-    can abort in a C++ destructor ("terminate called without an active exception": SIGABRT;
-    1 in 140 runs of three processes in tests/integration/gloo_reference.py, faulthandler
-    showing the main thread with no Python frame). A rank that finished cleanly would then
-    report a failure and stop its node. Python's own exit work (atexit: logging,
-    multiprocessing children, temporary directories) still runs; only finalization is
-    skipped.
-    """
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
 
 
 class RankFailure(RuntimeError):

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from dilonode.config import RunConfig
+from dilonode.exiting import exit_without_finalizing
 from dilonode.train.data import load_data
-from dilonode.train.dist import exit_without_finalizing
 from dilonode.train.model import build_model, lm_loss
 from dilonode.train.worker import build_inner_optimizer
 
