@@ -138,8 +138,9 @@ class Node:
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self, stop: threading.Event | None = None) -> None:
-        """Join the swarm (see the module docstring). `stop` (run()'s event) ends the wait
-        for `network.min_peers` early: a node signalled while it waits stops at once."""
+        """Join the swarm (see the module docstring). `stop` (run()'s event) abandons a
+        state recovery in progress and the wait for `network.min_peers`: a node signalled
+        while it starts stops at once."""
         net = self.cfg.network
         self.admission.setup(self.cfg.admission)  # before the DHT forks: it inherits the limit
         self.reachability = reach.resolve(net.reachable, net.host, net.announce_host,
@@ -206,7 +207,7 @@ class Node:
                     self.tunnel.serve_state(self.keeper.server.accept_stream), timeout=30.0)
         self._start_clock()
         self.keeper.prepare(self.worker, self.collective.thread, self.dht,
-                            publish=self.membership.start)
+                            publish=self.membership.start, stop=stop)
         self.membership.wait_for_peers(net.min_peers, net.start_timeout, stop)
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())

@@ -18,8 +18,11 @@ later joiners. Mode ddp has no outer state: the keeper only publishes there.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
+import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -115,10 +118,11 @@ class StateKeeper:
         return f"{announce}:{address.rsplit(':', 1)[1]}" if announce else address
 
     def prepare(self, worker: Any, thread: Any, dht: Any,
-                publish: Callable[[], None]) -> None:
+                publish: Callable[[], None], stop: threading.Event | None = None) -> None:
         """Resume and/or recover into `worker`, calling `publish()` (our peer record) once:
         just before the last recovery pass, or at the end when there is nothing to recover.
-        Then serve the state."""
+        Then serve the state. `stop` set (the node was told to stop) abandons a recovery
+        in progress: a fetch over a slow link can take minutes."""
         published = False
 
         async def before_final() -> None:
@@ -136,7 +140,7 @@ class StateKeeper:
             # start after it wait for us while we read manifests once more, as they did
             # when we published after the transfer.
             self._recover(worker, thread, _serving_peers(dht, self), dht.credentials,
-                          before_final, final_lead=_PEER_VIEW_S)
+                          before_final, final_lead=_PEER_VIEW_S, stop=stop)
         if not published:
             publish()
         self.checkpointer.start_from(worker.step)
@@ -161,10 +165,11 @@ class StateKeeper:
     def _recover(self, worker: Any, thread: Any, peers: dict[str, str], auth: Credentials,
                  before_final: Callable[[], Awaitable[None]], *,
                  same_rounds: bool = False, final_lead: float = 0.0,
-                 prefer: tuple[str, ...] = ()) -> None:
+                 prefer: tuple[str, ...] = (), stop: threading.Event | None = None) -> None:
         """`same_rounds`: also take a state with as many rounds as ours (ours may have
         diverged in a lone round), but only when its content differs from ours.
-        `final_lead`: see `recover` (start publishing before the transfer ends)."""
+        `final_lead`: see `recover` (start publishing before the transfer ends). `stop`:
+        see `prepare`."""
         if not peers:
             return
         sc = self.cfg.statesync
@@ -182,12 +187,15 @@ class StateKeeper:
                       opener=self.opener, streamed=self._streamed,
                       floor_patience=net.matchmaking_timeout + net.allreduce_timeout,
                       on_link=self.on_link)
+        future = thread.submit(asyncio.wait_for(job, sc.recover_timeout))
         try:
-            got = thread.run(asyncio.wait_for(job, sc.recover_timeout),
-                             timeout=sc.recover_timeout + 10.0)
+            got = _result_unless(future, stop, sc.recover_timeout + 10.0)
         except TimeoutError:
             raise RecoveryError(f"state sync: no complete state within statesync."
                                 f"recover_timeout = {sc.recover_timeout} s") from None
+        except concurrent.futures.CancelledError:
+            log.info("state sync: stopped before a state arrived; not recovering")
+            return
         if got is not None:
             self._refused += got.refused
         if got is None:
@@ -319,6 +327,22 @@ class StateKeeper:
             except Exception as exc:  # closing must go on whatever the sockets do
                 log.warning("state server did not close cleanly: %s", exc)
         self.checkpointer.wait(timeout=30.0)
+
+
+def _result_unless(future: concurrent.futures.Future[Any], stop: threading.Event | None,
+                   timeout: float) -> Any:
+    """`future`'s result within `timeout` s (TimeoutError after); once `stop` is set,
+    cancel it and raise CancelledError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if stop is not None and stop.is_set():
+            future.cancel()
+            raise concurrent.futures.CancelledError
+        try:
+            return future.result(min(0.2, max(deadline - time.monotonic(), 0.0)))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
 
 
 def _serving_peers(dht: Any, keeper: StateKeeper | None = None) -> dict[str, str]:

@@ -3,6 +3,7 @@ state to trust, scheduling chunks over peers, assembling, and the snapshot hand-
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -369,3 +370,44 @@ def test_a_slow_fetch_keeps_about_a_second_of_chunks_in_flight():
         fast.add(mib, now=10.0 + k * 0.0105)
     assert fast.window(mib, peers=3, most=4, now=12.1) == 4  # statesync.window binds
     assert fast.window(mib, peers=3, most=64, now=12.1) == 32
+
+
+def test_a_stop_abandons_a_recovery_in_progress(monkeypatch, tmp_path):
+    """A node told to stop while it fetches the state (minutes over a slow link) stops
+    then: the recovery is cancelled and the node starts from what it had."""
+    from types import SimpleNamespace
+
+    from dilonode.allreduce.driver import LoopThread
+    from dilonode.config import load_config
+    from dilonode.statesync import keeper as keeper_mod
+
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def never_done(*args, **kwargs):
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    monkeypatch.setattr(keeper_mod, "recover", never_done)
+    cfg = load_config(overrides={"paths": {"out_dir": str(tmp_path)}})
+    keeper = keeper_mod.StateKeeper(cfg)
+    worker = SimpleNamespace(export_state=lambda: SimpleNamespace(step=0, rounds=[0, 0, 0]))
+    stop = threading.Event()
+    thread = LoopThread("test-recover", use_uvloop=False)
+    thread.start()
+    try:
+        def stop_once_fetching() -> None:
+            started.wait(10)
+            stop.set()
+
+        helper = threading.Thread(target=stop_once_fetching)
+        helper.start()
+        keeper._recover(worker, thread, {"peer": "127.0.0.1:1"}, None, None, stop=stop)
+        helper.join()
+        assert cancelled.wait(10), "the recovery was not cancelled"
+        assert keeper.recovery is None
+    finally:
+        thread.stop()
