@@ -1,8 +1,9 @@
 """Ending a dilonode process without Python's interpreter finalization.
 
 A node's process holds torch, hivemind and their modules; tearing them down at exit took
-1.5-1.6 s of CPU per process on the 2-core box (a lone node's summary to its exit, two
-runs each way), after everything the node owns was already closed and written. gloo can
+1.5-1.6 s per process on the 2-core box (`benchmarks/exit_time.py`: a lone node's summary
+to its exit; 0.1 s without), after everything the node owns was already closed and
+written. gloo can
 also abort in a C++ destructor during that teardown (see `exit_without_finalizing`).
 """
 
