@@ -599,7 +599,7 @@ class Node:
         mine = self._final_record()
         try:
             board.publish(mine)
-            got = board.collect(mine, expected, wait)
+            got = board.collect(mine, expected, wait, live=self._live_for_final_check)
             adopted = False
             for _ in range(_AGREE_PASSES):
                 if got.agrees is not False:
@@ -639,6 +639,18 @@ class Node:
             log.debug("end-of-run check: could not read the peers' records: %s", exc)
             return set()
 
+    def _live_for_final_check(self) -> set[str] | None:
+        """The peers with a live membership record (not expired, not marked leaving), for
+        the end-of-run check to stop waiting for the others; None when the DHT cannot say,
+        or when the read missed our own record (no evidence that the others are gone)."""
+        try:
+            assert self.membership is not None
+            live = {r.peer_id for r in self.membership.live_peers()}
+        except (TimeoutError, RuntimeError) as exc:
+            log.debug("end-of-run check: could not read the peers' records: %s", exc)
+            return None
+        return live if self.peer_id in live else None
+
     def _final_peers(self) -> set[str]:
         """Whom the end-of-run check waits for: the members of our last rounds and every
         live peer. In a grouped swarm all must read the same records to pick the same
@@ -673,7 +685,7 @@ class Node:
                 mine = self._final_record()
                 board.publish(mine)
         # Ours stands (or is now the standing one): give the others time to adopt it.
-        return board.collect(mine, expected, wait, settle=True,
+        return board.collect(mine, expected, wait, settle=True, live=self._live_for_final_check,
                              patience=self.cfg.statesync.recover_timeout), mine, adopted
 
     def _summary(self, rep: Any) -> NodeSummary:

@@ -106,16 +106,21 @@ class FinalBoard:
         return read_records(self.dht, final_key(self.run_id), FinalRecord, timeout)
 
     def collect(self, mine: FinalRecord, expected: Collection[str], timeout: float,
-                poll: float = 0.5, settle: bool = False, patience: float = 0.0) -> Verdict:
+                poll: float = 0.5, settle: bool = False, patience: float = 0.0,
+                live: Callable[[], Collection[str] | None] | None = None) -> Verdict:
         """Read until every expected peer has published for our end step (and, with
         `settle`, until none of them differs any more) or `timeout` passes. With `settle`,
         while every peer that differs says it is adopting our weights, wait up to
-        `patience` instead: a state fetch on a loaded host outlasts a round's timeouts."""
+        `patience` instead: a state fetch on a loaded host outlasts a round's timeouts.
+        `live`: the peers whose membership record is live (None when the DHT cannot say;
+        read only while someone is missing). Once no missing peer is among them, none is
+        waited for: they stay `missing` in the verdict, and a peer killed shortly before
+        the end costs its peers the rest of its record's lifetime, not the whole timeout."""
         start, failed = time.monotonic(), 0
         while True:
             others, failed = self._read_counting(timeout, failed)
             got = verdict(mine, others, expected)
-            if not got.missing and not (settle and got.differ):
+            if not (settle and got.differ) and (not got.missing or _none_live(got.missing, live)):
                 return got
             limit = timeout
             if settle and got.differ and all(others[p].adopting == mine.digest
@@ -166,6 +171,12 @@ class FinalBoard:
             (log.warning if not failed else log.debug)(
                 "end-of-run check: could not read the peers' final records: %s", exc)
             return {}, failed + 1
+
+
+def _none_live(peers: Collection[str], live: Callable[[], Collection[str] | None] | None) -> bool:
+    """Whether none of `peers` has a live membership record (False when nobody can say)."""
+    now = live() if live is not None else None
+    return now is not None and not set(peers) & set(now)
 
 
 def _checked(rec: FinalRecord | None, mine: FinalRecord) -> bool:

@@ -168,6 +168,39 @@ def test_holders_of_the_standing_weights_wait_for_peers_adopting_them_and_no_lon
     assert got.agrees is False and 0.5 <= took < 5.0
 
 
+def test_the_end_check_stops_waiting_for_a_missing_peer_once_its_record_is_gone():
+    # A peer killed shortly before the end is still expected (its membership record was
+    # live when the check began); once the record is gone it is not waited for, and it
+    # stays missing in the verdict. While its record lives, or nobody can say, the check
+    # waits its timeout.
+    board = Board()
+    holder, peer = _final_board(board, 0), _final_board(board, 1)
+    mine = _final(0, "a" * 64)
+    holder.publish(mine)
+    peer.publish(_final(1, "a" * 64))
+    expected = {IDS[1].peer_id, IDS[2].peer_id}
+
+    def collect(live) -> tuple:
+        t0 = time.monotonic()
+        got = holder.collect(mine, expected, 1.0, poll=0.02, live=live)
+        return got, time.monotonic() - t0
+
+    for live in (None, lambda: None, lambda: {IDS[0].peer_id, IDS[1].peer_id, IDS[2].peer_id}):
+        got, took = collect(live)
+        assert got.missing == [IDS[2].peer_id] and took >= 1.0
+    reads = []
+
+    def expired() -> set[str]:
+        reads.append(1)
+        return {IDS[0].peer_id, IDS[1].peer_id} if len(reads) >= 3 else \
+            {IDS[0].peer_id, IDS[1].peer_id, IDS[2].peer_id}
+
+    got, took = collect(expired)
+    assert got.agrees is True and got.same == [IDS[1].peer_id]
+    assert got.missing == [IDS[2].peer_id] and len(reads) == 3 and took < 0.5
+    assert "1 expected peer(s) did not report" in got.line()
+
+
 def test_a_node_that_agrees_stays_until_the_peers_holding_its_weights_ended_their_check():
     # The peers that adopted a holder's weights agree first, while the holder (serving them
     # the weights) still checks; their records live on their DHTs, so they must not leave
