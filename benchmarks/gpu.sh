@@ -220,7 +220,7 @@ stage_quality_table() {
 
 swarm_args() {
   if [ "$SMOKE" = 1 ]; then
-    echo "--nodes 2 --preset nano --fragments 3 --data builtin --device cpu --minutes 0.3"
+    echo "--nodes 2 --preset nano --fragments 3 --data builtin --device cpu --minutes 0.2"
     echo "--step-seconds 0.05 --batch-size 4 --seq-len 64 --eval-every 200"
   else
     echo "--data $CORPUS --minutes ${SWARM_MINUTES:-11}"

@@ -110,7 +110,7 @@ def wait(args: argparse.Namespace) -> int:
             print(f"[{time.time() - info['started']:.0f} s] {last_line(args.dir / 'swarm.log')}",
                   flush=True)
             next_print = time.monotonic() + 60
-        time.sleep(2)
+        time.sleep(0.5)
     print(f"swarm done after {time.time() - info['started']:.0f} s", flush=True)
     return 0
 

@@ -73,7 +73,9 @@ def test_a_killed_rank_ends_its_node_and_the_swarm_goes_on(tmp_path):
     import os
     import signal
 
-    cfg = _cfg(tmp_path, total_steps=30,
+    # Rank 1 dies at step 8 or later; node-0 then runs its last rounds alone, each waiting
+    # one matchmaking window for a peer that might join, so few steps remain after it.
+    cfg = _cfg(tmp_path, total_steps=20,
                network={**BASE["network"], "matchmaking_window": 4.0,
                         "matchmaking_timeout": 10.0, "allreduce_timeout": 8.0})
     swarm = LocalSwarm(cfg, 2)
@@ -100,4 +102,4 @@ def test_a_killed_rank_ends_its_node_and_the_swarm_goes_on(tmp_path):
     assert stopped_in < 30
     assert _rank_pid(tmp_path / "node-1", 0) is None  # no rank outlives its node
     summary = json.loads((tmp_path / "node-0" / "summary.json").read_text())
-    assert summary["steps"] == 30 and not summary["stopped_early"]
+    assert summary["steps"] == 20 and not summary["stopped_early"]
