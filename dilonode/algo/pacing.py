@@ -225,16 +225,23 @@ def due_starts(plan: SyncPlan, next_round: Sequence[int], ref_now: float,
 
 def final_rounds(plan: SyncPlan, next_round: Sequence[int], end_step: int) -> list[SyncStart]:
     """The end-of-run sync: every fragment whose last round started before `end_step`
-    (so it has trained since) gets one more round, numbered as its next one; fragments
-    whose round started exactly at `end_step` are already fresh. Every worker derives the
-    same list from the plan and the end step (`next_round` only skips rounds a worker has
-    already started)."""
+    (so it has trained since) gets one more round, numbered after the schedule's rounds
+    up to `end_step`; fragments whose round started exactly at `end_step` are already
+    fresh. Every worker derives the same list from the plan and the end step.
+
+    A worker whose `next_round` is already past the schedule's rounds holds that final
+    round: no round starts past the end, so only a state fetched from peers that had
+    landed theirs can (a node paused until its peers ended, resuming while they check).
+    Another round would apply the outer step once more, alone, and end it on weights
+    no peer holds."""
     out = []
     for p in range(plan.num_fragments):
         started = plan.rounds_started(p, end_step)
         if started and plan.start_step(p, started - 1) == end_step:
             continue
-        out.append(SyncStart(p, max(started, next_round[p])))
+        if next_round[p] > started:
+            continue
+        out.append(SyncStart(p, started))
     return out
 
 

@@ -54,11 +54,26 @@ def test_a_worker_paused_past_a_round_skips_to_the_newest_one_behind_by_one_take
 def test_final_rounds_cover_every_fragment_trained_since_its_last_round():
     plan = SyncPlan(6, 3, 1)  # offsets 2, 4, 6: starts 2, 8 | 4, 10 | 6, 12
     assert final_rounds(plan, [2, 2, 2], 12) == [SyncStart(0, 2), SyncStart(1, 2)]
-    assert final_rounds(plan, [2, 2, 2], 11) == [SyncStart(0, 2), SyncStart(1, 2),
-                                                 SyncStart(2, 2)]
+    # Fragment 2's round 1 (step 12) never starts in a run ending at 11: its final round
+    # takes that number.
+    assert final_rounds(plan, [2, 2, 1], 11) == [SyncStart(0, 2), SyncStart(1, 2),
+                                                 SyncStart(2, 1)]
     diloco = SyncPlan(4, 1, 0)
     assert final_rounds(diloco, [3], 12) == []  # the last regular round ended the run
     assert final_rounds(diloco, [3], 13) == [SyncStart(0, 3)]
+    # A worker that missed rounds joins the final ones under the same numbers.
+    assert final_rounds(plan, [1, 0, 1], 11) == final_rounds(plan, [2, 2, 1], 11)
+
+
+def test_a_state_fetched_after_the_peers_final_rounds_gets_no_round_of_its_own():
+    # A node paused until its peers ended fetches their final state: fragments 0 and 1
+    # already hold their final round (numbered 2), fragment 2 was fresh at the end. One
+    # more round would step its outer weights alone (the swarm ended as two models: n2 in
+    # test_resync once took [17, 17, 15] rounds where its peers held [16, 16, 15]).
+    plan = SyncPlan(6, 3, 1)  # starts 2, 8 | 4, 10 | 6, 12
+    assert final_rounds(plan, [3, 3, 2], 12) == []
+    # Fetched while the peers had landed fragment 0's final round only: 1 still to do.
+    assert final_rounds(plan, [3, 2, 2], 12) == [SyncStart(1, 2)]
 
 
 def test_time_pacer_reads_the_clock_and_measures_its_own_step():
