@@ -586,8 +586,10 @@ class _BlockCodec:
         """`_split`, with the scales checked (and, on the fast path, the payload)."""
         scale, payload = self._split(data, numel)
         # A NaN/Inf/negative scale, or one whose qmax multiple overflows to inf, would poison
-        # the average; the float64 product is exact, and NaN fails both comparisons.
-        ok = (scale >= 0) & (scale.astype(np.float64) * self.qmax < _F32_OVERFLOW)
+        # the average; the float64 product is exact, and NaN fails both comparisons (a
+        # signalling NaN's cast sets the invalid flag: that is what is checked, not news).
+        with np.errstate(invalid="ignore"):
+            ok = (scale >= 0) & (scale.astype(np.float64) * self.qmax < _F32_OVERFLOW)
         if not ok.all():
             raise CodecError(f"{self.name} data holds {int((~ok).sum())} invalid block scale(s) "
                              f"(NaN, Inf, negative, or {self.qmax:g} * scale overflows float32)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import struct
+import warnings
 
 import numpy as np
 import pytest
@@ -329,6 +330,19 @@ def test_decode_refuses_corrupt_scale(name: str, scale: float) -> None:
     corrupt = data[:4] + struct.pack("<f", scale) + data[8:]  # second of three scales
     with pytest.raises(CodecError, match="1 invalid block scale"):
         codec.decode(corrupt, meta)
+
+
+@pytest.mark.parametrize("name", BLOCK_CODECS)
+def test_a_signalling_nan_scale_is_refused_without_a_numpy_warning(name: str) -> None:
+    # A peer's bytes can hold any NaN; casting a signalling one printed numpy's "invalid
+    # value encountered in cast" into the node's log before the one-line error.
+    codec = get_codec(name, 4)
+    data, meta = codec.encode(torch.linspace(-1, 1, 10))
+    corrupt = data[:4] + struct.pack("<I", 0x7F800001) + data[8:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(CodecError, match="1 invalid block scale"):
+            codec.decode(corrupt, meta)
 
 
 def test_decode_refuses_scale_that_overflows_on_multiply() -> None:
