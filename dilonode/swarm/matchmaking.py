@@ -351,7 +351,8 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
                expected: Collection[str] | Callable[[], Collection[str]] = (),
                exclude: Collection[str] = (),
                gone: Callable[[], Collection[str]] | None = None,
-               key_index: int = 0, max_group_size: int | None = None) -> Group:
+               key_index: int = 0, max_group_size: int | None = None,
+               nobody_else: bool = False) -> Group:
     """Register `me` for this attempt and return the group its leader closed.
 
     `expected` (peer ids believed alive, e.g. from the peer records) ends the wait early once
@@ -363,6 +364,10 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
     follower whose leader is among them blames it at once instead of waiting for its roster.
     `key_index` is our key in a grouped swarm (`algo.groups.key_index`) and
     `max_group_size` bounds every group (None: one group of everyone, as before).
+    `nobody_else` (the caller's peer records hold no live peer but us) closes a group of one
+    at the first read that finds no other entry, instead of waiting a window for a peer that
+    is not there (a joiner whose record appears later waits for this round to land anyway);
+    an entry that is there gets the usual window.
 
     `board` is a started `SwarmDHT`. Returns within `timeout` seconds or raises
     `MatchmakingError`; see the module docstring for the protocol.
@@ -374,7 +379,8 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
                   timeout + window, poll_interval)
     _register(view, deadline)
     steps = _Attempt(view, window, start, deadline, min(_READ_RESERVE_S, timeout - window),
-                    frozenset(exclude) - {me.peer_id}, expected, gone, max_group_size)
+                    frozenset(exclude) - {me.peer_id}, expected, gone, max_group_size,
+                    nobody_else)
     steps.gather()
     roster, any_roster = _roster_for(view.entries, me.peer_id)
     grouped = _is_grouped(view.entries, me, max_group_size)
@@ -404,6 +410,7 @@ class _Attempt:
     expected: Collection[str] | Callable[[], Collection[str]]
     gone: Callable[[], Collection[str]] | None
     max_group_size: int | None
+    nobody_else: bool  # no live peer record but ours: a lone read closes at once
 
     def dead(self) -> frozenset[str]:
         return frozenset(self.gone() if self.gone is not None else ()) - {self.view.me.peer_id}
@@ -425,7 +432,10 @@ class _Attempt:
         """Watch the key for one window (less if every expected peer registered or a
         roster appeared), then read it afresh: the leader decides on that read."""
         view, me, last = self.view, self.view.me.peer_id, self.deadline - self.reserve
-        if view.watch(min(time.monotonic() + self.window, last), self._closed_or_complete):
+        until = min(time.monotonic() + self.window, last)
+        if self.nobody_else and view.watch(until, lambda _: True) and self._lonely(view.entries):
+            return
+        if view.watch(until, self._closed_or_complete):
             return
         try:
             view.read(self.deadline)

@@ -147,6 +147,7 @@ class Membership:
         # later joins the next round: it waits for this one to land, see `counts`); a peer
         # found dead meanwhile stops being waited for at the next poll.
         waits_for = frozenset(self._expected(exclude))
+        nobody_else = self._nobody_else(waits_for)
         index, is_grouped, waits_for = self._key_of(fragment, round_no, attempt, waits_for,
                                                     exclude)
         with self._lock:
@@ -164,13 +165,22 @@ class Membership:
                            self.net.matchmaking_window, self.net.matchmaking_timeout,
                            poll_interval=0.05, expected=expected, exclude=exclude,
                            gone=self._hung_up, key_index=index,
-                           max_group_size=self.net.max_group_size)
+                           max_group_size=self.net.max_group_size, nobody_else=nobody_else)
         now = time.monotonic()
         with self._lock:
             self._seen.update({m: now for m in group.members})
             self._rounds[fragment] = (round_no, frozenset(), frozenset(group.members))
         return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
                            group.digest(), group.diverged, group.outvoted, group.mixing)
+
+    def _nobody_else(self, waits_for: frozenset[str]) -> bool:
+        """Whether this round can only be ours alone: nobody expected, and the record read
+        it came from holds our own record (a failed or partial read is no evidence that
+        the others are gone, and closing alone then would split a round they wait in)."""
+        me = self.dht.peer_id
+        if waits_for - {me}:
+            return False
+        return any(r.peer_id == me for r in self.live_peers(max_age=1.0))
 
     def _key_of(self, fragment: int, round_no: int, attempt: int, waits_for: frozenset[str],
                 exclude: set[str]) -> tuple[int, bool, frozenset[str]]:

@@ -73,8 +73,8 @@ def test_a_killed_rank_ends_its_node_and_the_swarm_goes_on(tmp_path):
     import os
     import signal
 
-    # Rank 1 dies at step 8 or later; node-0 then runs its last rounds alone, each waiting
-    # one matchmaking window for a peer that might join, so few steps remain after it.
+    # Rank 1 dies at step 8 or later; node-0 then runs its last rounds alone (each closes at
+    # once once node-1 is known dead: `nobody_else` in swarm/matchmaking.py).
     cfg = _cfg(tmp_path, total_steps=20,
                network={**BASE["network"], "matchmaking_window": 4.0,
                         "matchmaking_timeout": 10.0, "allreduce_timeout": 8.0})

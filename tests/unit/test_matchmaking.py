@@ -284,6 +284,40 @@ def test_a_lone_peer_stops_waiting_for_an_expected_peer_found_dead() -> None:
     assert time.monotonic() - t0 < 3.0  # a static expected set waits the whole 8 s
 
 
+def test_a_peer_that_knows_no_live_peer_but_itself_closes_alone_at_once() -> None:
+    """No live record but ours (`nobody_else`): the first read finds no other entry, so
+    the group of one closes then, not a window later, and its roster is on the board for a
+    late peer to find the round closed."""
+    board = Board()
+    t0 = time.monotonic()
+    group = form_group(_view(board, IDS[0]), RUN, 1, 5, 0, _entry(IDS[0]), 5.0, 8.0,
+                       poll_interval=0.02, nobody_else=True)
+    assert group.members == (IDS[0].peer_id,)
+    assert time.monotonic() - t0 < 2.5  # the window alone is 5 s
+    late = form_group(_view(board, IDS[1]), RUN, 1, 5, 0, _entry(IDS[1]), 5.0, 8.0,
+                      poll_interval=0.02)
+    assert late.members == (IDS[1].peer_id,)  # the round closed without it
+
+
+def test_a_peer_that_knows_nobody_else_still_groups_with_an_entry_it_finds() -> None:
+    """`nobody_else` but another peer did register (its record not read yet): the usual
+    window applies and both run the same group."""
+    board, other = Board(), IDS[1]
+    key = group_key(RUN, 1, 5, 0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(form_group, _view(board, other), RUN, 1, 5, 0, _entry(other), 1.0,
+                          8.0, poll_interval=0.02)
+        deadline = time.monotonic() + 5.0
+        while other.peer_id not in _view(board, IDS[0]).get_raw(key):
+            assert time.monotonic() < deadline, "the other peer never registered"
+            time.sleep(0.01)
+        mine = form_group(_view(board, IDS[0]), RUN, 1, 5, 0, _entry(IDS[0]), 1.0, 8.0,
+                          poll_interval=0.02, nobody_else=True)
+        theirs = fut.result(timeout=10)
+    assert mine.members == theirs.members == (IDS[0].peer_id, other.peer_id)
+    assert mine.digest() == theirs.digest()
+
+
 def test_a_follower_blames_a_leader_that_hung_up_at_once() -> None:
     """The leader registered, then its process died (its data-plane connections closed):
     its followers blame it as soon as they know, not a window after first reading it."""
