@@ -31,7 +31,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ __all__ = [
     "Transformer",
     "build_model",
     "lm_loss",
+    "loss_sum",
     "mean_loss",
     "model_identity",
     "param_count",
@@ -397,15 +398,25 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def mean_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-              device: torch.device | str) -> float:
-    """Mean `lm_loss` of `model` (on `device`) over (x, y) batches, under the device's
-    autocast: a node's evaluation of its outer weights, and `benchmarks/reeval.py`'s."""
+def loss_sum(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             device: torch.device | str,
+             rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+    """Sum of `lm_loss` of `model` (on `device`) over (x, y) batches, under the device's
+    autocast; `rows` cuts each batch first (a rank's share of a node's batch)."""
     total = 0.0
     for x, y in batches:
+        if rows is not None:
+            x, y = rows(x), rows(y)
         with autocast(device):
             total += float(lm_loss(model, x.to(device), y.to(device)))
-    return total / max(len(batches), 1)
+    return total
+
+
+def mean_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              device: torch.device | str) -> float:
+    """Mean `lm_loss` over (x, y) batches: `benchmarks/reeval.py`'s evaluation, the same
+    sum a node's `Worker.evaluate` takes of its outer weights."""
+    return loss_sum(model, batches, device) / max(len(batches), 1)
 
 
 def param_count(model: nn.Module) -> int:
