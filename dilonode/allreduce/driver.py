@@ -264,6 +264,9 @@ class FormedGroup(NamedTuple):
     outvoted: tuple[str, ...] = ()
     # A group of a grouped swarm: mixing rounds also average the members' outer states.
     mixing: bool = False
+    # Peers expected when the round started that are not in the group (dead, or late past
+    # the window): forming it waited on them, so its time says nothing of the links.
+    missing: tuple[str, ...] = ()
 
 
 FormGroup = Callable[[int, int, int, set[str]], FormedGroup | Awaitable[FormedGroup]]
@@ -318,6 +321,8 @@ class SwarmOutcome:
     outvoted: tuple[str, ...] = ()
     grouped: bool = False  # the group was one of a grouped swarm (FormedGroup.mixing)
     state: RoundOutcome | None = None  # the state round that followed, when DONE
+    # What the swarm's clock may pace rounds by (ReduceResult.pace_s); None: nothing.
+    pace_s: float | None = None
 
     @property
     def skipped(self) -> bool:
@@ -354,7 +359,9 @@ class SwarmRounds:
         excluded: dict[str, str] = {}
         attempts: list[RoundOutcome] = []
         errors: list[str] = []
+        t_begin = self.clock()
         for attempt in range(self.policy.max_attempts):
+            t_attempt = self.clock()
             try:
                 spec, my_index, peers, formed = await self._prepare(fragment, round_no,
                                                                     attempt, set(excluded),
@@ -380,9 +387,12 @@ class SwarmRounds:
                 if (formed.mixing and state is not None and not mix_only and spec.size > 1
                         and mixes(round_no, self.policy.mix_every)):
                     mixed = await self._state_round(spec, my_index, peers, state)
+                pace = None if formed.missing else self.clock() - t_attempt
+                if self._blamed_us(attempts):
+                    pace = self.clock() - t_begin
                 return SwarmOutcome(got, tuple(attempts), excluded, tuple(errors),
                                     tuple(formed.diverged), tuple(formed.outvoted),
-                                    grouped=formed.mixing, state=mixed)
+                                    grouped=formed.mixing, state=mixed, pace_s=pace)
             assert got.failure is not None
             errors.append(one_line(f"attempt {attempt}: {got.failure.reason}"))
             log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
@@ -390,7 +400,14 @@ class SwarmRounds:
                 if peer_id != self.plane.peer_id:
                     excluded.setdefault(peer_id, got.failure.reason)
         alone = self._alone(fragment, round_no, self.policy.max_attempts, local, mix_only)
-        return SwarmOutcome(alone, tuple(attempts), excluded, tuple(errors))
+        pace = self.clock() - t_begin if self._blamed_us(attempts) else None
+        return SwarmOutcome(alone, tuple(attempts), excluded, tuple(errors), pace_s=pace)
+
+    def _blamed_us(self, attempts: Sequence[RoundOutcome]) -> bool:
+        """Whether an attempt failed naming us (we were too slow for the round's timeout):
+        then the whole round's time is what our link takes, and the clock must hear it."""
+        return any(self.plane.peer_id in a.excluded_peers for a in attempts
+                   if a.failure is not None)
 
     async def _state_round(self, spec: GroupSpec, my_index: int, peers: dict[int, str],
                            state: StateSource) -> RoundOutcome | None:
@@ -668,4 +685,4 @@ class NetworkCollective:
             attempts=len(swarm.attempts) + sum("no group" in e for e in swarm.errors),
             rejected=out.rejected, encoded=out.encoded, digest=out.digest or "",
             diverged=swarm.diverged, outvoted=swarm.outvoted,
-            latency_s=self.rounds.clock() - t0)
+            latency_s=self.rounds.clock() - t0, pace_s=swarm.pace_s)

@@ -170,8 +170,10 @@ class Membership:
         with self._lock:
             self._seen.update({m: now for m in group.members})
             self._rounds[fragment] = (round_no, frozenset(), frozenset(group.members))
+        missing = tuple(sorted(waits_for - set(group.members) - {self.dht.peer_id}))
         return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
-                           group.digest(), group.diverged, group.outvoted, group.mixing)
+                           group.digest(), group.diverged, group.outvoted, group.mixing,
+                           missing)
 
     def _nobody_else(self, waits_for: frozenset[str]) -> bool:
         """Whether this round can only be ours alone: nobody expected, and the record read

@@ -103,8 +103,9 @@ class WorkerStats:
     late: int = 0  # rounds whose result was not there when the fragment's next was due
     # fragment (-1: DDP gradients) -> (rounds, total s, max s) from begin to result
     latency: dict[int, tuple[int, float, float]] = field(default_factory=dict)
-    # Begin-to-result seconds of the last fragment rounds (the swarm's clock is retuned so
-    # that rounds land well inside a period: `node.py`, `swarm/clock.py`).
+    # The last fragment rounds' times as the clock should see them (`ReduceResult.pace_s`:
+    # faults of other peers left out); the swarm's clock is retuned so that rounds land
+    # well inside a period (`node.py`, `swarm/clock.py`).
     recent_latency: deque[float] = field(default_factory=lambda: deque(maxlen=30))
     # fragment -> who averaged its last round (networked rounds): whom the end-of-run
     # agreement check expects to hold the same weights.
@@ -127,8 +128,8 @@ class WorkerStats:
             self.largest_group = max(self.largest_group, result.group_size)
         self.retried += int(result.attempts > 1)
         self.dropped = (self.dropped + list(result.dropped))[-self._MAX_DROPPED:]
-        if fragment >= 0 and result.latency_s > 0:
-            self.recent_latency.append(result.latency_s)
+        if fragment >= 0 and result.pace_s is not None and result.pace_s > 0:
+            self.recent_latency.append(result.pace_s)
         n, total, worst = self.latency.get(fragment, (0, 0.0, 0.0))
         self.latency[fragment] = (n + 1, total + result.latency_s, max(worst, result.latency_s))
         if fragment >= 0:
