@@ -709,7 +709,7 @@ class Worker:
         """Mean loss of the outer weights over fixed held-out batches. Every rank: the outer
         weights swapped into the inner model, each rank's rows of every batch, the node's
         mean; then the inner weights back. (Not `outer_model()`: deep-copying the module
-        cost a small model about a third of a training step at every evaluation.)"""
+        cost the nano model 2.7 ms an evaluation, against 5.6 ms for a training step.)"""
         # DDP has no outer state: its weights are the model's.
         saved = [t.clone() for t in self.ranks.local_tensors(self.params)] if self.outer else []
         for p, (frag, outer) in enumerate(zip(self.fragments, self.outer, strict=True)):
