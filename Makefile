@@ -19,9 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	# The hf extra (transformers, which brings no torch of its own): CI trains a local
 	# Hugging Face model directory (tests/integration/test_multirank.py).
 	$(PY) -m pip install -q --no-compile -e '.[dev,hf]'
-	# pip's byte-compile, on every core (57 s instead of 81 s for the whole setup on the
-	# 2-core box). Like pip, it passes over the few packaged files that are not Python 3,
-	# which make it exit 1.
+	# pip's byte-compile, on every core instead of one. Like pip, it passes over the few
+	# packaged files that are not Python 3, which make it exit 1.
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 

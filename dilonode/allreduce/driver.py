@@ -387,9 +387,10 @@ class SwarmRounds:
                 if (formed.mixing and state is not None and not mix_only and spec.size > 1
                         and mixes(round_no, self.policy.mix_every)):
                     mixed = await self._state_round(spec, my_index, peers, state)
-                pace = None if formed.missing else self.clock() - t_attempt
                 if self._blamed_us(attempts):
-                    pace = self.clock() - t_begin
+                    pace: float | None = self.clock() - t_begin
+                else:
+                    pace = None if formed.missing else self.clock() - t_attempt
                 return SwarmOutcome(got, tuple(attempts), excluded, tuple(errors),
                                     tuple(formed.diverged), tuple(formed.outvoted),
                                     grouped=formed.mixing, state=mixed, pace_s=pace)
@@ -406,8 +407,7 @@ class SwarmRounds:
     def _blamed_us(self, attempts: Sequence[RoundOutcome]) -> bool:
         """Whether an attempt failed naming us (we were too slow for the round's timeout):
         then the whole round's time is what our link takes, and the clock must hear it."""
-        return any(self.plane.peer_id in a.excluded_peers for a in attempts
-                   if a.failure is not None)
+        return any(self.plane.peer_id in a.excluded_peers for a in attempts)
 
     async def _state_round(self, spec: GroupSpec, my_index: int, peers: dict[int, str],
                            state: StateSource) -> RoundOutcome | None:
