@@ -96,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--hivemind", action="store_true", help="also DecentralizedAverager")
     p.add_argument("--profile", type=Path, help="dir for rank 0 pstats (use with --inline)")
+    p.add_argument("--profile-clock", choices=("cpu", "wall"), default="cpu",
+                   help="--profile's clock: wall shows time spent waiting on a GPU")
     p.add_argument("--perf", type=Path,
                    help="dir for `perf record` samples of rank 0's measured rounds, per "
                         "method; prints where its CPU goes (benchmarks/cpu_sampling.py)")
@@ -160,8 +162,9 @@ async def _ours(rank: int, world: int, x: torch.Tensor,
     buf = torch.empty(args.numel, device=args.device) if args.reuse_output else None
     out: dict[str, list[dict[str, Any]]] = {}
     for fragment, codec in enumerate(args.codecs.split(",")):
-        # CPU time, not wall: on a shared box waiting for a core would swamp the profile.
-        prof = cProfile.Profile(time.process_time) if args.profile and rank == 0 else None
+        # CPU time by default: on a shared box waiting for a core would swamp the profile.
+        clock = time.perf_counter if args.profile_clock == "wall" else time.process_time
+        prof = cProfile.Profile(clock) if args.profile and rank == 0 else None
         # Round 0 warms up connections and allocations; it is neither counted nor sampled.
         await _our_round(plane, _spec(args, world, codec, fragment, 0), rank, x, peers,
                          args, probe, None, buf)
@@ -221,6 +224,7 @@ def _dump_profile(prof: cProfile.Profile, out_dir: Path, codec: str) -> None:
     prof.dump_stats(path)
     print(f"--- rank 0 profile, {codec} ({path}) ---", flush=True)
     pstats.Stats(str(path)).sort_stats("tottime").print_stats(14)
+    pstats.Stats(str(path)).sort_stats("cumulative").print_stats(24)
 
 
 def _sampler(args: argparse.Namespace, rank: int, method: str) -> Any:

@@ -17,7 +17,11 @@ compute the same bits; they differ in where:
   copied to the host in one piece per part; received payloads are copied to the device and
   decoded there; the reduction runs there. Only encoded bytes cross to the host, except
   the decoded result chunks that the digests hash (BLAKE3 over float32 values: protocol
-  section 5.1).
+  section 5.1). On a GPU the bytes cross through page-locked (pinned) host memory, 4x
+  faster than pageable, and a chunk is hashed on every core: a GPU host's cores are idle
+  while it trains, and one core's BLAKE3 took a third of a 50M-value int4 round
+  (docs/codec-results.md). float32 result chunks are hashed from their payload, which is
+  the values' bytes, with no copy off the device.
 
 Either path takes an `encoded` contribution (`algo/spliced.SplicedEncoding`: the node's
 ranks encoded their slices in parallel): chunks it covers are sent as it has them, the
@@ -30,6 +34,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Union
 
+import blake3
+import numpy as np
 import torch
 
 from dilonode.algo.codecs import (
@@ -44,11 +50,26 @@ from dilonode.algo.codecs import (
 from dilonode.algo.spliced import SplicedEncoding
 from dilonode.algo.torch_codecs import decode_torch, encode_chunks_torch, encode_torch
 
-__all__ = ["Accepted", "DataPath", "HostPath", "TorchPath", "make_path"]
+__all__ = ["Accepted", "DataPath", "HostPath", "TorchPath", "chunk_hash", "make_path"]
 
 Payload = Union[bytes, memoryview]  # noqa: UP007 (a runtime alias)
 # What a path keeps of a contribution between its arrival and its chunk's reduction.
 Accepted = Union[Payload, torch.Tensor]  # noqa: UP007
+# Below this many bytes one core hashes a chunk faster than a thread pool starts on it.
+_THREADED_HASH_BYTES = 1 << 20
+
+
+def chunk_hash(values: torch.Tensor, *, threads: int = 1) -> bytes:
+    """blake3 of one decoded result chunk, as little-endian float32 bytes (32 bytes).
+    `threads`: blake3's max_threads (`blake3.blake3.AUTO`: every core); the same digest."""
+    arr = np.ascontiguousarray(values.detach().cpu().numpy(), dtype="<f4")
+    return _blake3(arr.view(np.uint8).data, threads)
+
+
+def _blake3(data: Payload, threads: int) -> bytes:
+    if threads != 1 and len(data) < _THREADED_HASH_BYTES:
+        threads = 1
+    return blake3.blake3(data, max_threads=threads).digest()
 
 
 class HostPath:
@@ -141,6 +162,11 @@ class HostPath:
     def decode_into(self, payload: Payload, meta: CodecMeta, out: torch.Tensor) -> None:
         self.codec.decode_into(payload, meta, out)
 
+    def hash_chunk(self, values: torch.Tensor, payload: Payload) -> bytes:
+        """`chunk_hash` of a decoded result chunk (`payload` encodes it): on one core, the
+        others train."""
+        return chunk_hash(values)
+
     def empty(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=torch.float32)
 
@@ -156,8 +182,11 @@ class TorchPath:
         self.local = local  # (numel,) float32 on self.device, contiguous, checked finite
         self.encoded = encoded  # `local` as the node's ranks encoded it, or None
         self.device = local.device
+        self.lossless = codec.name == "float32"
         self._sent: dict[int, memoryview] = {}  # contribution start -> its encoded bytes
         self._n = torch.empty(0)  # the group size as a device scalar (see `_divide`)
+        self._pinned = local.device.type == "cuda"
+        self._staging: torch.Tensor | None = None  # pinned float32, a result chunk to hash
 
     def meta(self, numel: int) -> CodecMeta:
         return CodecMeta(codec=self.codec.name, numel=numel, block_size=self.codec.block_size)
@@ -168,7 +197,7 @@ class TorchPath:
         for run in _runs(chunks):
             start, end = run[0][0], run[-1][0] + run[-1][1]
             enc = encode_chunks_torch(self.codec, self.local[start:end], run[0][1])
-            host = memoryview(enc.cpu().numpy()).cast("B").toreadonly()  # (E_run,)
+            host = memoryview(self._to_host(enc).numpy()).cast("B").toreadonly()  # (E_run,)
             offset = 0
             for chunk_start, numel in run:
                 size = self.codec.encoded_size(numel)
@@ -220,14 +249,33 @@ class TorchPath:
         return item
 
     def encode(self, values: torch.Tensor) -> Payload:
-        host = encode_torch(self.codec, values).to("cpu", copy=True)  # never a view of values
+        host = self._to_host(encode_torch(self.codec, values))
         return memoryview(host.numpy()).cast("B").toreadonly()
 
     def decode_into(self, payload: Payload, meta: CodecMeta, out: torch.Tensor) -> None:
         decode_torch(self.codec, self._to_device(payload), meta, out=out)
 
+    def hash_chunk(self, values: torch.Tensor, payload: Payload) -> bytes:
+        """`chunk_hash` of a decoded result chunk (`payload` encodes it), on every core; a
+        float32 payload holds the values' own bytes (little-endian, as decoded)."""
+        if self.lossless:
+            return _blake3(payload, blake3.blake3.AUTO)
+        if self._pinned:
+            n = values.numel()
+            if self._staging is None or self._staging.numel() < n:
+                self._staging = torch.empty(n, dtype=torch.float32, pin_memory=True)
+            values = self._staging[:n].copy_(values)  # synchronous: done before the hash
+        return chunk_hash(values, threads=blake3.blake3.AUTO)
+
     def empty(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=torch.float32, device=self.device)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of t, never a view of it; page-locked off a GPU (PyTorch caches
+        page-locked blocks, so a round's copies reuse the last round's)."""
+        if not self._pinned:
+            return t.to("cpu", copy=True)
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
 
     def _to_device(self, payload: Payload) -> torch.Tensor:
         """Host bytes -> (len,) uint8 on the device."""

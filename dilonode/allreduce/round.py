@@ -80,7 +80,7 @@ from dilonode.algo.codecs import (
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, aggregate, check_claims, convicted
 from dilonode.algo.spliced import SplicedEncoding
-from dilonode.allreduce.datapath import Accepted, DataPath, make_path
+from dilonode.allreduce.datapath import Accepted, DataPath, chunk_hash, make_path
 from dilonode.wire.errors import LocalProtocolError, RemoteProtocolError, one_line
 from dilonode.wire.framing import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -128,12 +128,6 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 def _all_finite(t: torch.Tensor) -> bool:
     return all_finite(t)
-
-
-def chunk_hash(values: torch.Tensor) -> bytes:
-    """blake3 of one decoded result chunk, as little-endian float32 bytes (32 bytes)."""
-    arr = np.ascontiguousarray(values.detach().cpu().numpy(), dtype="<f4")
-    return blake3.blake3(arr.view(np.uint8).data).digest()
 
 
 def part_digest(chunk_hashes: Sequence[bytes]) -> str:
@@ -719,7 +713,7 @@ class AllReduceRound:
         start = self.spec.parts[sender][0] + msg.offset
         # Straight into the output: if anything is wrong the round fails and drops it.
         values = self._decode(msg, self._output()[start:start + msg.numel])
-        self._chunk_hashes[sender][msg.chunk] = chunk_hash(values)
+        self._chunk_hashes[sender][msg.chunk] = self._path.hash_chunk(values, msg.payload)
         if self._encoded is not None:
             self._encoded[sender, msg.chunk] = bytes(msg.payload)
         got.add(msg.chunk)
@@ -834,7 +828,7 @@ class AllReduceRound:
         values = self._output()[start:start + meta.numel]
         if not in_place:
             self._path.decode_into(payload, meta, values)
-        self._chunk_hashes[owner][k] = chunk_hash(values)
+        self._chunk_hashes[owner][k] = self._path.hash_chunk(values, payload)
         if self._encoded is not None:
             self._encoded[owner, k] = bytes(payload)
 

@@ -29,7 +29,7 @@ from dilonode.algo.butterfly import (
 from dilonode.algo.codecs import CODEC_NAMES, CodecError, CodecMeta, get_codec
 from dilonode.algo.torch_codecs import decode_torch, encode_chunks_torch, encode_torch
 from dilonode.allreduce import AllReduceRound, Done, GroupSpec, MemNet
-from dilonode.allreduce.datapath import HostPath, TorchPath
+from dilonode.allreduce.datapath import HostPath, TorchPath, chunk_hash
 from dilonode.allreduce.round import group_digest
 
 VECTORS = Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "vectors.json"
@@ -216,12 +216,13 @@ def test_reduction_steps_reproduce_reduce_weighted(case: int) -> None:
     assert _bits(dev.combine(xs, steps, torch.empty(len(inputs[0])))) == expected
 
 
-def _round_results(xs: list[torch.Tensor], codec: str, weights: list[float],
-                   path: str) -> tuple[list[torch.Tensor], set[str]]:
+def _round_results(xs: list[torch.Tensor], codec: str, weights: list[float], path: str,
+                   chunk_numel: int = 256) -> tuple[list[torch.Tensor], set[str]]:
     members = tuple(f"peer-{i}" for i in range(len(xs)))
     spec = GroupSpec(run_id="paths", fragment=0, round=1, members=members,
                      weights=(1.0, 1.0, 2.0)[:len(xs)], numel=xs[0].numel(), codec=codec,
-                     block_size=64, chunk_numel=256, group_digest=group_digest(members))
+                     block_size=64, chunk_numel=chunk_numel,
+                     group_digest=group_digest(members))
     rounds = [AllReduceRound(spec, i, x, weight=w, data_path=path)
               for i, (x, w) in enumerate(zip(xs, weights, strict=True))]
     outcomes = MemNet(rounds, start=1.0).run()
@@ -241,6 +242,22 @@ def test_host_and_torch_paths_give_the_same_round(codec: str, weights: list[floa
                                        chunk_numel=256, align=64, token_weights=weights)
     for got in host + dev:
         assert _bits(got) == _bits(expected)
+
+
+@pytest.mark.parametrize("codec", ["float32", "int4"])
+def test_torch_path_hashes_a_large_chunk_as_the_host_path(codec: str) -> None:
+    # 2 MiB of values: the torch path hashes them on every core (float32 from the payload).
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    x = torch.randn(1 << 19, generator=torch.Generator().manual_seed(5))
+    host = HostPath(get_codec(codec, 64), x)
+    payload = host.encode(x)
+    values = torch.empty_like(x)
+    host.decode_into(payload, host.meta(x.numel()), values)
+    expected = chunk_hash(values)
+    assert host.hash_chunk(values, payload) == expected
+    for device in devices:
+        dev = TorchPath(get_codec(codec, 64), x.to(device))
+        assert dev.hash_chunk(values.to(device), payload) == expected
 
 
 # ------------------------------------------------------------------ on a GPU
@@ -273,3 +290,18 @@ def test_cuda_round_matches_the_cpu_round(codec: str, weights: list[float]) -> N
     assert cpu_digests == cuda_digests
     for got in cuda:
         assert got.device.type == "cuda" and _bits(got) == _bits(cpu[0])
+
+
+@needs_cuda
+@pytest.mark.parametrize("codec", ["float32", "int4"])
+def test_cuda_round_with_large_chunks_matches_the_cpu_round(codec: str) -> None:
+    # Chunks of 2 MiB: hashed on every core, through page-locked copies.
+    gen = torch.Generator().manual_seed(6)
+    xs = [torch.randn(3 << 19, generator=gen) for _ in range(3)]
+    weights = [1.0, 1.0, 1.0]
+    cpu, cpu_digests = _round_results(xs, codec, weights, "host", chunk_numel=1 << 19)
+    cuda, cuda_digests = _round_results([x.cuda() for x in xs], codec, weights, "torch",
+                                        chunk_numel=1 << 19)
+    assert len(cpu_digests) == 1 and cpu_digests == cuda_digests
+    for got in cuda:
+        assert _bits(got) == _bits(cpu[0])
