@@ -21,6 +21,8 @@ from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import CODEC_NAMES, get_codec, max_abs_error_bound
 from dilonode.algo.fragments import flatten
 from dilonode.algo.outer import pseudo_gradient
+from dilonode.algo.pacing import final_rounds
+from dilonode.algo.schedule import SyncPlan
 from dilonode.allreduce import AllReduceRound, Done, GroupSpec, MemNet
 from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolicy
 from dilonode.allreduce.round import group_digest
@@ -105,6 +107,16 @@ def _sim_outer(cfg: RunConfig) -> tuple[Any, list[torch.Tensor]]:
     return simulate(cfg, on_step=grab), finals
 
 
+def _rounds_per_fragment(cfg: RunConfig) -> dict[int, int]:
+    """Each fragment's rounds in `cfg`'s run: the schedule's, and the end-of-run sync's for
+    a fragment that trained after its last scheduled round."""
+    a = cfg.diloco
+    plan = SyncPlan(a.sync_every, a.num_fragments, a.fragment_sync_delay)
+    started = [plan.rounds_started(p, cfg.total_steps) for p in range(a.num_fragments)]
+    final = {s.fragment for s in final_rounds(plan, started, cfg.total_steps)}
+    return {p: n + (p in final) for p, n in enumerate(started)}
+
+
 def _init_flat(cfg: RunConfig, data: TokenData) -> torch.Tensor:
     return _solo(cfg.model_copy(update={"device": "cpu"}), data).outer_flat()
 
@@ -129,8 +141,11 @@ def test_simulator_on_cuda_agrees_and_tracks_the_cpu_run(
     init = _init_flat(_cfg(), data)
     for rep, finals in ((cpu_rep, cpu), (bf16_rep, bf16), (f32_rep, f32)):
         assert rep.workers_agree and len(finals) == 2 and torch.equal(finals[0], finals[1])
-        assert rep.rounds_per_fragment == cpu_rep.rounds_per_fragment == {0: 4, 1: 4, 2: 4}
-    moved = cpu[0] - init  # what 24 steps and 12 outer rounds did to the weights
+        # Starts at 2, 8, 14, 20 | 4, 10, 16, 22 | 6, 12, 18, 24, and the end-of-run rounds
+        # of fragments 0 and 1 (fragment 2's last round started at the end, step 24).
+        assert rep.rounds_per_fragment == cpu_rep.rounds_per_fragment == {0: 5, 1: 5, 2: 4}
+    assert _rounds_per_fragment(_cfg()) == cpu_rep.rounds_per_fragment
+    moved = cpu[0] - init  # what 24 steps and 14 outer rounds did to the weights
     f32_err, bf16_err = _rel(f32[0] - init, moved), _rel(bf16[0] - init, moved)
     cos = float(torch.nn.functional.cosine_similarity(bf16[0] - init, moved, dim=0))
     print(f"cuda-vs-cpu: f32 rel {f32_err:.2e}, bf16 rel {bf16_err:.3f} cos {cos:.4f}, "
@@ -305,7 +320,8 @@ def test_cuda_workers_sync_over_the_network_collective(data: TokenData) -> None:
         stop.set()
     assert not any(t.is_alive() for t in threads) and errors == []
     assert recs[0].devices == recs[1].devices == {"cuda"}
-    assert set(recs[0].got) == set(recs[1].got) and len(recs[0].got) == 12
+    rounds = sum(_rounds_per_fragment(cfg).values())  # 14: 12 and 2 at the end of the run
+    assert set(recs[0].got) == set(recs[1].got) and len(recs[0].got) == rounds == 14
     codec = get_codec("int8", 64)
     for key, res in recs[0].got.items():
         expected, _, _ = butterfly_average([recs[0].sent[key], recs[1].sent[key]], [1.0, 1.0],
