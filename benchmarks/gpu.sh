@@ -9,8 +9,10 @@
 #                   runs/carry/pysrc-pack: carry runs/carry (about 32 MB)
 #   setup           carried wheels installed into /tmp/site-py3XX when imports fail, the
 #                   corpus unpacked from its pack and checked (every invocation does this)
-#   codecs          issue 16: device codecs bit for bit on the GPU, 4 peers all-reducing 50M
-#                   and 500M values against gloo float32 and ideal 1/10 Gbit/s links
+#   codecs          issue 16: device codecs bit for bit on the GPU, what one chunk's copies,
+#                   hashes and codecs cost (benchmarks/datapath_costs.py), 4 peers
+#                   all-reducing 50M and 500M values against gloo float32 and ideal 1/10
+#                   Gbit/s links
 #   memory          peak GPU memory, host RSS and step time of one node, 150m and 1b; the
 #                   CPU estimate beside it; projected minutes of the quality stages
 #   quality-ddp, quality-diloco, quality-int4, quality-fp4
@@ -90,7 +92,7 @@ ensure_env() {
 }
 
 header() {
-  log "# benchmarks/gpu.sh $*, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  log "# benchmarks/gpu.sh $*, $(date -u +%FT%TZ), commit $(git describe --always --dirty 2>/dev/null || echo '?')"
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
       || echo "no nvidia-smi"
     echo "cpus: $(nproc), load: $(cut -d' ' -f1-3 /proc/loadavg), memory: $(free -g | awk '/Mem:/ {print $2 " GiB"}')"
@@ -148,6 +150,7 @@ stage_codecs() {
   log "## codecs: device codecs and rounds on the GPU, bit for bit against the CPU"
   "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_codec_paths.py 2>&1 \
     | tail -3 | tee -a "$SUMMARY"
+  "$PY" benchmarks/datapath_costs.py 2>&1 | tee "$out/costs.txt" | tee -a "$SUMMARY"
   bench cuda_50m --device cuda --numel 50000000 --codecs float32,int4 --rounds "${ROUNDS_50M:-3}"
   bench cpu_50m --device cpu --numel 50000000 --codecs int4,float32 --rounds "${ROUNDS_50M:-3}"
   bench cuda_500m --device cuda --numel 500000000 --codecs int4,float32 \
