@@ -304,8 +304,9 @@ class NetworkConfig(_Frozen):
         "frame: 16 MiB in float32, 2 MiB in int4); each round cuts a member's part into 3 "
         "chunks, at least 262,144 values and at most this many (a value at or below "
         "262,144 is used as it is). Every chunk costs fixed CPU and, on a GPU, kernel "
-        "launches and a host sync: 4M-value chunks ran fastest on the 2-core box and the "
-        "H100 host alike (docs/codec-results.md)")
+        "launches and a host sync: 4M-value chunks ran fastest on the 2-core box, and "
+        "larger ones faster still on a GPU host's loopback (docs/codec-results.md). "
+        "Matchmaking groups only nodes that set the same value")
     bandwidth_mbps: float = Field(
         100.0, gt=0.0, description="advertised bandwidth; weights this node's butterfly part "
         "(its share of each round's traffic). A joiner whose state fetch measured a slower "
