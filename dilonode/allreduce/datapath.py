@@ -17,11 +17,11 @@ compute the same bits; they differ in where:
   copied to the host in one piece per part; received payloads are copied to the device and
   decoded there; the reduction runs there. Only encoded bytes cross to the host, except
   the decoded result chunks that the digests hash (BLAKE3 over float32 values: protocol
-  section 5.1). On a GPU the bytes cross through page-locked (pinned) host memory, 4x
-  faster than pageable, and a chunk is hashed on every core: a GPU host's cores are idle
-  while it trains, and one core's BLAKE3 took a third of a 50M-value int4 round
-  (docs/codec-results.md). float32 result chunks are hashed from their payload, which is
-  the values' bytes, with no copy off the device.
+  section 5.1). Off a GPU, bytes go into page-locked (pinned) host memory, 4x faster than
+  pageable, and a result chunk is hashed on every core: a GPU host's cores have little
+  else to do while it trains, and one core's BLAKE3 took a third of a 50M-value int4
+  round (docs/codec-results.md). A float32 result chunk is hashed from its payload, which
+  holds the values' bytes, with no copy off the device.
 
 Either path takes an `encoded` contribution (`algo/spliced.SplicedEncoding`: the node's
 ranks encoded their slices in parallel): chunks it covers are sent as it has them, the
