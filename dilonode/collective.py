@@ -56,10 +56,9 @@ class ReduceResult:
     attempts: int = 1  # group formations tried (1 + retries)
     latency_s: float = 0.0  # begin to result, matchmaking and retries included (networked)
     # The round's time as the swarm's clock should see it (networked): the attempt that
-    # succeeded, its matchmaking included, when forming it waited on no missing peer; the
-    # whole round when an attempt failed naming us (our link is too slow for it); None
-    # when faults of others made it slow (a killed peer's timeout or window) or nothing
-    # was measured. A clock paced by those slowed 16x in a churn run.
+    # succeeded, its matchmaking included, when forming it waited on no missing peer; None
+    # when a fault made it slow (a killed peer's timeout or window) or no attempt
+    # succeeded. A clock paced by those slowed 16x in a churn run.
     pace_s: float | None = None
     # Members whose contribution an owner rejected in at least one chunk (robust checks).
     rejected: tuple[str, ...] = ()

@@ -359,7 +359,6 @@ class SwarmRounds:
         excluded: dict[str, str] = {}
         attempts: list[RoundOutcome] = []
         errors: list[str] = []
-        t_begin = self.clock()
         for attempt in range(self.policy.max_attempts):
             t_attempt = self.clock()
             try:
@@ -387,10 +386,8 @@ class SwarmRounds:
                 if (formed.mixing and state is not None and not mix_only and spec.size > 1
                         and mixes(round_no, self.policy.mix_every)):
                     mixed = await self._state_round(spec, my_index, peers, state)
-                if self._blamed_us(attempts):
-                    pace: float | None = self.clock() - t_begin
-                else:
-                    pace = None if formed.missing else self.clock() - t_attempt
+                # Only a whole group's attempt paces the clock (`SwarmOutcome.pace_s`).
+                pace = None if formed.missing else self.clock() - t_attempt
                 return SwarmOutcome(got, tuple(attempts), excluded, tuple(errors),
                                     tuple(formed.diverged), tuple(formed.outvoted),
                                     grouped=formed.mixing, state=mixed, pace_s=pace)
@@ -401,13 +398,7 @@ class SwarmRounds:
                 if peer_id != self.plane.peer_id:
                     excluded.setdefault(peer_id, got.failure.reason)
         alone = self._alone(fragment, round_no, self.policy.max_attempts, local, mix_only)
-        pace = self.clock() - t_begin if self._blamed_us(attempts) else None
-        return SwarmOutcome(alone, tuple(attempts), excluded, tuple(errors), pace_s=pace)
-
-    def _blamed_us(self, attempts: Sequence[RoundOutcome]) -> bool:
-        """Whether an attempt failed naming us (we were too slow for the round's timeout):
-        then the whole round's time is what our link takes, and the clock must hear it."""
-        return any(self.plane.peer_id in a.excluded_peers for a in attempts)
+        return SwarmOutcome(alone, tuple(attempts), excluded, tuple(errors))
 
     async def _state_round(self, spec: GroupSpec, my_index: int, peers: dict[int, str],
                            state: StateSource) -> RoundOutcome | None:
