@@ -59,6 +59,12 @@ Accepted = Union[Payload, torch.Tensor]  # noqa: UP007
 _THREADED_HASH_BYTES = 1 << 20
 
 
+def lossless(codec: Codec) -> bool:
+    """decode(encode(x)) == x, bit for bit, for finite x: float32, whose payload is the
+    values' own little-endian bytes (a round trip or a decode of it can be skipped)."""
+    return codec.name == "float32"
+
+
 def chunk_hash(values: torch.Tensor, *, threads: int = 1) -> bytes:
     """blake3 of one decoded result chunk, as little-endian float32 bytes (32 bytes).
     `threads`: blake3's max_threads (`blake3.blake3.AUTO`: every core); the same digest."""
@@ -81,7 +87,7 @@ class HostPath:
                  encoded: SplicedEncoding | None = None) -> None:
         self.codec = codec
         self.local = local  # (numel,) float32 CPU, contiguous, checked finite
-        self.lossless = codec.name == "float32"
+        self.lossless = lossless(codec)
         self.encoded = encoded  # `local` as the node's ranks encoded it, or None
         self.deferred = sums_raw_values(codec)  # values checked through their sum
 
@@ -182,7 +188,7 @@ class TorchPath:
         self.local = local  # (numel,) float32 on self.device, contiguous, checked finite
         self.encoded = encoded  # `local` as the node's ranks encoded it, or None
         self.device = local.device
-        self.lossless = codec.name == "float32"
+        self.lossless = lossless(codec)
         self._sent: dict[int, memoryview] = {}  # contribution start -> its encoded bytes
         self._n = torch.empty(0)  # the group size as a device scalar (see `_divide`)
         self._pinned = local.device.type == "cuda"

@@ -379,8 +379,6 @@ class AllReduceRound:
         self._codec = spec.codec_obj
         # `encoded`: `local` already encoded slice by slice (a node's ranks, in parallel).
         self._path: DataPath = make_path(self._codec, self._local, data_path, encoded)
-        # decode(encode(x)) == x for finite x: the one codec whose round trip can be skipped.
-        self._lossless = self._codec.name == "float32"
         self._state = RoundState.IDLE
         self._deadline: float | None = None
         self._out: torch.Tensor | None = None
@@ -777,7 +775,7 @@ class AllReduceRound:
             return self._unencodable(k, ordered, numel, exc)
         meta = self._path.meta(numel)
         # float32 decodes to exactly what it encoded: a mean already in place stays.
-        in_place = value is target and self._lossless
+        in_place = value is target and self._path.lossless
         self._keep(me, k, payload, meta, in_place=in_place)
         self._chunk_done[k] = True
         self._mine_reduced += 1
