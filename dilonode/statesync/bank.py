@@ -11,6 +11,13 @@ rounds keep landing, ends up holding pairs of many versions. Replaying every rou
 the oldest version used, on the whole fragment (the members' arithmetic, bit for bit;
 positions not held are zeros and not used), brings each of them to the target; a chunk so
 derived is kept only if it hashes to the target's digest. No I/O here.
+
+A derivation keeps its progress in the bank (`Progress`): the fetch replays each round as
+soon as its result is held (`Derivation.advance`, while the rest of the transfer goes on),
+and a round that lands mid-fetch adds a round to the next pass's derivation rather than
+starting it again. What is left when the transfer ends is the rounds whose results came
+last: a joiner on a slow link otherwise replayed every round after its last chunk arrived,
+with its peers already waiting for it in their next round.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from dilonode.statesync.plan import Assembler, Replayer, chunk_bytes_of, chunk_d
 from dilonode.statesync.protocol import RoundReplay
 from dilonode.train.state import WorkerState, fragment_names, tensor_names
 
-__all__ = ["ChunkBank", "Derivation", "Version"]
+__all__ = ["ChunkBank", "Derivation", "Progress", "Version"]
 
 Version = tuple[int, int]  # a fragment's (rounds landed, outer steps applied)
 Position = tuple[str, int]  # (tensor name, chunk index)
@@ -57,6 +64,7 @@ class ChunkBank:
         # targets: a result fetched stays usable after the servers stop serving it.
         self.specs: dict[tuple[int, int], RoundReplay] = {}
         self.lowest: dict[int, int] = {}  # fragment -> the oldest version still planned from
+        self.progress: dict[int, Progress] = {}  # fragment -> its derivation's replay so far
 
     def record(self, position: Position, version: Version, digest: bytes,
                payload: bytes | memoryview) -> None:
@@ -115,6 +123,9 @@ class ChunkBank:
                 if (job := self._plan_fragment(asm, p, keep_rounds, rate, rounds_per_s))
                 is not None]
         self._forget(asm)
+        planned = {job.fragment: job for job in jobs}
+        self.progress = {p: got for p, got in self.progress.items()
+                         if p in planned and got.continues(planned[p])}
         return jobs
 
     def _forget(self, asm: Assembler) -> None:
@@ -206,6 +217,28 @@ class ChunkBank:
 
 
 @dataclass
+class Progress:
+    """A derivation's replay so far: its fragment after the rounds `done` (round number
+    and result chunks each) from `start` on, the chunks `used` (position, version, digest)
+    written in as their rounds came; `error` once a round failed to replay."""
+
+    start: int
+    used: tuple[tuple[Position, Version, bytes], ...]
+    done: list[tuple[int, tuple[bytes, ...]]]
+    weights: torch.Tensor
+    momentum: torch.Tensor
+    valid: dict[str, set[int]]  # chunk indices per tensor that the replay brought forward
+    error: str = ""
+
+    def continues(self, job: Derivation) -> bool:
+        """Whether `job` is this replay with as many rounds or more (a later target)."""
+        return (self.start == job.start and self.used == job.used_key()
+                and len(self.done) <= len(job.rounds)
+                and all(d == (r.round, tuple(r.chunks))
+                        for d, r in zip(self.done, job.rounds, strict=False)))
+
+
+@dataclass
 class Derivation:
     """Fragment `fragment` of a target brought forward from the chunks `used` (held at
     versions from `rounds[0].round` on) by replaying `rounds` (through the target's)."""
@@ -213,6 +246,7 @@ class Derivation:
     fragment: int
     rounds: tuple[RoundReplay, ...]
     used: dict[Position, Held]
+    late: int = 0  # rounds `run` replayed itself (the others while the fetch went on)
 
     @property
     def start(self) -> int:
@@ -227,35 +261,74 @@ class Derivation:
         return list(dict.fromkeys(d for r in self.rounds for d in r.chunks
                                   if d not in bank.results))
 
-    def run(self, bank: ChunkBank, asm: Assembler, replayer: Replayer) -> tuple[int, str]:
-        """Replay the rounds and fill `asm` with every chunk derived that hashes to the
-        target's digest; returns (bytes filled, why not every chunk used gave one: '' if
-        it did). A failure leaves `asm` as it was."""
-        if wanted := self.wants(bank):
-            return 0, f"{len(wanted)} result chunk(s) never arrived"
+    def used_key(self) -> tuple[tuple[Position, Version, bytes], ...]:
+        return tuple(sorted((pos, h.version, h.digest) for pos, h in self.used.items()))
+
+    def progress(self, bank: ChunkBank, numel: int) -> Progress:
+        """The replay so far kept in `bank`, or a fresh one (zeros: positions not held are
+        never used)."""
+        got = bank.progress.get(self.fragment)
+        if got is not None and got.continues(self):
+            return got
         w_name, m_name = fragment_names(self.fragment)
-        weights = torch.zeros(asm.tensors[w_name].numel(), dtype=torch.float32)
-        momentum = torch.zeros_like(weights)
+        weights = torch.zeros(numel, dtype=torch.float32)
+        got = Progress(self.start, self.used_key(), [], weights, torch.zeros_like(weights),
+                       {w_name: set(), m_name: set()})
+        bank.progress[self.fragment] = got
+        return got
+
+    def ready(self, bank: ChunkBank) -> bool:
+        """Whether the next round to replay has its whole result held."""
+        got = bank.progress.get(self.fragment)
+        k = len(got.done) if got is not None and got.continues(self) else 0
+        return k < len(self.rounds) and (got is None or not got.error) and \
+            all(d in bank.results for d in self.rounds[k].chunks)
+
+    def advance(self, bank: ChunkBank, numel: int, replayer: Replayer) -> int:
+        """Replay, in order, the rounds not replayed yet whose results are held; returns
+        how many it replayed. A round that fails sets the progress's `error`."""
+        got = self.progress(bank, numel)
+        w_name, m_name = fragment_names(self.fragment)
         at_round: dict[int, list[tuple[Position, Held]]] = defaultdict(list)
         for pos, h in self.used.items():
             at_round[h.version[0]].append((pos, h))
-        valid: dict[str, set[int]] = {w_name: set(), m_name: set()}
-        try:
-            for spec in self.rounds:
+        replayed = 0
+        while not got.error and len(got.done) < len(self.rounds):
+            spec = self.rounds[len(got.done)]
+            if any(d not in bank.results for d in spec.chunks):
+                break
+            try:
                 for (name, i), h in at_round[spec.round]:
-                    t = weights if name == w_name else momentum
-                    _write(t, i, asm.cb, h.payload)
-                    valid[name].add(i)
+                    _write(got.weights if name == w_name else got.momentum, i, bank.cb,
+                           h.payload)
+                    got.valid[name].add(i)
                 result = EncodedResult.from_blob(spec.codec, spec.block_size, spec.numels,
                                                  b"".join(bank.results[d]
                                                           for d in spec.chunks))
-                weights, momentum = replayer(weights, momentum, result)
-                valid[w_name] &= valid[m_name]  # the weights' step reads the momentum
-        except (ValueError, RuntimeError) as exc:  # codec errors, non-finite, sizes
-            return 0, f"{type(exc).__name__}: {exc}"
+                got.weights, got.momentum = replayer(got.weights, got.momentum, result)
+            except (ValueError, RuntimeError) as exc:  # codec errors, non-finite, sizes
+                got.error = f"{type(exc).__name__}: {exc}"
+                break
+            got.valid[w_name] &= got.valid[m_name]  # the weights' step reads the momentum
+            got.done.append((spec.round, tuple(spec.chunks)))
+            replayed += 1
+        return replayed
+
+    def run(self, bank: ChunkBank, asm: Assembler, replayer: Replayer) -> tuple[int, str]:
+        """Replay the rounds not replayed yet and fill `asm` with every chunk derived that
+        hashes to the target's digest; returns (bytes filled, why not every chunk used gave
+        one: '' if it did). A failure leaves `asm` as it was."""
+        if wanted := self.wants(bank):
+            return 0, f"{len(wanted)} result chunk(s) never arrived"
+        w_name, m_name = fragment_names(self.fragment)
+        self.late = self.advance(bank, asm.tensors[w_name].numel(), replayer)
+        got = bank.progress[self.fragment]
+        if got.error:
+            del bank.progress[self.fragment]
+            return 0, got.error
         filled, wrong = 0, 0
-        for name, t in ((w_name, weights), (m_name, momentum)):
-            for i in sorted(valid[name]):
+        for name, t in ((w_name, got.weights), (m_name, got.momentum)):
+            for i in sorted(got.valid[name]):
                 target = asm.digest_at(name, i)
                 if asm.filled(target):
                     continue

@@ -43,7 +43,7 @@ from dilonode.allreduce.channel import HandshakeError
 from dilonode.auth import Credentials
 from dilonode.config import StateSyncConfig
 from dilonode.listener import Acceptor, bind_listener
-from dilonode.statesync.bank import ChunkBank
+from dilonode.statesync.bank import ChunkBank, Derivation
 from dilonode.statesync.link import Link, StreamOpener
 from dilonode.statesync.plan import (
     Assembler,
@@ -65,7 +65,7 @@ from dilonode.statesync.protocol import (
     StateMessage,
     replay_name,
 )
-from dilonode.train.state import WorkerState
+from dilonode.train.state import WorkerState, fragment_names
 from dilonode.wire.errors import RemoteProtocolError, one_line
 
 __all__ = ["LinkHook", "Recovery", "RecoveryError", "SnapshotSource", "StateServer",
@@ -712,23 +712,31 @@ class _Client:
                 asm.put(digest, payload)
                 bank.record_fetched(asm, digest, payload)
 
+        arrived = asyncio.Event()
+
         def sink(digest: bytes, payload: bytes | memoryview) -> None:
             if digest in wanted:
                 bank.put_result(digest, payload)
+                arrived.set()
             put(digest, payload)
 
         sources = {p: m.tensor_digests() | {d for r in m.replays for d in r.chunks}
                    for p, m in manifests.items()}
-        if await self._transfer(target, manifests,
-                                FetchPlan(results + needed, sources, asm.cb), sink):
-            return None
-        for job in jobs:  # decoding, the outer steps and hashing: off the network loop
+        replaying = _ReplayAhead(jobs, bank, asm, self.replayer, arrived)
+        try:
+            if await self._transfer(target, manifests,
+                                    FetchPlan(results + needed, sources, asm.cb), sink):
+                return None
+        finally:
+            await replaying.stop()
+        for job in jobs:  # the rounds left, and hashing: off the network loop
             assert self.replayer is not None  # no jobs are planned without one
             filled, why = await asyncio.to_thread(job.run, bank, asm, self.replayer)
             self.result.replayed += bool(filled)
-            log.info("state sync: fragment %d: replayed rounds %d-%d (%d bytes of results) "
-                     "on %d chunk(s) held: %d bytes not fetched%s", job.fragment, job.start,
-                     job.rounds[-1].round, job.result_bytes, len(job.used), filled,
+            log.info("state sync: fragment %d: replayed rounds %d-%d (%d bytes of results; "
+                     "%d after the transfer) on %d chunk(s) held: %d bytes not fetched%s",
+                     job.fragment, job.start, job.rounds[-1].round, job.result_bytes,
+                     job.late, len(job.used), filled,
                      f"; fetching the rest: {why}" if why else "")
         if asm.needed():  # what the plan could not fetch, or a replay that failed
             sources = {p: m.tensor_digests() for p, m in manifests.items() if p in self.addrs}
@@ -930,6 +938,44 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     finally:
         passes.close()
     return passes.outcome()
+
+
+class _ReplayAhead:
+    """Replays each planned round as soon as its result is held, while the transfer goes on
+    (`Derivation.advance`, one round at a time in a worker thread), so that the fetch ends
+    with only the last rounds to replay: peers wait for a joiner from the moment it
+    publishes its record, which is before its transfer ends."""
+
+    def __init__(self, jobs: list[Derivation], bank: ChunkBank, asm: Assembler,
+                 replayer: Replayer | None, arrived: asyncio.Event) -> None:
+        self.jobs, self.bank, self.asm, self.replayer = jobs, bank, asm, replayer
+        self.arrived, self.done = arrived, False
+        self.task = asyncio.ensure_future(self._run()) if jobs and replayer else None
+
+    async def _run(self) -> None:
+        assert self.replayer is not None
+        while not self.done:
+            ready = [job for job in self.jobs if job.ready(self.bank)]
+            if not ready:
+                self.arrived.clear()
+                await self.arrived.wait()
+                continue
+            for job in ready:
+                numel = self.asm.tensors[fragment_names(job.fragment)[0]].numel()
+                await asyncio.to_thread(job.advance, self.bank, numel, self.replayer)
+
+    async def stop(self) -> None:
+        """Let the round being replayed finish (its thread cannot be stopped: what it
+        writes must not race the replay that follows), then end."""
+        if self.task is None:
+            return
+        self.done = True
+        self.arrived.set()
+        try:
+            await asyncio.shield(self.task)
+        except asyncio.CancelledError:
+            self.task.cancel()
+            raise
 
 
 @dataclass

@@ -374,3 +374,53 @@ def test_results_fetched_for_an_earlier_target_still_derive_after_the_servers_dr
     fresh = ChunkBank(CB)
     _banked(fresh, states[0])
     assert fresh.plan(Assembler(last_only), keep_rounds=1) == []
+
+
+def test_rounds_replay_as_their_results_arrive_and_a_later_target_goes_on_from_there():
+    """A slow joiner's fetch: each round is replayed once its result is held, while the
+    rest is still coming; when a round lands mid-fetch the next pass's derivation goes on
+    from the rounds replayed, replaying only what is new, and ends on the target's bytes."""
+    states = _history(rounds=4)  # fragment 1 at rounds 1 (states[0]) .. 5 (states[4])
+    calls: list[int] = []
+
+    def counting(w: torch.Tensor, m: torch.Tensor, result: EncodedResult):
+        calls.append(result.numel)
+        return REPLAYER(w, m, result)
+
+    bank = ChunkBank(CB)
+    _banked(bank, states[0])
+    m_mid = manifest_of(states[2], "run", DIGEST, CB)
+    asm = Assembler(m_mid)
+    bank.fill(asm)
+    (job,) = bank.plan(asm)
+    assert [r.round for r in job.rounds] == [1, 2] and not job.ready(bank)
+    numel = asm.tensors["outer.1.weights"].numel()
+    first, second = _served(states[2], m_mid)
+    for i, d in enumerate(first[0].chunks):
+        bank.put_result(d, first[1][i * CB:(i + 1) * CB])
+    assert job.ready(bank) and job.advance(bank, numel, counting) == 1
+    assert not job.ready(bank) and job.advance(bank, numel, counting) == 0  # round 2 not held
+    assert bank.progress[1].done == [(1, tuple(first[0].chunks))]
+
+    m_new = manifest_of(states[4], "run", DIGEST, CB)
+    asm = Assembler(m_new)
+    bank.fill(asm)
+    (job,) = bank.plan(asm)
+    assert [r.round for r in job.rounds] == [1, 2, 3, 4]
+    assert len(bank.progress[1].done) == 1  # the same start and chunks: kept
+    blobs = {d: blob[i * CB:(i + 1) * CB] for r, blob in _served(states[4], m_new)
+             for i, d in enumerate(r.chunks)}
+    for d in job.wants(bank):
+        bank.put_result(d, blobs[d])
+    filled, why = job.run(bank, asm, counting)
+    assert why == "" and filled > 0 and asm.needed() == []
+    assert len(calls) == 4 and job.late == 3  # rounds 1, 2, 3 and 4 once each
+    for name, t in states[4].tensors.items():
+        assert torch.equal(asm.state().tensors[name], t), name
+
+    # Held chunks of another version make another derivation: it starts afresh.
+    other = ChunkBank(CB)
+    _banked(other, states[1])
+    other.progress[1] = bank.progress[1]
+    (job,) = other.plan(Assembler(m_new))
+    assert job.start == 2 and 1 not in other.progress
