@@ -22,6 +22,7 @@ with its peers already waiting for it in their next round.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -232,7 +233,7 @@ class Progress:
 
     def continues(self, job: Derivation) -> bool:
         """Whether `job` is this replay with as many rounds or more (a later target)."""
-        return (self.start == job.start and self.used == job.used_key()
+        return (self.start == job.start and self.used == job.used_key
                 and len(self.done) <= len(job.rounds)
                 and all(d == (r.round, tuple(r.chunks))
                         for d, r in zip(self.done, job.rounds, strict=False)))
@@ -261,7 +262,9 @@ class Derivation:
         return list(dict.fromkeys(d for r in self.rounds for d in r.chunks
                                   if d not in bank.results))
 
+    @functools.cached_property
     def used_key(self) -> tuple[tuple[Position, Version, bytes], ...]:
+        """The chunks used, comparable across passes (a progress continues only on them)."""
         return tuple(sorted((pos, h.version, h.digest) for pos, h in self.used.items()))
 
     def progress(self, bank: ChunkBank, numel: int) -> Progress:
@@ -272,7 +275,7 @@ class Derivation:
             return got
         w_name, m_name = fragment_names(self.fragment)
         weights = torch.zeros(numel, dtype=torch.float32)
-        got = Progress(self.start, self.used_key(), [], weights, torch.zeros_like(weights),
+        got = Progress(self.start, self.used_key, [], weights, torch.zeros_like(weights),
                        {w_name: set(), m_name: set()})
         bank.progress[self.fragment] = got
         return got
