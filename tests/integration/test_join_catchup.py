@@ -6,7 +6,8 @@
   chunks it has, and ends bit for bit on the new state without fetching that fragment twice.
 * A round that lands late in the fetch, when most of the changed fragment has arrived, is
   replayed from its encoded result instead (and a replay that does not hash to the new
-  state is not kept: the fragment is fetched).
+  state is not kept: the fragment is fetched). A result is replayed as soon as it has
+  arrived, while the rest of the fetch goes on.
 * With `final_lead`, `before_final` (publish and wait) starts while chunks are still coming,
   and the recovery needs no extra manifest pass for it.
 """
@@ -257,6 +258,33 @@ def test_a_round_landing_late_is_replayed_not_fetched_again():
     # int4 result (an eighth of the weights), the rest being fetched at the new version.
     assert rec.fetched_bytes < OLD.nbytes + fragment_bytes // 4, (rec.fetched_bytes,
                                                                   OLD.nbytes)
+
+
+@pytest.mark.timeout(90)
+def test_a_result_is_replayed_while_the_rest_of_the_fetch_goes_on(caplog):
+    """The joiner holds fragment 2 a round old and fragment 0 different from the peers':
+    it fetches fragment 2's result first, replays it while fragment 0's chunks are still
+    coming (its peers wait for it from its publish on, so nothing is left for after the
+    transfer), and ends bit for bit on the peers' state."""
+    caplog.set_level("INFO", logger="dilonode.statesync.service")
+    new = _replayed(OLD, 2)
+    g = torch.Generator().manual_seed(7)
+    local = WorkerState(OLD.step, OLD.rounds, OLD.outer_steps,
+                        {**OLD.tensors, **{f"outer.0.{k}": torch.randn_like(OLD.tensors[
+                            f"outer.0.{k}"], generator=g) for k in ("weights", "momentum")}})
+
+    async def job(peers, servers, workers) -> Recovery | None:
+        for w in workers:
+            w.state = new
+        return await recover(peers, local, CFG.run_id, DIGEST, CFG.statesync,
+                             peer_id="joiner", replayer=REPLAYER)
+
+    rec, _ = _run(job)
+    assert rec is not None and rec.replayed == 1
+    _assert_same(rec.state, new, "recovered vs the peers' state")
+    fragment_bytes = 2 * new.tensors["outer.0.weights"].numel() * 4
+    assert rec.fetched_bytes < fragment_bytes * 1.2, (rec.fetched_bytes, fragment_bytes)
+    assert "replayed rounds 6-6" in caplog.text and "; 0 after the transfer)" in caplog.text
 
 
 @pytest.mark.timeout(90)
