@@ -171,6 +171,10 @@ class Membership:
             self._seen.update({m: now for m in group.members})
             self._rounds[fragment] = (round_no, frozenset(), frozenset(group.members))
         missing = tuple(sorted(waits_for - set(group.members) - {self.dht.peer_id}))
+        if missing:  # who each node waited for differs when a record was just appearing
+            log.info("fragment %d round %d attempt %d: %d peer(s) expected when the round "
+                     "started are not in its group: %s", fragment, round_no, attempt,
+                     len(missing), ", ".join(missing))
         return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
                            group.digest(), group.diverged, group.outvoted, group.mixing,
                            missing)
