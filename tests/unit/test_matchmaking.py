@@ -335,3 +335,25 @@ def test_a_follower_blames_a_leader_that_hung_up_at_once() -> None:
                    poll_interval=0.02, gone=gone)
     assert err.value.blame == dead.peer_id
     assert time.monotonic() - t0 < 1.2  # window + slack would be 1.3 s, the timeout 8 s
+
+
+def test_a_round_names_the_expected_peers_that_are_not_in_its_group(caplog) -> None:
+    """A peer with a live record that never registers is waited for a window; the group
+    goes on without it, and every member logs whom it expected and did not get (peers
+    that read a joiner's record at different moments expect different peers)."""
+    from dilonode.config import NetworkConfig
+    from dilonode.swarm.membership import Membership
+
+    caplog.set_level("INFO", logger="dilonode.swarm.membership")
+    board, absent, live = Board(), IDS[0], IDS[1:3]
+    net = NetworkConfig(matchmaking_window=0.5, matchmaking_timeout=3.0, peer_ttl=30.0)
+    members = [Membership(_Peers(board, i, [absent, *live]), RUN, net,  # type: ignore[arg-type]
+                          f"127.0.0.1:{7001 + k}") for k, i in enumerate(live)]
+    with concurrent.futures.ThreadPoolExecutor(len(members)) as pool:
+        formed = [f.result(timeout=30) for f in [pool.submit(m.form_blocking, 0, 3, 0, set())
+                                                 for m in members]]
+    assert {tuple(f.members) for f in formed} == {tuple(i.peer_id for i in live)}
+    assert all(f.missing == (absent.peer_id,) for f in formed)
+    line = f"round 3 attempt 0: 1 peer(s) expected when the round started are not in its " \
+        f"group: {absent.peer_id}"
+    assert caplog.text.count(line) == len(members), caplog.text
