@@ -287,11 +287,11 @@ class Derivation:
         return k < len(self.rounds) and (got is None or not got.error) and \
             all(d in bank.results for d in self.rounds[k].chunks)
 
-    def advance(self, bank: ChunkBank, numel: int, replayer: Replayer) -> int:
+    def advance(self, bank: ChunkBank, asm: Assembler, replayer: Replayer) -> int:
         """Replay, in order, the rounds not replayed yet whose results are held; returns
         how many it replayed. A round that fails sets the progress's `error`."""
-        got = self.progress(bank, numel)
         w_name, m_name = fragment_names(self.fragment)
+        got = self.progress(bank, asm.tensors[w_name].numel())
         at_round: dict[int, list[tuple[Position, Held]]] = defaultdict(list)
         for pos, h in self.used.items():
             at_round[h.version[0]].append((pos, h))
@@ -324,7 +324,7 @@ class Derivation:
         if wanted := self.wants(bank):
             return 0, f"{len(wanted)} result chunk(s) never arrived"
         w_name, m_name = fragment_names(self.fragment)
-        self.late = self.advance(bank, asm.tensors[w_name].numel(), replayer)
+        self.late = self.advance(bank, asm, replayer)
         got = bank.progress[self.fragment]
         if got.error:
             del bank.progress[self.fragment]

@@ -65,7 +65,7 @@ from dilonode.statesync.protocol import (
     StateMessage,
     replay_name,
 )
-from dilonode.train.state import WorkerState, fragment_names
+from dilonode.train.state import WorkerState
 from dilonode.wire.errors import RemoteProtocolError, one_line
 
 __all__ = ["LinkHook", "Recovery", "RecoveryError", "SnapshotSource", "StateServer",
@@ -961,8 +961,7 @@ class _ReplayAhead:
                 await self.arrived.wait()
                 continue
             for job in ready:
-                numel = self.asm.tensors[fragment_names(job.fragment)[0]].numel()
-                await asyncio.to_thread(job.advance, self.bank, numel, self.replayer)
+                await asyncio.to_thread(job.advance, self.bank, self.asm, self.replayer)
 
     async def stop(self) -> None:
         """Let the round being replayed finish (its thread cannot be stopped: what it
