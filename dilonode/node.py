@@ -194,7 +194,8 @@ class Node:
         plane = self.collective.plane
         self.membership = Membership(self.dht, self.cfg.run_id, net, address, self._status,
                                      settings=policy.settings(), gone=plane.gone.copy,
-                                     local_state=self._local_state)
+                                     local_state=self._local_state,
+                                     round_start=self._round_start)
         self.keeper.source.counts = self.membership.counts
         self.membership.reachable = self.reachability == "public"
         self.membership.state_addr = self.keeper.start_server(
@@ -207,7 +208,8 @@ class Node:
                     self.tunnel.serve_state(self.keeper.server.accept_stream), timeout=30.0)
         self._start_clock()
         self.keeper.prepare(self.worker, self.collective.thread, self.dht,
-                            publish=self.membership.start, stop=stop)
+                            publish=self.membership.start, stop=stop,
+                            first_round=self._first_round)
         self.membership.wait_for_peers(net.min_peers, net.start_timeout, stop)
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())
@@ -287,6 +289,35 @@ class Node:
         if w is None or w.plan is None:
             return "", 0
         return w.chains[fragment], w.stats.tokens
+
+    def _round_start(self, fragment: int, round_no: int) -> float | None:
+        """Where round `round_no` of `fragment` starts on the swarm clock (reference steps),
+        or None when rounds are not paced by it: matchmaking compares it with joiners'
+        first rounds (`PeerRecord.joins_from`)."""
+        from dilonode.algo.pacing import TimePacer
+
+        w = self.worker
+        if w is None or w.plan is None or not isinstance(w.pacer, TimePacer):
+            return None
+        return float(w.plan.start_step(fragment, round_no))
+
+    def _first_round(self, view_s: float) -> int | None:
+        """We are about to publish our record after recovering a running swarm's state:
+        name our first round in it, the first reference step `pacing.first_round` allows
+        once `view_s` has passed, so that every peer counts us from the same round on
+        whenever it reads the record. Returns the step our state must reach (every round
+        before it), or None when rounds are not paced by an agreed clock."""
+        from dilonode.algo.pacing import TimePacer, first_round
+
+        w = self.worker
+        if (w is None or self.membership is None or not isinstance(w.pacer, TimePacer)
+                or w.pacer.clock is None):
+            return None
+        joins_from = first_round(w.pacer.clock.ref_step(w.pacer.now() + view_s))
+        self.membership.joins_from = joins_from
+        log.info("state sync: our first round is reference step %.1f of the swarm clock",
+                 joins_from)
+        return w.joining_floor(joins_from)
 
     def _start_clock(self) -> None:
         """pacing = "time": agree on the swarm clock through the DHT (swarm/clock.py)."""

@@ -46,8 +46,14 @@ _CATCH_UP_MAX = 0.25
 # (equal-speed workers on an exact clock then start exactly where step pacing does).
 _HAIR = 1e-6
 
-__all__ = ["Pacer", "StepPacer", "SwarmClock", "TimePacer", "due_starts", "final_rounds",
-           "link_busy_seconds", "retune_step_seconds"]
+__all__ = ["JOIN_LEAD_STEPS", "Pacer", "StepPacer", "SwarmClock", "TimePacer", "due_starts",
+           "final_rounds", "first_round", "link_busy_seconds", "retune_step_seconds",
+           "rounds_before"]
+
+# Reference steps by which a joiner's first round follows the moment every peer has read
+# its record: a peer starts a round up to its own step early (`TimePacer.at_step`'s lead,
+# about one reference step on a clock the swarm keeps up with), and one step to spare.
+JOIN_LEAD_STEPS = 2.0
 
 
 @dataclass(frozen=True)
@@ -221,6 +227,22 @@ def due_starts(plan: SyncPlan, next_round: Sequence[int], ref_now: float,
         newest = plan.rounds_started(p, math.floor(horizon)) - 1
         out.append(SyncStart(p, newest if newest > next_round[p] + 1 else next_round[p]))
     return out
+
+
+def first_round(ref_seen: float) -> float:
+    """A joiner's first round (`PeerRecord.joins_from`), from `ref_seen`: the reference step
+    by which every peer has read its record. Rounds from it on wait for the joiner on every
+    peer, even one that starts them its lead early; rounds before it are in the state the
+    joiner adopts (`rounds_before`). Peers that read the record at different moments
+    still agree which rounds count it."""
+    return ref_seen + JOIN_LEAD_STEPS
+
+
+def rounds_before(plan: SyncPlan, joins_from: float) -> list[int]:
+    """Per fragment, how many of its rounds start before reference step `joins_from`: the
+    rounds a joiner whose first round that is must find landed in the state it adopts."""
+    last = math.ceil(joins_from) - 1  # start steps are integers
+    return [plan.rounds_started(p, last) for p in range(plan.num_fragments)]
 
 
 def final_rounds(plan: SyncPlan, next_round: Sequence[int], end_step: int) -> list[SyncStart]:

@@ -118,20 +118,26 @@ class StateKeeper:
         return f"{announce}:{address.rsplit(':', 1)[1]}" if announce else address
 
     def prepare(self, worker: Any, thread: Any, dht: Any,
-                publish: Callable[[], None], stop: threading.Event | None = None) -> None:
+                publish: Callable[[], None], stop: threading.Event | None = None, *,
+                first_round: Callable[[float], int | None] | None = None) -> None:
         """Resume and/or recover into `worker`, calling `publish()` (our peer record) once:
         just before the last recovery pass, or at the end when there is nothing to recover.
         Then serve the state. `stop` set (the node was told to stop) abandons a recovery
-        in progress: a fetch over a slow link can take minutes."""
+        in progress: a fetch over a slow link can take minutes. `first_round(view_s)`,
+        called before publishing when recovering: names our first round in the record
+        (`PeerRecord.joins_from`), at least `view_s` from now, and returns the step the
+        state adopted must reach (every round before it), or None (no swarm clock)."""
         published = False
 
-        async def before_final() -> None:
+        async def before_final() -> int | None:
             nonlocal published
+            floor = None if first_round is None else first_round(_PEER_VIEW_S)
             await asyncio.to_thread(publish)
             published = True
             # Peers read live records at most _PEER_VIEW_S old: rounds they start after
             # this wait expect us, rounds started before land in the last pass's state.
             await asyncio.sleep(_PEER_VIEW_S)
+            return floor
 
         if self.active and self.resume:
             self._resume(worker)
@@ -163,7 +169,7 @@ class StateKeeper:
         log.info("resumed from checkpoint %s at step %d", path.name, state.step)
 
     def _recover(self, worker: Any, thread: Any, peers: dict[str, str], auth: Credentials,
-                 before_final: Callable[[], Awaitable[None]], *,
+                 before_final: Callable[[], Awaitable[int | None]], *,
                  same_rounds: bool = False, final_lead: float = 0.0,
                  prefer: tuple[str, ...] = (), stop: threading.Event | None = None) -> None:
         """`same_rounds`: also take a state with as many rounds as ours (ours may have

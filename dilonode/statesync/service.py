@@ -362,7 +362,7 @@ class StateServer:
         # A joiner's floor: every round started by now is in a state it may adopt. The
         # snapshot comes at the trainer's next step, when a round that already counts the
         # joiner (and waits for it) may have started, so its step would be too late.
-        asked = self.source.step_now(joiner)
+        asked = await asyncio.to_thread(self.source.step_now, joiner)  # reads peer records
         async with self._lock:  # concurrent joiners share one snapshot and its hashing
             try:
                 state = await asyncio.to_thread(self.source.request, self.cfg.snapshot_wait)
@@ -859,7 +859,7 @@ class _Client:
 
 async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
                   config_digest: str, cfg: StateSyncConfig, min_rounds: int = -1,
-                  before_final: Callable[[], Awaitable[None]] | None = None, *,
+                  before_final: Callable[[], Awaitable[int | None]] | None = None, *,
                   auth: Credentials | None = None, peer_id: str | None = None,
                   final_lead: float = 0.0, own_candidate: bool = False,
                   wait_behind: float = 0.0, wait_from_step: int = 0,
@@ -880,7 +880,9 @@ async def recover(peers: dict[str, str], local: WorkerState | None, run_id: str,
     not, so the state adopted must include all of them: we re-read manifests until its step
     is at least the `current_step` the peers report in the first manifests after the wait
     (their step, leaving out rounds in flight that count us: we take part in those, and
-    waiting for them to land would make us and them wait on each other). With `final_lead` >
+    waiting for them to land would make us and them wait on each other), and at least the
+    step `before_final` returns, if any (a record naming our first round: every round
+    before it). With `final_lead` >
     0, `before_final` starts that many seconds before a fetch is expected to end (the keeper
     passes its wait, so waiting overlaps the end of the transfer instead of following it and
     one more manifest pass); should that state turn out not to be current, the next fetch
@@ -991,7 +993,7 @@ class _Passes:
     own: dict[str, Manifest]  # our own state's manifest when it competes (own_candidate)
     held: WorkerState | None  # the state we hold: `local`, then each fetched one
     min_rounds: int
-    before_final: Callable[[], Awaitable[None]] | None  # None once it has run
+    before_final: Callable[[], Awaitable[int | None]] | None  # None once it has run
     wait_behind: float
     wait_from_step: int
     prefer: tuple[str, ...]
@@ -1005,7 +1007,8 @@ class _Passes:
     failures: int = 0
     published: bool = False
     below_floor_since: float | None = None  # when the held state was first below `floor`
-    final: asyncio.Future[None] | None = None  # before_final, started during a fetch
+    final: asyncio.Future[int | None] | None = None  # before_final, started during a fetch
+    first_floor: int | None = None  # what before_final returned: the step our first round needs
 
     async def next(self) -> bool:
         """One pass; False when the state held is the one to keep (or none is newer)."""
@@ -1021,7 +1024,8 @@ class _Passes:
         if self.me in target.supporters and self.held_target is None:
             return False  # our own state is the one the others pick too: keep it
         if self.floor is None and self.published and self.before_final is None:
-            self.floor = max(m.current_step for m in manifests.values())
+            self.floor = max([m.current_step for m in manifests.values()]
+                             + ([] if self.first_floor is None else [self.first_floor]))
         current = self.held_target is not None and \
             target.manifest.content_key() == self.held_target.manifest.content_key()
         if current or (self.before_final is not None and self.fetches >= self.cfg.max_passes):
@@ -1108,15 +1112,17 @@ class _Passes:
             self.final = asyncio.ensure_future(self._publish_and_wait(self.before_final))
 
     @staticmethod
-    async def _publish_and_wait(before_final: Callable[[], Awaitable[None]]) -> None:
+    async def _publish_and_wait(before_final: Callable[[], Awaitable[int | None]]
+                                ) -> int | None:
         t_pub = time.perf_counter()
-        await before_final()
+        got = await before_final()
         log.info("state sync: published our record and waited %.2f s",
                  time.perf_counter() - t_pub)
+        return got
 
-    async def _published(self, waiting: Awaitable[None]) -> None:
+    async def _published(self, waiting: Awaitable[int | None]) -> None:
         t_wait = time.perf_counter()
-        await waiting
+        self.first_floor = await waiting
         self.client.result.publish_wait_seconds += time.perf_counter() - t_wait
         self.before_final, self.published, self.client.near_end = None, True, None
 

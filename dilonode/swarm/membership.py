@@ -33,7 +33,8 @@ class Membership:
                  status: Callable[[], dict[str, Any]] | None = None, *,
                  settings: Mapping[str, str | int | float] | None = None,
                  gone: Callable[[], Mapping[str, float]] | None = None,
-                 local_state: Callable[[int], tuple[str, int]] | None = None) -> None:
+                 local_state: Callable[[int], tuple[str, int]] | None = None,
+                 round_start: Callable[[int, int], float | None] | None = None) -> None:
         self.dht, self.run_id, self.net, self.data_addr = dht, run_id, net, data_addr
         # Peers that hung up on our data plane, and when (`DataPlane.gone`).
         self.gone = gone or dict
@@ -43,6 +44,13 @@ class Membership:
         # fragment -> (chain of its outer state, tokens this node trained), for matchmaking
         # to group only nodes holding the same state (algo/chain.py).
         self.local_state = local_state or (lambda _fragment: ("", 0))
+        # (fragment, round) -> the reference step on the swarm clock at which that round
+        # starts, or None when rounds are not paced by the clock: compared with joiners'
+        # `PeerRecord.joins_from`.
+        self.round_start = round_start or (lambda _fragment, _round: None)
+        # Ours, when we join a running swarm (`PeerRecord.joins_from`), kept in every
+        # record we publish.
+        self.joins_from: float | None = None
         self.state_addr: str | None = None  # advertised state-sync listener, if any
         self.reachable = True  # False: behind a NAT, dial us by libp2p stream (swarm/reach)
         # Our weight in a round's split (butterfly part sizes): the configured bandwidth,
@@ -57,8 +65,10 @@ class Membership:
         # and be grouped.
         self._suspect: dict[str, float] = {}
         self._live: tuple[float, list[PeerRecord]] = (float("-inf"), [])
-        # Per fragment, its latest round here: (round, peers expected, members once grouped).
-        self._rounds: dict[int, tuple[int, frozenset[str], frozenset[str] | None]] = {}
+        # Per fragment, its latest round here: (round, its start on the swarm clock, peers
+        # expected when it started, members once grouped).
+        self._rounds: dict[int, tuple[int, float | None, frozenset[str],
+                                      frozenset[str] | None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -94,7 +104,8 @@ class Membership:
         record = PeerRecord(peer_id=self.dht.peer_id, run_id=self.run_id,
                             data_addr=self.data_addr, bandwidth_mbps=self.bandwidth_mbps,
                             step=int(status.get("step", 0)), status=status,
-                            state_addr=self.state_addr, reachable=self.reachable)
+                            state_addr=self.state_addr, reachable=self.reachable,
+                            joins_from=self.joins_from)
         # hivemind keeps the value expiring last: the leaving record must outlive the last one.
         self.dht.publish(record, ttl=self.net.peer_ttl + (1.0 if leaving else 0.0))
 
@@ -144,17 +155,27 @@ class Membership:
             self._suspect.update({p: now for p in exclude})
 
         # Who this round waits for is fixed when it starts (a joiner whose record appears
-        # later joins the next round: it waits for this one to land, see `counts`); a peer
-        # found dead meanwhile stops being waited for at the next poll.
-        waits_for = frozenset(self._expected(exclude))
+        # later joins the next round: it waits for this one to land, see `counts`), except
+        # joiners that name their first round (`joins_from`): each round that starts at or
+        # after it waits for them, whenever their record is read, and no round before it
+        # does. A peer found dead meanwhile stops being waited for at the next poll.
+        start = self.round_start(fragment, round_no)
+        waits_for = frozenset(self._expected(exclude, start))
         nobody_else = self._nobody_else(waits_for)
+        everyone = len(waits_for | {self.dht.peer_id})
         index, is_grouped, waits_for = self._key_of(fragment, round_no, attempt, waits_for,
                                                     exclude)
         with self._lock:
-            self._rounds[fragment] = (round_no, waits_for, None)
+            self._rounds[fragment] = (round_no, start, waits_for, None)
 
         def expected() -> frozenset[str]:
-            return waits_for - self._suspects()
+            # A retry waits only for its last group's members (`_key_of`).
+            joining = self._joining(start, exclude) - waits_for if attempt == 0 else set()
+            if joining and is_grouped:  # under our key, as the round started with
+                keys = num_keys(everyone, self.net.max_group_size)
+                joining = {p for p in joining
+                           if key_index(self.run_id, fragment, round_no, p, keys) == index}
+            return (waits_for | joining) - self._suspects()
 
         chain, tokens = self.local_state(fragment)
         me = GroupEntry(peer_id=self.dht.peer_id, run_id=self.run_id, data_addr=self.data_addr,
@@ -169,7 +190,7 @@ class Membership:
         now = time.monotonic()
         with self._lock:
             self._seen.update({m: now for m in group.members})
-            self._rounds[fragment] = (round_no, frozenset(), frozenset(group.members))
+            self._rounds[fragment] = (round_no, start, frozenset(), frozenset(group.members))
         missing = tuple(sorted(waits_for - set(group.members) - {self.dht.peer_id}))
         if missing:  # who each node waited for differs when a record was just appearing
             log.info("fragment %d round %d attempt %d: %d peer(s) expected when the round "
@@ -204,22 +225,31 @@ class Membership:
                          if key_index(self.run_id, fragment, round_no, p, keys) == index)
         with self._lock:
             last = self._rounds.get(fragment)
-        if attempt > 0 and last is not None and last[0] == round_no and last[2] is not None:
-            mine = mine & last[2] - exclude
+        if attempt > 0 and last is not None and last[0] == round_no and last[3] is not None:
+            mine = mine & last[3] - exclude
         return index, True, mine
 
     def counts(self, fragment: int, round_no: int, peer_id: str) -> bool:
         """Whether our `round_no` of `fragment` counts `peer_id`: it is in the group, or, while
-        the group is forming, expected when the round started (we wait for it to register;
-        a peer found dead since is not, but then it is no joiner asking). For joiners' floors
-        (`SnapshotSource.counts`): a joiner takes part in such a round instead of waiting
-        for it to land."""
+        the group is forming, the round starts at or after the first round its record names
+        (`joins_from`; we wait for it to register), or, with no such record read, it was
+        expected when the round started (a peer found dead since is not, but then it is no
+        joiner asking). For joiners' floors (`SnapshotSource.counts`): a joiner takes part
+        in such a round instead of waiting for it to land. Reads live records at most 1 s
+        old (a DHT read at most once a second): call it off any event loop."""
         with self._lock:
             got = self._rounds.get(fragment)
         if got is None or got[0] != round_no:
             return False
-        _, expected, members = got
-        return peer_id in (expected if members is None else members)
+        _, start, expected, members = got
+        if members is not None:
+            return peer_id in members
+        if start is not None:
+            joins_from = next((r.joins_from for r in self.live_peers(max_age=1.0)
+                               if r.peer_id == peer_id), None)
+            if joins_from is not None:
+                return joins_from <= start
+        return peer_id in expected
 
     def _hung_up(self) -> set[str]:
         """Peers that hung up on our data plane within one record ttl (and did not connect
@@ -234,10 +264,24 @@ class Membership:
             left_out = {p for p, t in self._suspect.items() if now - t < ttl}
         return left_out | self._hung_up()
 
-    def _expected(self, exclude: set[str]) -> set[str]:
+    def _expected(self, exclude: set[str], start: float | None = None) -> set[str]:
+        """Peers a round starting at `start` (swarm clock; None: unknown) waits for: live
+        and recent ones, less joiners whose first round comes later."""
         now, ttl = time.monotonic(), self.net.peer_ttl
         with self._lock:
             recent = {p for p, t in self._seen.items() if now - t < ttl}
         # Every round asks; one DHT read a second is plenty (records live peer_ttl seconds).
-        live = {r.peer_id for r in self.live_peers(max_age=1.0)}
+        live = {r.peer_id for r in self.live_peers(max_age=1.0)
+                if start is None or r.joins_from is None or r.joins_from <= start}
         return (live | recent) - exclude - self._suspects()
+
+    def _joining(self, start: float | None, exclude: set[str]) -> frozenset[str]:
+        """Joiners whose first round (`joins_from`) is at or before a round starting at
+        `start`: that round waits for them even if their record was read after it started
+        (every peer then agrees it counts them, whenever it read their record)."""
+        if start is None:
+            return frozenset()
+        me = self.dht.peer_id
+        return frozenset(r.peer_id for r in self.live_peers(max_age=1.0)
+                         if r.joins_from is not None and r.joins_from <= start
+                         and r.peer_id != me) - exclude

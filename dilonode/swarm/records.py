@@ -126,11 +126,23 @@ class PeerRecord(Record):
     # dialled, peers open a libp2p stream to the peer id instead. Optional, so readers of
     # the same protocol version that predate it ignore it.
     reachable: bool = True
+    # A joiner's first round, on the swarm clock (`diloco.pacing = "time"`): the reference
+    # step from which rounds count it. Every round of any fragment that starts at or after
+    # it waits for it in matchmaking; every round that starts before it is in the state it
+    # adopts. Peers thus agree on which rounds count it whenever each read its record.
+    # None: rounds started once the record is read (members, step pacing). Optional, as
+    # `reachable` is.
+    joins_from: float | None = None
 
     @field_validator("bandwidth_mbps", "expires_at")
     @classmethod
     def _finite(cls, value: float) -> float:
         return _check_finite(value)
+
+    @field_validator("joins_from")
+    @classmethod
+    def _joins_from(cls, value: float | None) -> float | None:
+        return None if value is None else _check_finite(value)
 
     @field_validator("state_addr")
     @classmethod

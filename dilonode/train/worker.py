@@ -35,7 +35,14 @@ from dilonode.algo.chain import chain_next, chain_start
 from dilonode.algo.fragments import Fragment, assign_fragments, flatten, unflatten_into
 from dilonode.algo.mixing import mixed_chain, pack_state, unpack_state
 from dilonode.algo.outer import NonFiniteError, OuterState, merge, pseudo_gradient
-from dilonode.algo.pacing import Pacer, StepPacer, TimePacer, due_starts, final_rounds
+from dilonode.algo.pacing import (
+    Pacer,
+    StepPacer,
+    TimePacer,
+    due_starts,
+    final_rounds,
+    rounds_before,
+)
 from dilonode.algo.replay import EncodedResult, keep_replay, replay_budget
 from dilonode.algo.schedule import SyncPlan, SyncStart
 from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
@@ -606,7 +613,9 @@ class Worker:
         must be in it, except rounds still in flight that count it (`counts_joiner(fragment,
         round)`: they expected it in matchmaking or grouped it), which it takes part in, and
         rounds due by now but not launched yet (the step boundary is still being passed):
-        launched once the joiner asks, after its record is visible, they count it too.
+        launched once the joiner asks, after its record is visible, they count it too,
+        unless they start before the first round its record names (`joining_floor`, which
+        the joiner itself takes as its floor too, covers those).
         Read from another thread: a plain snapshot of `step`, `pending` and `next_round`."""
         step, pending, launched = self.swarm_step, dict(self.pending), list(self.next_round)
         if self.plan is None:
@@ -618,6 +627,16 @@ class Worker:
             return step
         floor = adoption_step(self.plan, needed)
         return step if floor is None else floor
+
+    def joining_floor(self, joins_from: float) -> int | None:
+        """For a joiner whose first round is reference step `joins_from`
+        (`PeerRecord.joins_from`): the step its adopted state must reach, every round that
+        starts before it landed; None without a schedule (mode=ddp)."""
+        if self.plan is None:
+            return None
+        needed = rounds_before(self.plan, joins_from)
+        step = adoption_step(self.plan, needed)
+        return settled_step(self.plan, needed) if step is None else step
 
     def import_state(self, state: WorkerState) -> None:
         """Adopt `state` (joining, resuming, re-syncing): outer state, round counters and

@@ -302,6 +302,33 @@ def test_a_joiners_floor_leaves_out_a_round_due_but_not_launched_yet():
     assert list(w.pending) == [1] and src.step_now("J") == 8
 
 
+def test_a_joiners_first_round_sets_the_step_its_state_must_reach():
+    """A joiner that names reference step J as its first round (`PeerRecord.joins_from`)
+    needs every round that starts before J landed, and none from J on: the state a peer
+    exports once exactly those rounds landed is at its floor, and the state one round
+    short of them is below it. Rounds due but not launched yet do not lower it (they
+    start before J: no peer counts the joiner in them), though a peer's own floor, which
+    expects them to count the joiner, leaves them out."""
+    from dilonode.algo.pacing import rounds_before
+
+    cfg = _h4_p2_config()  # fragment 0 starts at 2, 6, 10, ...; fragment 1 at 4, 8, ...
+    w, _ = _worker(cfg)
+    assert rounds_before(w.plan, 8.0) == [2, 1]  # 2, 6 and 4: the round at 8 counts it
+    assert rounds_before(w.plan, 8.5) == rounds_before(w.plan, 9.0) == [2, 2]
+    assert rounds_before(w.plan, 0.0) == [0, 0]
+    floor = w.joining_floor(8.5)
+    _run_to(w, 7)
+    short = w.export_state()  # fragment 1's round at 8 has not landed
+    assert list(short.rounds) == [2, 1] and short.step < floor
+    w.train_step()  # step 8: that round is due, not launched
+    assert w.floor_step(lambda _f, _r: False) == 7 < floor == w.joining_floor(8.5) == 9
+    w.launch()
+    w.train_step()
+    w.land()  # step 9: it landed
+    full = w.export_state()
+    assert list(full.rounds) == rounds_before(w.plan, 8.5) and full.step >= floor
+
+
 def test_a_joiner_takes_part_in_the_round_its_state_leaves_it_at_if_one_round_behind():
     """Paced by the clock, a joiner adopts a state without the rounds in flight that count
     it (the floor above): when it starts, the next round of that fragment may have started

@@ -197,13 +197,16 @@ def _encode(entry: GroupEntry, identity: Identity) -> bytes:
 class _Peers(View):
     """A `View` that also lists peer records, as `SwarmDHT.fetch_peers` does."""
 
-    def __init__(self, board: Board, identity: Identity, alive: list[Identity]) -> None:
+    def __init__(self, board: Board, identity: Identity, alive: list[Identity],
+                 joins: dict[str, float] | None = None) -> None:
         super().__init__(board, Credentials(identity, RUN))
         self.alive = alive
+        self.joins = joins or {}  # peer id -> the first round its record names
 
     def fetch_peers(self, timeout: float | None = None) -> list[PeerRecord]:
         return [PeerRecord(peer_id=i.peer_id, run_id=RUN, data_addr="127.0.0.1:7000",
-                           bandwidth_mbps=10.0, step=0) for i in self.alive]
+                           bandwidth_mbps=10.0, step=0, joins_from=self.joins.get(i.peer_id))
+                for i in self.alive]
 
 
 @pytest.mark.parametrize("known_by", ["retry", "hang-up"])
@@ -357,3 +360,69 @@ def test_a_round_names_the_expected_peers_that_are_not_in_its_group(caplog) -> N
     line = f"round 3 attempt 0: 1 peer(s) expected when the round started are not in its " \
         f"group: {absent.peer_id}"
     assert caplog.text.count(line) == len(members), caplog.text
+
+
+def _until(predicate, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _round_start(fragment: int, round_no: int) -> float:
+    return 10.0 * round_no + fragment  # reference steps, as `SyncPlan.start_step` gives
+
+
+def test_a_round_before_a_joiners_first_round_does_not_wait_for_it() -> None:
+    """A joiner's record names reference step 50 as its first round. A round starting at
+    40 does not count it, though its record is read when that round starts: the round
+    closes as soon as the members are in, not a window later, and tells a joiner asking
+    that it must land first."""
+    from dilonode.config import NetworkConfig
+    from dilonode.swarm.membership import Membership
+
+    board, joiner, live = Board(), IDS[0], IDS[1:3]
+    net = NetworkConfig(matchmaking_window=3.0, matchmaking_timeout=6.0, peer_ttl=30.0)
+    joins = {joiner.peer_id: 50.0}
+    members = [Membership(_Peers(board, i, [joiner, *live], joins), RUN,  # type: ignore[arg-type]
+                          net, f"127.0.0.1:{7001 + k}", round_start=_round_start)
+               for k, i in enumerate(live)]
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(len(members)) as pool:
+        futs = [pool.submit(m.form_blocking, 0, 4, 0, set()) for m in members]
+        groups = {tuple(f.result(timeout=30).members) for f in futs}
+    assert groups == {tuple(i.peer_id for i in live)}
+    assert time.monotonic() - t0 < 2.5  # the window is 3 s
+    assert not any(m.counts(0, 4, joiner.peer_id) for m in members)
+
+
+def test_peers_that_read_a_joiners_record_at_different_moments_agree_it_takes_part() -> None:
+    """The mutual wait this prevents: a round starts while a joiner's record is becoming
+    visible; its leader has read the record and waits for the joiner, another member had
+    not and told the joiner the round does not count it, so the joiner waited for that
+    round to land. With the first round named in the record (reference step 50, the round
+    starts at 50), the member that reads the record only after its round started counts
+    the joiner too, and the joiner takes part: one group of three."""
+    from dilonode.config import NetworkConfig
+    from dilonode.swarm.membership import Membership
+
+    board, joiner, (a, b) = Board(), IDS[0], IDS[1:3]
+    net = NetworkConfig(matchmaking_window=4.0, matchmaking_timeout=8.0, peer_ttl=30.0)
+    joins = {joiner.peer_id: 50.0}
+    late = _Peers(board, b, [a, b], joins)  # b has not read the joiner's record yet
+
+    def member(view: _Peers, port: int) -> Membership:
+        return Membership(view, RUN, net, f"127.0.0.1:{port}",  # type: ignore[arg-type]
+                          round_start=_round_start)
+
+    ma, mb = member(_Peers(board, a, [joiner, a, b], joins), 7001), member(late, 7002)
+    mj = member(_Peers(board, joiner, [joiner, a, b], joins), 7000)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futs = [pool.submit(m.form_blocking, 0, 5, 0, set()) for m in (ma, mb)]
+        _until(lambda: ma.counts(0, 5, joiner.peer_id), 3.0, "a never counted the joiner")
+        assert not mb.counts(0, 5, joiner.peer_id)  # b knows nothing of it yet
+        late.alive.append(joiner)  # b reads the record now, after its round started
+        _until(lambda: mb.counts(0, 5, joiner.peer_id), 3.0, "b never counted the joiner")
+        futs.append(pool.submit(mj.form_blocking, 0, 5, 0, set()))
+        groups = {tuple(f.result(timeout=30).members) for f in futs}
+    assert groups == {(joiner.peer_id, a.peer_id, b.peer_id)}

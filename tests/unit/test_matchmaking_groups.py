@@ -104,6 +104,6 @@ def test_a_node_waits_only_for_the_peers_its_view_puts_under_its_key() -> None:
     assert wait == {p for p in peers if key_index(RUN, 0, 9, p, keys) == index}
     # A retry waits only for the last group's members, minus those it leaves out.
     last = frozenset(sorted(wait)[:3])
-    m._rounds[0] = (9, frozenset(), last)
+    m._rounds[0] = (9, None, frozenset(), last)
     _, _, retry = m._key_of(0, 9, 1, peers, {sorted(last)[0]})
     assert retry == last - {sorted(last)[0]}

@@ -50,7 +50,8 @@ def _reason(kind: type, raw: object) -> str:
     return message
 
 
-@pytest.mark.parametrize("record", [_peer(), _peer(status=None), _entry()])
+@pytest.mark.parametrize("record", [_peer(), _peer(status=None), _peer(joins_from=41.5),
+                                    _entry()])
 def test_round_trip(record: PeerRecord | GroupEntry) -> None:
     raw = encode_record(record, CREDS)
     assert isinstance(raw, bytes)
@@ -100,6 +101,8 @@ def test_version_is_checked_before_run_id() -> None:
     ({"step": "7"}, "step"),
     ({"step": -1}, "step"),
     ({"bandwidth_mbps": float("nan")}, "bandwidth_mbps"),
+    ({"joins_from": float("inf")}, "joins_from"),
+    ({"joins_from": "41"}, "joins_from"),
     ({"data_addr": "no-port"}, "data_addr"),
     ({"data_addr": "127.0.0.1:70000"}, "data_addr"),
     ({"peer_id": "not base58 0OIl"}, "peer_id"),
