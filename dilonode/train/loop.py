@@ -84,9 +84,10 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
     rep.steps, rep.tokens = worker.step, worker.stats.tokens
     t0 = time.perf_counter()
     try:
-        worker.drain(leave_timeout if rep.stopped_early else None)
         if not rep.stopped_early and total_steps is not None:
-            worker.final_sync()
+            worker.final_sync()  # lands the rounds in flight too, overlapping the last ones
+        else:
+            worker.drain(leave_timeout if rep.stopped_early else None)
     except Interrupted:
         rep.stopped_early = True
         worker.drain(leave_timeout)

@@ -329,6 +329,39 @@ def test_a_joiners_first_round_sets_the_step_its_state_must_reach():
     assert list(full.rounds) == rounds_before(w.plan, 8.5) and full.step >= floor
 
 
+def test_the_end_of_run_rounds_start_while_the_rounds_in_flight_land():
+    """A run that ends at step 8: fragment 1's round (started at 8) is in flight and
+    fragment 0 has trained since its round at 6. The training loop starts fragment 0's
+    end-of-run round before it waits for fragment 1's round, so on a slow link the two
+    overlap instead of following each other; the outer state comes out the same, bit for
+    bit, as landing everything first and then running the end-of-run rounds."""
+    from dilonode.train.loop import train_loop
+
+    cfg = _h4_p2_config()
+    w, _ = _worker(cfg)
+    events: list[tuple[str, int]] = []
+    start, land = w._start, w._land_fragment
+    w._start = lambda p, r: (events.append(("start", p)), start(p, r))[1]  # type: ignore
+    w._land_fragment = lambda p: (events.append(("land", p)), land(p))[1]  # type: ignore
+    evals = load_data(cfg.data).eval_batches(16, 2, 1)
+    train_loop(w, 8, 100, evals, threading.Event())
+    assert events[-3:] == [("start", 0), ("land", 1), ("land", 0)], events
+    assert w.step == 8 and not w.pending and w.stats.rounds == {0: 3, 1: 2}
+
+    before, _ = _worker(cfg)  # the same run, landing everything before the last rounds
+    before.end_step = 8
+    _run_to(before, 7)
+    before.train_step()
+    before.launch()
+    assert list(before.pending) == [1]
+    before.drain()
+    before.start_final()
+    before.drain()
+    for a, b in zip(w.outer, before.outer, strict=True):
+        assert torch.equal(a.weights, b.weights)
+        assert torch.equal(a.momentum_buf, b.momentum_buf)
+
+
 def test_a_joiner_takes_part_in_the_round_its_state_leaves_it_at_if_one_round_behind():
     """Paced by the clock, a joiner adopts a state without the rounds in flight that count
     it (the floor above): when it starts, the next round of that fragment may have started
