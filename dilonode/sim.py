@@ -357,10 +357,11 @@ class _VirtualRun:
             w.land()
             if w.at_end():
                 break
+        w.start_final()  # fragments with no round in flight, as `Worker.final_sync`
         if wait := [h for _, h in w.pending.values() if not h.done()]:
             yield wait
         w.drain()
-        w.start_final()
+        w.start_final()  # those whose rounds were in flight
         if wait := [h for _, h in w.pending.values() if not h.done()]:
             yield wait
         w.drain()

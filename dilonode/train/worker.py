@@ -402,19 +402,15 @@ class Worker:
         every fragment trained since its last round (`pacing.final_rounds`), landed at
         once, so the outer weights hold everything every worker trained and all members
         end on the same state. A fragment with no round in flight starts its end-of-run
-        round at once; one with a round in flight starts it once that round landed. On a
-        slow link the end then costs about the longest of them, not the rounds in flight
-        and then the end-of-run rounds one after the other (each fragment's rounds move
-        only its own weights, so the order changes no result)."""
-        acts = self._final_rounds()
+        round at once; one with a round in flight starts it once that round landed, so
+        matchmaking and transfers overlap the landing instead of following it (where the
+        link's bytes set the time, they still share it). Each fragment's rounds move only
+        its own weights: the order changes no result."""
         in_flight = sorted(self.pending)
-        for p, r in sorted(acts.items()):
-            if p not in self.pending:
-                self._start(p, r)
+        self.start_final()
         for p in in_flight:
             self._land_fragment(p)
-            if p in acts:
-                self._start(p, acts[p])
+            self.start_final()  # p's own, now that its round landed
         for p in sorted(self.pending):
             self._land_fragment(p)
         while self.final_mix_due():
@@ -447,17 +443,15 @@ class Worker:
         self._land_fragment(p)
 
     def start_final(self) -> None:
-        """Start the end-of-run rounds of `final_sync` (a virtual-time driver lands them,
-        after landing the rounds in flight)."""
-        for p, r in sorted(self._final_rounds().items()):
-            self._start(p, r)
-
-    def _final_rounds(self) -> dict[int, int]:
-        """fragment -> its end-of-run round (`pacing.final_rounds`); none without them."""
+        """Start the end-of-run rounds of `final_sync` of the fragments with no round in
+        flight (a fragment's comes after its last round landed): call it again once the
+        rounds in flight landed. Rounds started or landed already are not started again
+        (`pacing.final_rounds` counts them). The simulators drive the end this way too."""
         if self.plan is None or self.end_step is None or not self.algo.final_sync:
-            return {}
-        return {a.fragment: a.round
-                for a in final_rounds(self.plan, self.next_round, self.end_step)}
+            return
+        for act in final_rounds(self.plan, self.next_round, self.end_step):
+            if act.fragment not in self.pending:
+                self._start(act.fragment, act.round)
 
     def drain(self, timeout: float | None = None) -> None:
         """Land every sync still in flight (end of training). With `timeout` (a node that
