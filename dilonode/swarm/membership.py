@@ -25,6 +25,9 @@ __all__ = ["Membership"]
 
 log = logging.getLogger(__name__)
 
+# The longest a read of peer records may hold a matchmaking poll or a joiner's floor.
+_POLL_READ_S = 1.0
+
 
 class Membership:
     """Peer record, heartbeat and matchmaking for one node on a started `SwarmDHT`."""
@@ -116,12 +119,25 @@ class Membership:
             except Exception as exc:  # a missed heartbeat is retried at the next one
                 log.warning("heartbeat failed: %s", exc)
 
-    def live_peers(self, max_age: float = 0.0) -> list[PeerRecord]:
-        """Peers with a fresh record that are not leaving; reuses a read up to `max_age` s."""
+    def live_peers(self, max_age: float = 0.0, *, soft: bool = False) -> list[PeerRecord]:
+        """Peers with a fresh record that are not leaving; reuses a read up to `max_age` s.
+        `soft`, for calls that must not stall (matchmaking polls, a joiner's floor): the
+        read takes at most `_POLL_READ_S`, and when it fails the last read's records stand
+        for another `max_age` (a DHT that is restarting would otherwise hold every poll
+        for its whole operation timeout)."""
         fetched_at, peers = self._live
-        if time.monotonic() - fetched_at > max_age:
-            peers = [r for r in self.dht.fetch_peers() if not (r.status or {}).get("leaving")]
+        if time.monotonic() - fetched_at <= max_age:
+            return peers
+        try:
+            got = self.dht.fetch_peers(timeout=_POLL_READ_S) if soft else self.dht.fetch_peers()
+        except Exception as exc:
+            if not soft:
+                raise
+            log.debug("reading peer records while polling failed: %s", exc)
             self._live = (time.monotonic(), peers)
+            return peers
+        peers = [r for r in got if not (r.status or {}).get("leaving")]
+        self._live = (time.monotonic(), peers)
         return peers
 
     def wait_for_peers(self, need: int, timeout: float,
@@ -236,7 +252,8 @@ class Membership:
         expected when the round started (a peer found dead since is not, but then it is no
         joiner asking). For joiners' floors (`SnapshotSource.counts`): a joiner takes part
         in such a round instead of waiting for it to land. Reads live records at most 1 s
-        old (a DHT read at most once a second): call it off any event loop."""
+        old (a DHT read at most once a second, `_POLL_READ_S` long): call it off any event
+        loop."""
         with self._lock:
             got = self._rounds.get(fragment)
         if got is None or got[0] != round_no:
@@ -245,7 +262,7 @@ class Membership:
         if members is not None:
             return peer_id in members
         if start is not None:
-            joins_from = next((r.joins_from for r in self.live_peers(max_age=1.0)
+            joins_from = next((r.joins_from for r in self.live_peers(max_age=1.0, soft=True)
                                if r.peer_id == peer_id), None)
             if joins_from is not None:
                 return joins_from <= start
@@ -282,6 +299,6 @@ class Membership:
         if start is None:
             return frozenset()
         me = self.dht.peer_id
-        return frozenset(r.peer_id for r in self.live_peers(max_age=1.0)
+        return frozenset(r.peer_id for r in self.live_peers(max_age=1.0, soft=True)
                          if r.joins_from is not None and r.joins_from <= start
                          and r.peer_id != me) - exclude

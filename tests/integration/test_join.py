@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dilonode.algo.pacing import rounds_before
+from dilonode.algo.schedule import SyncPlan
 from dilonode.config import load_config
 from dilonode.statesync.service import SnapshotSource, StateServer, recover
 from dilonode.train.checkpoint import latest_checkpoints, load_checkpoint
@@ -135,12 +137,23 @@ def test_joiner_recovers_state_and_contributes(tmp_path):
                 p.proc.kill()
     joined_at = rec["step"]
     assert joined_at >= 12, rec
+    # The joiner named its first round on the swarm clock (`PeerRecord.joins_from`): the
+    # state it adopted holds every round that starts before it.
+    named = [json.loads(line)["msg"] for line in (tmp_path / "n2.log").read_text().splitlines()
+             if "our first round is reference step" in line]
+    assert len(named) == 1, named
+    joins_from = float(named[0].split("reference step ")[1].split()[0])
+    a = cfg.diloco.effective()
+    needed = rounds_before(SyncPlan(a.sync_every, a.num_fragments, a.fragment_sync_delay),
+                           joins_from)
     # chunks came from both peers at once
     assert len(rec["peers"]) == 2 and all(n > 0 for n in rec["peers"].values()), rec
     assert rec["bytes"] == sum(rec["peers"].values()) > 0
     ckpts = [_checkpoints(p.out) for p in procs]
     # adoption point: the joiner's state at `joined_at` is the peers' state, bit for bit
     adopted = _load(ckpts[2][joined_at], cfg)
+    assert all(have >= need for have, need in zip(adopted.rounds, needed, strict=True)), \
+        (adopted.rounds, needed)
     peer_same = [_load(path, cfg) for path in ckpts[0].values()
                  if _load(path, cfg).rounds == adopted.rounds]
     assert peer_same, "no peer checkpoint with the adopted round counters"

@@ -426,3 +426,30 @@ def test_peers_that_read_a_joiners_record_at_different_moments_agree_it_takes_pa
         futs.append(pool.submit(mj.form_blocking, 0, 5, 0, set()))
         groups = {tuple(f.result(timeout=30).members) for f in futs}
     assert groups == {(joiner.peer_id, a.peer_id, b.peer_id)}
+
+
+def test_a_failed_read_of_peer_records_does_not_stall_a_poll() -> None:
+    """Matchmaking polls and a joiner's floor read peer records (`soft`): a failed read
+    gives the last read's records and is not retried for `max_age`, where a plain read
+    raises (a DHT that is restarting would otherwise hold every poll)."""
+    from dilonode.config import NetworkConfig
+    from dilonode.swarm.membership import Membership
+
+    class _Failing(_Peers):
+        calls = 0
+        failing = False
+
+        def fetch_peers(self, timeout: float | None = None) -> list[PeerRecord]:
+            self.calls += 1
+            if self.failing:
+                raise TimeoutError("DHT restarting")
+            return super().fetch_peers(timeout)
+
+    view = _Failing(Board(), IDS[1], IDS[:3])
+    m = Membership(view, RUN, NetworkConfig(), "127.0.0.1:7001")  # type: ignore[arg-type]
+    first = m.live_peers()
+    view.failing = True
+    with pytest.raises(TimeoutError):
+        m.live_peers()
+    assert m.live_peers(max_age=0.0, soft=True) == first
+    assert m.live_peers(max_age=60.0, soft=True) == first and view.calls == 3
