@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from dilonode.algo.groups import grouped, key_index, num_keys
 from dilonode.allreduce.driver import FormedGroup
@@ -27,6 +27,23 @@ log = logging.getLogger(__name__)
 
 # The longest a read of peer records may hold a matchmaking poll or a joiner's floor.
 _POLL_READ_S = 1.0
+
+
+class _Round(NamedTuple):
+    """A fragment's latest round on this node."""
+
+    round: int
+    start: float | None  # on the swarm clock (`Membership.round_start`)
+    expected: frozenset[str]  # peers it waited for when it started
+    members: frozenset[str] | None  # once grouped
+
+
+def _counted_from(record: PeerRecord, start: float | None) -> bool | None:
+    """Whether a round starting at `start` counts the node of `record` by the first round
+    it names (`joins_from`); None when the record names none or the start is unknown."""
+    if start is None or record.joins_from is None:
+        return None
+    return record.joins_from <= start
 
 
 class Membership:
@@ -68,10 +85,8 @@ class Membership:
         # and be grouped.
         self._suspect: dict[str, float] = {}
         self._live: tuple[float, list[PeerRecord]] = (float("-inf"), [])
-        # Per fragment, its latest round here: (round, its start on the swarm clock, peers
-        # expected when it started, members once grouped).
-        self._rounds: dict[int, tuple[int, float | None, frozenset[str],
-                                      frozenset[str] | None]] = {}
+        # Per fragment, its latest round here.
+        self._rounds: dict[int, _Round] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -182,7 +197,7 @@ class Membership:
         index, is_grouped, waits_for = self._key_of(fragment, round_no, attempt, waits_for,
                                                     exclude)
         with self._lock:
-            self._rounds[fragment] = (round_no, start, waits_for, None)
+            self._rounds[fragment] = _Round(round_no, start, waits_for, None)
 
         def expected() -> frozenset[str]:
             # A retry waits only for its last group's members (`_key_of`).
@@ -206,7 +221,8 @@ class Membership:
         now = time.monotonic()
         with self._lock:
             self._seen.update({m: now for m in group.members})
-            self._rounds[fragment] = (round_no, start, frozenset(), frozenset(group.members))
+            self._rounds[fragment] = _Round(round_no, start, frozenset(),
+                                            frozenset(group.members))
         missing = tuple(sorted(waits_for - set(group.members) - {self.dht.peer_id}))
         if missing:  # who each node waited for differs when a record was just appearing
             log.info("fragment %d round %d attempt %d: %d peer(s) expected when the round "
@@ -241,8 +257,9 @@ class Membership:
                          if key_index(self.run_id, fragment, round_no, p, keys) == index)
         with self._lock:
             last = self._rounds.get(fragment)
-        if attempt > 0 and last is not None and last[0] == round_no and last[3] is not None:
-            mine = mine & last[3] - exclude
+        if (attempt > 0 and last is not None and last.round == round_no
+                and last.members is not None):
+            mine = mine & last.members - exclude
         return index, True, mine
 
     def counts(self, fragment: int, round_no: int, peer_id: str) -> bool:
@@ -256,17 +273,14 @@ class Membership:
         loop."""
         with self._lock:
             got = self._rounds.get(fragment)
-        if got is None or got[0] != round_no:
+        if got is None or got.round != round_no:
             return False
-        _, start, expected, members = got
-        if members is not None:
-            return peer_id in members
-        if start is not None:
-            joins_from = next((r.joins_from for r in self.live_peers(max_age=1.0, soft=True)
-                               if r.peer_id == peer_id), None)
-            if joins_from is not None:
-                return joins_from <= start
-        return peer_id in expected
+        if got.members is not None:
+            return peer_id in got.members
+        record = next((r for r in self.live_peers(max_age=1.0, soft=True)
+                       if r.peer_id == peer_id), None)
+        named = None if record is None else _counted_from(record, got.start)
+        return peer_id in got.expected if named is None else named
 
     def _hung_up(self) -> set[str]:
         """Peers that hung up on our data plane within one record ttl (and did not connect
@@ -289,7 +303,7 @@ class Membership:
             recent = {p for p, t in self._seen.items() if now - t < ttl}
         # Every round asks; one DHT read a second is plenty (records live peer_ttl seconds).
         live = {r.peer_id for r in self.live_peers(max_age=1.0)
-                if start is None or r.joins_from is None or r.joins_from <= start}
+                if _counted_from(r, start) is not False}
         return (live | recent) - exclude - self._suspects()
 
     def _joining(self, start: float | None, exclude: set[str]) -> frozenset[str]:
@@ -300,5 +314,4 @@ class Membership:
             return frozenset()
         me = self.dht.peer_id
         return frozenset(r.peer_id for r in self.live_peers(max_age=1.0, soft=True)
-                         if r.joins_from is not None and r.joins_from <= start
-                         and r.peer_id != me) - exclude
+                         if _counted_from(r, start) and r.peer_id != me) - exclude

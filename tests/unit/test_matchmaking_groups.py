@@ -94,6 +94,8 @@ def _membership(max_group_size: int):
 
 
 def test_a_node_waits_only_for_the_peers_its_view_puts_under_its_key() -> None:
+    from dilonode.swarm.membership import _Round
+
     peers = frozenset(f"Qm{i:040d}" for i in range(40))
     small = _membership(64)
     assert small._key_of(0, 9, 0, peers, set()) == (0, False, peers)
@@ -104,6 +106,6 @@ def test_a_node_waits_only_for_the_peers_its_view_puts_under_its_key() -> None:
     assert wait == {p for p in peers if key_index(RUN, 0, 9, p, keys) == index}
     # A retry waits only for the last group's members, minus those it leaves out.
     last = frozenset(sorted(wait)[:3])
-    m._rounds[0] = (9, None, frozenset(), last)
+    m._rounds[0] = _Round(9, None, frozenset(), last)
     _, _, retry = m._key_of(0, 9, 1, peers, {sorted(last)[0]})
     assert retry == last - {sorted(last)[0]}
