@@ -47,7 +47,9 @@ def run_config(args: argparse.Namespace, rate: float) -> Any:
         "codec": {"name": "int4"},
         # A window that outlasts the peers' drift (see benchmarks/wan.py).
         "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 45.0,
-                    "allreduce_timeout": 60.0, "bandwidth_mbps": rate, "peer_ttl": 60.0},
+                    "allreduce_timeout": 60.0, "bandwidth_mbps": rate, "peer_ttl": 60.0,
+                    **({} if args.tcp_congestion is None
+                       else {"tcp_congestion": args.tcp_congestion})},
         "statesync": {"request_timeout": 60.0, "recover_timeout": 600.0,
                       **({} if args.replay_rounds is None
                          else {"replay_rounds": args.replay_rounds})},
@@ -121,6 +123,8 @@ def main() -> None:
     ap.add_argument("--replay-rounds", type=int, help="statesync.replay_rounds of every node "
                     "(default: the config's; 1: a joiner replays at most the last round, so "
                     "it fetches the state itself)")
+    ap.add_argument("--tcp-congestion", help="network.tcp_congestion of every node "
+                    "(default: the config's, cubic; 'system': the kernel's default)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench/join"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

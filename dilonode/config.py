@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from dilonode import congestion
 from dilonode.algo.schedule import auto_merge_delay
 from dilonode.auth import allowed_peer_id
 
@@ -307,6 +308,15 @@ class NetworkConfig(_Frozen):
         "launches and a host sync: 4M-value chunks ran fastest on the 2-core box, and "
         "larger ones faster still on a GPU host's loopback (docs/codec-results.md). "
         "Matchmaking groups only nodes that set the same value")
+    tcp_congestion: str = Field(
+        "cubic", pattern=congestion.NAME_PATTERN, description="TCP congestion control of "
+        "the data-plane and state-sync connections (a Linux name, as in "
+        "net.ipv4.tcp_available_congestion_control), or 'system' for the kernel's default. "
+        "A round is all-to-all, N-1 flows through each link at once, where loss-blind bbr "
+        "sent 19-40% of a round's bytes twice on the test bed at 10-20 Mbit/s and cubic "
+        "under 1% (dilonode/congestion.py). A name the kernel refuses (not built in, or not in "
+        "net.ipv4.tcp_allowed_congestion_control without CAP_NET_ADMIN) leaves the default, "
+        "with one warning")
     bandwidth_mbps: float = Field(
         100.0, gt=0.0, description="advertised bandwidth; weights this node's butterfly part "
         "(its share of each round's traffic). A joiner whose state fetch measured a slower "

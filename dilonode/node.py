@@ -164,6 +164,7 @@ class Node:
                      if agg.ban_after else None)
         plane_options: dict[str, Any] = {"auth": self.dht.credentials,
                                          "gate": self.admission.gate("data"),
+                                         "tcp_congestion": net.tcp_congestion,
                                          # rotating groups: idle peers' connections close
                                          "max_idle_inbound": 4 * net.max_group_size}
         if net.p2p_fallback:

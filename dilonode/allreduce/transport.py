@@ -62,6 +62,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
+from dilonode import congestion
 from dilonode.admission import Admission, Gate, Ticket
 from dilonode.allreduce.channel import (
     HANDSHAKE_FRAME_MAX,
@@ -543,7 +544,9 @@ class DataPlane:
     `pending_ttl`, `max_pending_frames` (per key), `max_pending_keys` and
     `max_pending_bytes` (all keys) bound frames waiting for their round; `max_queued_bytes`
     bounds frames waiting in registered inboxes before reading pauses;
-    `socket_buffer_bytes` sets SO_SNDBUF/SO_RCVBUF (0 leaves the kernel's autotuning).
+    `socket_buffer_bytes` sets SO_SNDBUF/SO_RCVBUF (0 leaves the kernel's autotuning);
+    `tcp_congestion` names the congestion control of its connections (`congestion.apply`;
+    "system" leaves the kernel's default).
     `auth` holds this node's identity and the run's secret and allowlist; None runs the
     handshake in trust mode (made-up peer ids, tests and benchmarks only; see `channel`).
     `fallback(peer_id)`, if given, opens a stream by another path when a direct connection
@@ -566,7 +569,8 @@ class DataPlane:
                  auth: Credentials | None = None,
                  fallback: StreamOpener | None = None, tune_malloc: bool = True,
                  gate: Gate | None = None, max_idle_inbound: int = 0,
-                 idle_close_s: float = 30.0, direct_retry: float = 600.0) -> None:
+                 idle_close_s: float = 30.0, direct_retry: float = 600.0,
+                 tcp_congestion: str = congestion.SYSTEM) -> None:
         Hello(run_id=run_id, peer_id=peer_id)  # validates both ids (ValidationError)
         if auth is not None and (auth.peer_id, auth.run_id) != (peer_id, run_id):
             raise ValueError(f"DataPlane: credentials of {auth.peer_id}@{auth.run_id} for "
@@ -591,6 +595,7 @@ class DataPlane:
         self.max_pending_bytes = max_pending_bytes
         self.max_queued_bytes = max_queued_bytes
         self.socket_buffer_bytes = socket_buffer_bytes
+        self.tcp_congestion = tcp_congestion
         self.max_idle_inbound = max_idle_inbound  # 0: never close idle connections
         self.idle_close_s = idle_close_s
         self.gate = gate or Admission().gate("data")
@@ -699,6 +704,7 @@ class DataPlane:
         if self.socket_buffer_bytes:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.socket_buffer_bytes)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.socket_buffer_bytes)
+        congestion.apply(sock, self.tcp_congestion)
 
     # ------------------------------------------------------------------ rounds
 

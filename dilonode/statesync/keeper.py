@@ -112,7 +112,7 @@ class StateKeeper:
             return None
         self.server = StateServer(self.source, self.cfg.run_id, self.digest,
                                   self.cfg.statesync, host=self.cfg.network.host, auth=auth,
-                                  gate=gate)
+                                  gate=gate, tcp_congestion=self.cfg.network.tcp_congestion)
         address = thread.run(self.server.start(), timeout=10.0)
         announce = self.cfg.network.announce_host
         return f"{announce}:{address.rsplit(':', 1)[1]}" if announce else address

@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dilonode import PROTOCOL_VERSION
+from dilonode import PROTOCOL_VERSION, congestion
 from dilonode.admission import Admission, Gate, Ticket
 from dilonode.allreduce.channel import HandshakeError
 from dilonode.auth import Credentials
@@ -228,16 +228,18 @@ class StateServer:
     trust mode, tests and benchmarks only, with the made-up `peer_id`); refused attempts
     are counted in `unauthorized_attempts` and logged through `gate` (the node's
     `Admission.gate("state")`, which also caps connections still in their handshake;
-    None: a gate of its own with the default limits).
+    None: a gate of its own with the default limits). `tcp_congestion`: the congestion
+    control its connections send with (`dilonode.congestion`; "system" leaves the kernel's).
     """
 
     def __init__(self, source: SnapshotSource, run_id: str, config_digest: str,
                  cfg: StateSyncConfig, host: str = "127.0.0.1", *,
                  auth: Credentials | None = None, peer_id: str | None = None,
-                 gate: Gate | None = None) -> None:
+                 gate: Gate | None = None, tcp_congestion: str = congestion.SYSTEM) -> None:
         self.source, self.run_id, self.digest, self.cfg = source, run_id, config_digest, cfg
         self.auth, self.peer_id = auth, _whoami(auth, peer_id)
         self.host = cfg.host or host
+        self.tcp_congestion = tcp_congestion
         self.gate = gate or Admission().gate("state")
         self.gate.log.logger = log
         self._acceptor: Acceptor | None = None
@@ -305,6 +307,7 @@ class StateServer:
         assert task is not None
         self._conns[task] = writer
         peer = writer.get_extra_info("peername")
+        congestion.apply(writer.get_extra_info("socket"), self.tcp_congestion)
         if ticket is not None:
             ticket.close = writer.transport.abort  # if evicted for a newcomer from elsewhere
         try:
