@@ -47,6 +47,7 @@ import multiprocessing as mp
 import os
 import platform
 import pstats
+import queue
 import resource
 import socket
 import statistics
@@ -110,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.chunk is None:
         args.chunk = round_chunk_numel(args.numel, args.procs, DEFAULT_CHUNK_NUMEL,
                                        args.block_size)
+    elif args.chunk < 1 or args.chunk % args.block_size:
+        p.error(f"--chunk {args.chunk}: must be a positive multiple of --block-size "
+                f"{args.block_size}")
     return args
 
 
@@ -327,11 +331,21 @@ def _run_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         deadline = time.monotonic() + 3600
         while len(per_rank) < args.procs:
-            rank, out = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                rank, out = results.get(timeout=1.0)
+            except queue.Empty:
+                # A worker that failed leaves the others waiting in a barrier: stop them.
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise SystemExit(f"allreduce: worker(s) {dead} failed (exit codes "
+                                     f"{[procs[r].exitcode for r in dead]}; their traceback "
+                                     "is above)" if dead else "allreduce: no result in an "
+                                     "hour") from None
+                continue
             per_rank[rank] = out
     finally:
         for proc in procs:
-            proc.join(30)
+            proc.join(30 if len(per_rank) == args.procs else 0.1)
             if proc.is_alive():
                 proc.kill()
     return [per_rank[r] for r in range(args.procs)]
