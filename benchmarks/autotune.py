@@ -169,6 +169,8 @@ def summarize(name: str, rate: float, nodes: list[dict[str, Any]],
             # steps: compare losses knowing the tokens behind them.
             "steps_mean": statistics.mean(s["steps"] for s in nodes),
             "tokens_mean": statistics.mean(s["tokens"] for s in nodes),
+            # Each node's time blocked on results, nearly all of it at the end of the run.
+            "sync_wait_s": sorted(s["sync_wait_s"] for s in nodes),
             "identical_outer": len({s["outer_digest"] for s in nodes}) == 1}
 
 
