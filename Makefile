@@ -33,7 +33,9 @@ simulate: $(STAMP)
 	$(VENV)/bin/dilonode simulate --config configs/demo.toml $(DEMO_ARGS)
 
 # --durations lists the slowest tests: make test is kept under 20 minutes on 2 cores.
+# .ci/system-deps installs chromium and iptables (some tests drive them) when run as root.
 test: $(STAMP)
+	bash .ci/system-deps
 	$(VENV)/bin/ruff check dilonode tests benchmarks protocol deploy
 	$(PY) -m pytest -q -ra --durations=15 tests
 

@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/bench/chaos"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if (reason := unavailable_reason()) is not None:
+    if (reason := unavailable_reason(partitions=True)) is not None:
         sys.exit(f"chaos.py: {reason}")
     rows: list[dict[str, Any]] = []
     for run in args.runs.split(","):

@@ -140,15 +140,18 @@ def _sh(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]
     return proc
 
 
-def unavailable_reason(nat: bool = False) -> str | None:
-    """Why a test bed cannot be built here (None: it can): root, `ip` and `tc` are needed,
-    and for NAT hosts (`nat`) also `iptables-restore` and a kernel that masquerades in a
-    network namespace (checked by building one router and removing it)."""
+def unavailable_reason(nat: bool = False, partitions: bool = False) -> str | None:
+    """Why a test bed cannot be built here (None: it can): root, `ip` and `tc` are needed;
+    to cut links (`partitions`: `Testbed.partition`) also `iptables`; for NAT hosts (`nat`)
+    also `iptables-restore` and a kernel that masquerades in a network namespace (checked by
+    building one router and removing it)."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "the WAN test bed needs root (network namespaces, veth, tbf)"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"the WAN test bed needs `{tool}` (iproute2) on PATH"
+    if partitions and shutil.which("iptables") is None:
+        return "cutting links on the test bed needs `iptables` (Debian: apt-get install iptables)"
     if nat:
         return _nat_unavailable_reason()
     return None

@@ -1,7 +1,8 @@
 """A small live swarm (bootstrap + 2 nodes on 127.0.0.1): the dashboard draws real data in
 headless Chromium, /metrics moves as training goes on, and the bootstrap shows every node.
 
-Needs Debian's `chromium` (`.ci/run` installs it). To keep the screenshot it takes:
+Needs Debian's `chromium` (`make test` installs it when run as root: .ci/system-deps). To
+keep the screenshot it takes:
     DILONODE_DASHBOARD_PNG=/tmp/dash.png .venv/bin/pytest -q tests/integration/test_dashboard.py
 """
 
@@ -48,7 +49,7 @@ def chromium() -> str:
         if path := shutil.which(name):
             return path
     pytest.fail("chromium is not installed: the dashboard test needs Debian's package "
-                "(`sudo apt-get install -y chromium`; .ci/run installs it in CI)")
+                "(`sudo apt-get install -y chromium`; `make test` installs it as root)")
 
 
 def browse(url: str, tmp: Path, *args: str) -> str:
