@@ -36,40 +36,40 @@ simulate: $(STAMP)
 # .ci/system-deps installs chromium and iptables (some tests drive them) when run as root.
 test: $(STAMP)
 	bash .ci/system-deps
-	$(VENV)/bin/ruff check dilonode tests benchmarks protocol deploy
+	$(VENV)/bin/ruff check dilonode tests benchmarks protocol deploy testbed
 	$(PY) -m pytest -q -ra --durations=15 tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dilonode tests benchmarks protocol deploy
+	$(VENV)/bin/ruff check dilonode tests benchmarks protocol deploy testbed
 	$(VENV)/bin/mypy --strict dilonode/algo dilonode/wire
 
 # About 2.5 h on the 2-core box (docs/benchmarks.md); --resume continues an interrupted run.
 bench-quality: $(STAMP)
-	OMP_NUM_THREADS=1 nice -n 10 $(PY) benchmarks/quality.py --sweep 1.875e-4,3.75e-4,7.5e-4,1.5e-3,3e-3,6e-3 \
+	OMP_NUM_THREADS=1 nice -n 10 $(PY) -m benchmarks.sim.quality --sweep 1.875e-4,3.75e-4,7.5e-4,1.5e-3,3e-3,6e-3 \
 		--seeds 3 --jobs 2 --json runs/bench/quality.json --plot docs/img/quality.png --resume
 
 bench-overlap: $(STAMP)
-	$(PY) benchmarks/overlap.py --json runs/bench/overlap.json
+	$(PY) -m benchmarks.loopback.overlap --json runs/bench/overlap.json
 
 bench-allreduce: $(STAMP)
-	$(PY) benchmarks/allreduce.py --hivemind --json runs/bench/allreduce.json
+	$(PY) -m benchmarks.loopback.allreduce --hivemind --json runs/bench/allreduce.json
 
 bench-byzantine: $(STAMP)
-	$(PY) benchmarks/byzantine.py --steps 300 --sync-every 30 --json runs/bench/byzantine.json
+	$(PY) -m benchmarks.sim.byzantine --steps 300 --sync-every 30 --json runs/bench/byzantine.json
 
-# The WAN test bed (deploy/testbed.py) needs root: network namespaces, veth, tbf.
+# The WAN test bed (testbed/hosts.py) needs root: network namespaces, veth, tbf.
 bench-wan: $(STAMP)
-	$(PY) benchmarks/wan.py --rates 100,20 --json runs/bench/wan.json
+	$(PY) -m benchmarks.testbed.wan --rates 100,20 --json runs/bench/wan.json
 
 bench-join: $(STAMP)
-	$(PY) benchmarks/join.py --rates 100 --json runs/bench/join.json
+	$(PY) -m benchmarks.testbed.join --rates 100 --json runs/bench/join.json
 
 bench-churn: $(STAMP)
-	$(PY) benchmarks/churn.py --json runs/bench/churn.json
+	$(PY) -m benchmarks.testbed.churn --json runs/bench/churn.json
 
 # NAT hosts on the test bed also need iptables-restore.
 bench-nat: $(STAMP)
-	$(PY) benchmarks/nat.py --json runs/bench/nat.json
+	$(PY) -m benchmarks.testbed.nat --json runs/bench/nat.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .hypothesis

@@ -10,14 +10,14 @@
 #   setup           carried wheels installed into /tmp/site-py3XX when imports fail, the
 #                   corpus unpacked from its pack and checked (every invocation does this)
 #   codecs          issue 16: device codecs bit for bit on the GPU, what one chunk's copies,
-#                   hashes and codecs cost (benchmarks/datapath_costs.py), 4 peers
+#                   hashes and codecs cost (benchmarks/gpu/datapath_costs.py), 4 peers
 #                   all-reducing 50M and 500M values against gloo float32 and ideal 1/10
 #                   Gbit/s links
 #   memory          peak GPU memory, host RSS and step time of one node, 150m and 1b; the
 #                   CPU estimate beside it; projected minutes of the quality stages
 #   quality-ddp, quality-diloco, quality-int4, quality-fp4
 #                   the simulator, 4 workers x 2,000 steps of 150m with bf16 autocast on the
-#                   corpus (benchmarks/gpu_quality.py); quality-table joins their reports
+#                   corpus (benchmarks/gpu/quality.py); quality-table joins their reports
 #   swarm-start     bootstrap + 4 `dilonode run` on the GPU for 11 minutes, detached, then
 #                   waits up to SWARM_WAIT_S (480) s; swarm-collect waits for the end (up to
 #                   540 s) and writes the figures. Two device calls, the second at once.
@@ -87,7 +87,7 @@ ensure_env() {
     fi
   fi
   if [ "$SMOKE" != 1 ] && [ ! -f "$CORPUS/train.bin" ] && [ -f "$CORPUS_PACK/meta.json" ]; then
-    "$PY" benchmarks/corpus.py unpack "$CORPUS_PACK" "$CORPUS" | tail -3
+    "$PY" -m benchmarks.gpu.corpus unpack "$CORPUS_PACK" "$CORPUS" | tail -3
   fi
 }
 
@@ -124,19 +124,19 @@ stage_prepare() {
   "$PY" -m pip download -q --no-deps --only-binary=:all: $plat -d "$WHEELS" $BIN_WHEELS
   # shellcheck disable=SC2086
   "$PY" -m pip wheel -q --no-deps -w "$WHEELS" $SDIST_WHEELS
-  [ -f "$CORPUS/meta.json" ] || "$PY" benchmarks/corpus.py build "$CORPUS"
+  [ -f "$CORPUS/meta.json" ] || "$PY" -m benchmarks.gpu.corpus build "$CORPUS"
   if cmp -s "$CORPUS/meta.json" "$CORPUS_PACK/meta.json"; then
     log "corpus pack $CORPUS_PACK is up to date"
   else
-    "$PY" benchmarks/corpus.py pack "$CORPUS" "$CORPUS_PACK" | tee -a "$SUMMARY"
+    "$PY" -m benchmarks.gpu.corpus pack "$CORPUS" "$CORPUS_PACK" | tee -a "$SUMMARY"
   fi
   log "carry runs/carry: $(du -sh runs/carry | cut -f1)"
 }
 
 stage_setup() {
-  "$PY" -c "import dilonode.sim, hivemind; print('dilonode and hivemind import')" \
+  "$PY" -c "import dilonode.sim.training, hivemind; print('dilonode and hivemind import')" \
     | tee -a "$SUMMARY"
-  [ "$SMOKE" = 1 ] || "$PY" benchmarks/corpus.py verify "$CORPUS" | tee -a "$SUMMARY"
+  [ "$SMOKE" = 1 ] || "$PY" -m benchmarks.gpu.corpus verify "$CORPUS" | tee -a "$SUMMARY"
 }
 
 stage_codecs() {
@@ -150,7 +150,7 @@ stage_codecs() {
   log "## codecs: device codecs and rounds on the GPU, bit for bit against the CPU"
   "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_codec_paths.py 2>&1 \
     | tail -3 | tee -a "$SUMMARY"
-  "$PY" benchmarks/datapath_costs.py 2>&1 | tee "$out/costs.txt" | tee -a "$SUMMARY"
+  "$PY" -m benchmarks.gpu.datapath_costs 2>&1 | tee "$out/costs.txt" | tee -a "$SUMMARY"
   bench cuda_50m --device cuda --numel 50000000 --codecs float32,int4 --rounds "${ROUNDS_50M:-3}"
   bench cpu_50m --device cpu --numel 50000000 --codecs int4,float32 --rounds "${ROUNDS_50M:-3}"
   bench cuda_500m --device cuda --numel 500000000 --codecs int4,float32 \
@@ -176,10 +176,10 @@ for f in sorted(Path(sys.argv[1]).glob("*.json")):
 EOF
 }
 
-bench() {  # name, then benchmarks/allreduce.py arguments
+bench() {  # name, then benchmarks/loopback/allreduce.py arguments
   local name=$1; shift
   log "## codecs $name: $*"
-  "$PY" benchmarks/allreduce.py --procs 4 --reuse-output --link-gbit 1,10 \
+  "$PY" -m benchmarks.loopback.allreduce --procs 4 --reuse-output --link-gbit 1,10 \
     --json "$RESULTS/codecs/$name.json" "$@" 2>&1 | tee "$RESULTS/codecs/$name.txt" \
     | grep -v '^rank 0' | tee -a "$SUMMARY"
 }
@@ -188,15 +188,15 @@ stage_memory() {
   need_gpu memory || return 0
   log "## memory: one node's GPU memory, host RAM and step time"
   if [ "$SMOKE" = 1 ]; then
-    "$PY" benchmarks/gpu_memory.py estimate --presets nano --measure-outer nano \
+    "$PY" -m benchmarks.gpu.memory estimate --presets nano --measure-outer nano \
       --json "$RESULTS/memory-estimate.json" --md "$RESULTS/memory-estimate.md" | tee -a "$SUMMARY"
-    "$PY" benchmarks/gpu_memory.py node --device cpu --preset nano --data builtin \
+    "$PY" -m benchmarks.gpu.memory node --device cpu --preset nano --data builtin \
       --batch-size 2 --seq-len 32 --steps 3 | tee "$RESULTS/memory.json" | tee -a "$SUMMARY"
     return 0
   fi
-  "$PY" benchmarks/gpu_memory.py estimate --measure-outer 150m,1b \
+  "$PY" -m benchmarks.gpu.memory estimate --measure-outer 150m,1b \
     --json "$RESULTS/memory-estimate.json" --md "$RESULTS/memory-estimate.md" | tee -a "$SUMMARY"
-  "$PY" benchmarks/gpu_memory.py gpu --data "$CORPUS" --json "$RESULTS/memory.json" \
+  "$PY" -m benchmarks.gpu.memory gpu --data "$CORPUS" --json "$RESULTS/memory.json" \
     --md "$RESULTS/memory.md" 2>&1 | tee "$RESULTS/memory.log" | live memory.log
   cat "$RESULTS/memory.md" >> "$SUMMARY"
 }
@@ -209,15 +209,15 @@ stage_quality() {  # method
     --eval-batches 1 --warmup 1)
   # shellcheck disable=SC2206
   args+=(${QUALITY_ARGS:-})
-  log "## quality-$1: $PY benchmarks/gpu_quality.py run --method $1 ${args[*]}"
+  log "## quality-$1: $PY -m benchmarks.gpu.quality run --method $1 ${args[*]}"
   rm -f "$RESULTS/quality-$1.json"
-  "$PY" benchmarks/gpu_quality.py run --method "$1" --json "$RESULTS/quality-$1.json" \
+  "$PY" -m benchmarks.gpu.quality run --method "$1" --json "$RESULTS/quality-$1.json" \
     "${args[@]}" 2>&1 | tee "$RESULTS/quality-$1.log" | live "quality-$1.log"
   stage_quality_table
 }
 
 stage_quality_table() {
-  "$PY" benchmarks/gpu_quality.py table "$RESULTS"/quality-*.json \
+  "$PY" -m benchmarks.gpu.quality table "$RESULTS"/quality-*.json \
     | tee "$RESULTS/quality.md" | tee -a "$SUMMARY"
 }
 
@@ -234,9 +234,9 @@ stage_swarm_start() {
   need_gpu swarm || return 0
   local info
   # shellcheck disable=SC2046
-  info=$("$PY" benchmarks/gpu_swarm.py start --dir "$RESULTS/swarm" $(swarm_args))
+  info=$("$PY" -m benchmarks.gpu.swarm start --dir "$RESULTS/swarm" $(swarm_args))
   log "## swarm-start: $info"
-  "$PY" benchmarks/gpu_swarm.py wait --dir "$RESULTS/swarm" --max-s "${SWARM_WAIT_S:-480}" \
+  "$PY" -m benchmarks.gpu.swarm wait --dir "$RESULTS/swarm" --max-s "${SWARM_WAIT_S:-480}" \
     | tee -a "$SUMMARY" || true
 }
 
@@ -247,10 +247,10 @@ stage_swarm_collect() {
       "next device call within 30 s, before the machine goes back)"
     return 1
   fi
-  "$PY" benchmarks/gpu_swarm.py wait --dir "$RESULTS/swarm" \
+  "$PY" -m benchmarks.gpu.swarm wait --dir "$RESULTS/swarm" \
     --max-s "${SWARM_COLLECT_WAIT_S:-540}" | tee -a "$SUMMARY" || true
   log "## swarm: bootstrap + $(grep -o '"nodes": [0-9]*' "$RESULTS/swarm/pids.json")"
-  "$PY" benchmarks/gpu_swarm.py collect --dir "$RESULTS/swarm" --json "$RESULTS/swarm.json" \
+  "$PY" -m benchmarks.gpu.swarm collect --dir "$RESULTS/swarm" --json "$RESULTS/swarm.json" \
     --md "$RESULTS/swarm.md" | tee -a "$SUMMARY"
 }
 

@@ -21,9 +21,9 @@ from pydantic import (
     model_validator,
 )
 
-from dilonode import congestion
 from dilonode.algo.schedule import auto_merge_delay
-from dilonode.auth import allowed_peer_id
+from dilonode.net import congestion
+from dilonode.net.auth import allowed_peer_id
 
 # Values per all-reduce chunk (`NetworkConfig.chunk_numel`; `RoundPolicy` takes it too).
 DEFAULT_CHUNK_NUMEL = 1 << 22
@@ -314,7 +314,7 @@ class NetworkConfig(_Frozen):
         "net.ipv4.tcp_available_congestion_control), or 'system' for the kernel's default. "
         "A round is all-to-all, N-1 flows through each link at once, where loss-blind bbr "
         "sent 19-40% of a round's bytes twice on the test bed at 10-20 Mbit/s and cubic "
-        "under 1% (dilonode/congestion.py). A name the kernel refuses (not built in, or not in "
+        "under 1% (dilonode/net/congestion.py). A name the kernel refuses (not built in, or not in "
         "net.ipv4.tcp_allowed_congestion_control without CAP_NET_ADMIN) leaves the default, "
         "with one warning")
     bandwidth_mbps: float = Field(
@@ -333,7 +333,7 @@ class NetworkConfig(_Frozen):
         "no port forward (DHT client mode, relay slots at the initial peers, peers reach its "
         "data plane and state server by libp2p streams); 'auto' decides by the addresses: private "
         "when listening on a non-global address, with no announce_host, while an initial "
-        "peer has a global one (dilonode/swarm/reach.py)")
+        "peer has a global one (dilonode/swarm/reachability.py)")
     leave_timeout: float = Field(
         5.0, gt=0.0, description="seconds a stopping node waits for its in-flight rounds "
         "before abandoning them (they are never half-applied)")
@@ -413,7 +413,7 @@ class StatusConfig(_Frozen):
 
 class AdmissionConfig(_Frozen):
     """Caps on incoming connections of the data, state-sync and status ports, and on the
-    log lines peers can cause (dilonode/admission.py, dilonode/logcap.py)."""
+    log lines peers can cause (dilonode/net/admission.py, dilonode/net/peer_log.py)."""
 
     raise_nofile: bool = Field(
         True, description="at start, raise the soft open-files limit to the hard limit")
@@ -435,7 +435,7 @@ class AdmissionConfig(_Frozen):
 
 class SuperviseConfig(_Frozen):
     """How a node watches its own parts (DHT process and p2pd, data plane listener, state
-    server, status server) and re-finds its swarm after a partition (dilonode/supervise.py).
+    server, status server) and re-finds its swarm after a partition (dilonode/node/supervisor.py).
 
     A part that fails its health check is restarted in place, one part at a time, with
     exponential backoff; one that stays down longer than `give_up_after`, or goes down more
@@ -574,7 +574,7 @@ class SimConfig(_Frozen):
 
 
 class DistConfig(_Frozen):
-    """Training inside one node on several local devices (dilonode/train/dist.py): N
+    """Training inside one node on several local devices (dilonode/train/ranks/node_ranks.py): N
     ranks, one per device, synchronous inner steps, one peer to the swarm."""
 
     nproc: int = Field(

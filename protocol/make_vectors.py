@@ -24,8 +24,17 @@ import torch
 from dilonode.algo.butterfly import reduce_weighted, weight_coefficients
 from dilonode.algo.codecs import get_codec
 from dilonode.allreduce.round import chunk_hash, group_digest, part_digest
-from dilonode.wire import Abort, Contribution, Message, Result, encode_frame, message_to_json
-from dilonode.wire.messages import Hello, HelloAck, HelloAuth
+from dilonode.wire.framing import encode_frame
+from dilonode.wire.messages import (
+    Abort,
+    Contribution,
+    Hello,
+    HelloAck,
+    HelloAuth,
+    Message,
+    Result,
+    message_to_json,
+)
 
 __all__ = ["build_vectors", "main"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from dilonode.auth import Credentials
+from dilonode.net.auth import Credentials
 from dilonode.swarm.dht import RawEntry
 
 __all__ = ["Board", "View"]

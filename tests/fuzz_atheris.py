@@ -24,9 +24,10 @@ import torch  # noqa: F401
 
 with atheris.instrument_imports(include=["dilonode"]):
     from dilonode.algo.codecs import CodecError, CodecMeta, get_codec
-    from dilonode.auth import Credentials, Identity
+    from dilonode.net.auth import Credentials, Identity
     from dilonode.swarm.records import GroupEntry, PeerRecord, decode_record
-    from dilonode.wire import FrameDecoder, RemoteProtocolError, decode_message
+    from dilonode.wire.errors import RemoteProtocolError
+    from dilonode.wire.framing import FrameDecoder, decode_message
 
 VECTORS = Path(__file__).resolve().parents[1] / "protocol" / "vectors"
 CODECS = [("float32", 64), ("bfloat16", 64), ("float16", 64), ("int8", 16), ("int4", 8),

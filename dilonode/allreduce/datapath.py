@@ -47,7 +47,7 @@ from dilonode.algo.codecs import (
     fold_float32,
     sums_raw_values,
 )
-from dilonode.algo.spliced import SplicedEncoding
+from dilonode.algo.sliced_encoding import SplicedEncoding
 from dilonode.algo.torch_codecs import decode_torch, encode_chunks_torch, encode_torch
 
 __all__ = ["Accepted", "DataPath", "HostPath", "TorchPath", "chunk_hash", "make_path"]

@@ -79,7 +79,7 @@ from dilonode.algo.codecs import (
 )
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, aggregate, check_claims, convicted
-from dilonode.algo.spliced import SplicedEncoding
+from dilonode.algo.sliced_encoding import SplicedEncoding
 from dilonode.allreduce.datapath import Accepted, DataPath, chunk_hash, make_path
 from dilonode.wire.errors import LocalProtocolError, RemoteProtocolError, one_line
 from dilonode.wire.framing import (

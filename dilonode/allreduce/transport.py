@@ -3,13 +3,13 @@
 `DataPlane` owns one listening socket and, per peer, one persistent outgoing connection.
 Connections are one-way: a node writes only on the connections it opened and reads only on
 the ones it accepted, so there is never a question of which of two connections to use.
-Every connection starts with the authenticating handshake of `dilonode.allreduce.channel`
+Every connection starts with the authenticating handshake of `dilonode.net.channel`
 (Hello, HelloAck, HelloAuth): each side proves its libp2p identity and the swarm secret, the
 acceptor checks the allowlist, and from then on it attributes every frame on that connection
 (each followed by a MAC tag under the session key) to that proven peer. Refused attempts are
 counted in `stats["unauthorized"]` (`unauthorized_attempts`) and logged through the port's
-`Gate` (`dilonode.admission`): the first of each peer in full, the rest in one line per
-reason per minute. The listening socket is served by `dilonode.listener.Acceptor`, which
+`Gate` (`dilonode.net.admission`): the first of each peer in full, the rest in one line per
+reason per minute. The listening socket is served by `dilonode.net.listener.Acceptor`, which
 caps connections that are still in their handshake (per port and per source address)
 before anything is read from them.
 
@@ -51,183 +51,51 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import logging
 import socket
-import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Literal, cast
+from collections.abc import Iterable
+from typing import cast
 
-from dilonode import congestion
-from dilonode.admission import Admission, Gate, Ticket
-from dilonode.allreduce.channel import (
+from dilonode.allreduce.allocator import tune_allocator
+from dilonode.allreduce.inbox import (
+    EventKind,
+    Inbox,
+    PeerEvent,
+    PeerUnreachable,
+    PendingFrames,
+    RoundKey,
+    parse_address,
+)
+from dilonode.net import congestion
+from dilonode.net.admission import Admission, Gate, Ticket
+from dilonode.net.aio import bounded
+from dilonode.net.auth import Credentials
+from dilonode.net.channel import (
     HANDSHAKE_FRAME_MAX,
     TAG_BYTES,
     FrameSealer,
     HandshakeError,
     InboundChannel,
     OutboundHandshake,
+    StreamOpener,
     read_handshake_frame,
 )
-from dilonode.auth import Credentials
-from dilonode.listener import Acceptor, bind_listener
+from dilonode.net.listener import Acceptor, bind_listener
 from dilonode.wire.errors import RemoteProtocolError, one_line
 from dilonode.wire.framing import DEFAULT_MAX_FRAME_BYTES, FrameParts
-from dilonode.wire.messages import Hello, Message, RoundMessage
+from dilonode.wire.messages import Hello, Message
 
-__all__ = [
-    "DataPlane",
-    "EventKind",
-    "Inbox",
-    "PeerEvent",
-    "PeerUnreachable",
-    "RoundKey",
-    "parse_address",
-    "tune_allocator",
-]
+__all__ = ["DataPlane"]
 
 log = logging.getLogger(__name__)
-
-RoundKey = tuple[int, int, int]  # (fragment, round, attempt)
-# peer id -> a byte stream to that peer's plane by another path (dilonode.swarm.tunnel)
-StreamOpener = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
-EventKind = Literal["message", "error", "gone"]
 
 _READ_LIMIT = 1 << 20
 _SCRATCH_BYTES = 64 << 10  # one read outside a large frame body (headers, tags, small frames)
 _WRITE_HIGH_WATER = 1 << 20
 _RECENT_KEYS = 256  # finished keys remembered, so their late frames are dropped quietly
-
-
-async def _bounded(aw: Awaitable[object], timeout: float) -> bool:
-    """Await `aw` for at most `timeout` s (cancelling it after); True if it finished.
-
-    Never raises what `aw` raised and never waits longer, so closing cannot hang.
-    """
-    task = asyncio.ensure_future(aw)
-    done, _ = await asyncio.wait({task}, timeout=max(0.0, timeout))
-    if not done:
-        task.cancel()
-        return False
-    if not task.cancelled():
-        task.exception()  # retrieved, so asyncio does not log it as never retrieved
-    return True
-
-
-# glibc mallopt parameters (malloc.h) and the values tune_allocator sets.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_TRIM_THRESHOLD = 256 << 20
-_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit hosts
-_allocator_tuned = False
-
-
-def tune_allocator() -> bool:
-    """Let glibc's malloc keep freed memory for reuse instead of returning it to the kernel.
-
-    A round allocates and frees ~100 MB of 1 MB buffers (payloads that msgpack unpacks,
-    encoded chunks) and a fresh result. By default glibc hands freed blocks above its
-    trim threshold back to the kernel, so the next allocation page-faults its memory in
-    again: on the shared 2-core benchmark machine a fresh buffer cost 3-5x a reused one,
-    a large share of a float32 round's CPU. Here blocks up to 32 MB come from the heap and
-    up to 256 MB of free heap per arena stays mapped. Process-wide, once; True if glibc
-    took the settings (elsewhere it is a no-op returning False).
-    """
-    global _allocator_tuned
-    if _allocator_tuned or not sys.platform.startswith("linux"):
-        return _allocator_tuned
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no effect, others no symbol)
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _allocator_tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-                            and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
-    return _allocator_tuned
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """"host:port" -> (host, port); ValueError on anything else."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"address {address!r}: expected 'host:port'")
-    return host.strip("[]"), int(port)
-
-
-class PeerUnreachable(ConnectionError):
-    """A frame could not be written to a peer (connect failed, connection lost)."""
-
-
-@dataclass(frozen=True)
-class PeerEvent:
-    """What the plane has for a round: a message from a peer, or a problem with a peer.
-
-    `kind` is "message" (`msg`, `frame_bytes` set), "error" (the peer sent something
-    undecodable: fail naming it) or "gone" (its connection was lost); `reason` is one line.
-    """
-
-    peer_id: str
-    kind: EventKind
-    msg: RoundMessage | None = None
-    frame_bytes: int = 0
-    reason: str = ""
-
-
-class Inbox:
-    """Events for one registered round, in arrival order; read by one driver."""
-
-    def __init__(self, key: RoundKey, members: frozenset[str], plane: DataPlane) -> None:
-        self.key = key
-        self.members = members
-        self._plane = plane
-        self._events: deque[PeerEvent] = deque()
-        self._bytes = 0
-        self._ready = asyncio.Event()
-
-    def __len__(self) -> int:
-        return len(self._events)
-
-    def put(self, event: PeerEvent) -> None:
-        """Queue an event (also used by the driver for its own send failures)."""
-        self._events.append(event)
-        self._bytes += event.frame_bytes
-        self._plane._queued(event.frame_bytes)
-        self._ready.set()
-
-    async def get_batch(self, timeout: float, *, max_items: int = 64,
-                        max_bytes: int = 64 << 20) -> list[PeerEvent]:
-        """Up to `max_items` events (at least one if any arrives within `timeout` s)."""
-        if not self._events and timeout > 0:
-            self._ready.clear()
-            await _bounded(self._ready.wait(), timeout)
-        out: list[PeerEvent] = []
-        taken = 0
-        while self._events and len(out) < max_items and (not out or taken < max_bytes):
-            event = self._events.popleft()
-            out.append(event)
-            taken += event.frame_bytes
-        self._bytes -= taken
-        self._plane._queued(-taken)
-        return out
-
-    def _discard(self) -> None:
-        self._plane._queued(-self._bytes)
-        self._events.clear()
-        self._bytes = 0
-
-
-@dataclass
-class _Pending:
-    """Frames (and peer problems) for a key that no round registered yet."""
-
-    events: list[PeerEvent] = field(default_factory=list)
-    nbytes: int = 0
-    peers: set[str] = field(default_factory=set)
-    overflowed: bool = False
-    expiry: asyncio.TimerHandle | None = None
 
 
 class _Inbound(asyncio.BufferedProtocol):
@@ -528,13 +396,13 @@ class _Outbound:
         writer, self.writer = self.writer, None
         if writer is not None:
             writer.close()
-            if not await _bounded(writer.wait_closed(), grace):
+            if not await bounded(writer.wait_closed(), grace):
                 writer.transport.abort()
         for _, fut in self.queue:
             fut.cancel()
         self.queue.clear()
         if self.task is not None:
-            await _bounded(asyncio.shield(self.task), grace)
+            await bounded(asyncio.shield(self.task), grace)
 
 
 class DataPlane:
@@ -608,7 +476,7 @@ class DataPlane:
             0)
         self._acceptor: Acceptor | None = None
         self._rounds: dict[RoundKey, Inbox] = {}
-        self._pending: dict[RoundKey, _Pending] = {}
+        self._pending: dict[RoundKey, PendingFrames] = {}
         self._pending_bytes = 0
         self._recent: deque[RoundKey] = deque(maxlen=_RECENT_KEYS)
         self._inbound: set[_Inbound] = set()
@@ -713,7 +581,7 @@ class DataPlane:
         delivered first."""
         if key in self._rounds:
             raise RuntimeError(f"DataPlane.register: round {key} is already registered")
-        inbox = Inbox(key, frozenset(members) - {self.peer_id}, self)
+        inbox = Inbox(key, frozenset(members) - {self.peer_id}, self._queued)
         self._rounds[key] = inbox
         pending = self._pending.get(key)
         if pending is not None:
@@ -842,7 +710,7 @@ class DataPlane:
             if len(self._pending) >= self.max_pending_keys:
                 self._overflow(key, None, "too many rounds waiting to be registered")
                 return
-            pending = self._pending[key] = _Pending()
+            pending = self._pending[key] = PendingFrames()
             pending.expiry = asyncio.get_running_loop().call_later(
                 self.pending_ttl, self._drop_pending, key, "no round registered in time")
         if (len(pending.events) >= self.max_pending_frames
@@ -854,7 +722,7 @@ class DataPlane:
         pending.peers.add(event.peer_id)
         self._pending_bytes += event.frame_bytes
 
-    def _overflow(self, key: RoundKey, pending: _Pending | None, reason: str) -> None:
+    def _overflow(self, key: RoundKey, pending: PendingFrames | None, reason: str) -> None:
         self.stats["dropped_frames"] += 1
         if pending is None or not pending.overflowed:
             # Proven peers' frames, but a peer can still send them on purpose: aggregated.

@@ -5,13 +5,3 @@ the state to trust, scheduling chunks over peers, assembling), `link` the authen
 connection (handshake and per-frame MACs), `service` the TCP server every node runs and the
 joiner's `recover()`. See protocol/README.md, "State sync".
 """
-
-from dilonode.statesync.service import (
-    Recovery,
-    RecoveryError,
-    SnapshotSource,
-    StateServer,
-    recover,
-)
-
-__all__ = ["Recovery", "RecoveryError", "SnapshotSource", "StateServer", "recover"]

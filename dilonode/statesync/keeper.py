@@ -27,21 +27,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dilonode.admission import Gate
 from dilonode.algo.replay import replay_round
 from dilonode.algo.schedule import SyncPlan
-from dilonode.auth import Credentials
 from dilonode.config import RunConfig
-from dilonode.statesync.link import StreamOpener
+from dilonode.net.admission import Gate
+from dilonode.net.auth import Credentials
+from dilonode.net.channel import StreamOpener
+from dilonode.statesync.client import LinkHook, Recovery, RecoveryError, recover
 from dilonode.statesync.plan import Replayer
-from dilonode.statesync.service import (
-    LinkHook,
-    Recovery,
-    RecoveryError,
-    SnapshotSource,
-    StateServer,
-    recover,
-)
+from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.train.checkpoint import Checkpointer, load_latest
 from dilonode.train.state import config_digest, snapshot_error
 
@@ -106,7 +100,7 @@ class StateKeeper:
     def start_server(self, thread: Any, auth: Credentials,
                      gate: Gate | None = None) -> str | None:
         """Listen for joiners that `auth` admits (answering "no state yet" until `prepare`
-        is done), admitted through `gate` (`dilonode.admission`); returns the address to
+        is done), admitted through `gate` (`dilonode.net.admission`); returns the address to
         advertise, or None when not serving."""
         if not (self.active and self.cfg.statesync.enabled):
             return None

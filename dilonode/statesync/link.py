@@ -1,7 +1,7 @@
 """Authenticated state-sync connections: the data plane's handshake, then MACed frames both ways.
 
 A state-sync connection opens with exactly the handshake of a data-plane connection
-(`dilonode.allreduce.channel`, protocol/README.md section 9), run by the same sans-IO code:
+(`dilonode.net.channel`, protocol/README.md section 9), run by the same sans-IO code:
 the joiner is the connector and names the peer id it found in the server's signed peer
 record (anyone else answering is refused, so an impostor at that address serves nothing),
 and the server is the acceptor and refuses a joiner that the run's credentials (swarm
@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable, Callable
 
-from dilonode.allreduce.channel import (
+from dilonode.net.auth import Credentials
+from dilonode.net.channel import (
     HANDSHAKE_FRAME_MAX,
     TAG_BYTES,
     FrameSealer,
     HandshakeError,
     InboundChannel,
     OutboundHandshake,
+    StreamOpener,
     read_handshake_frame,
 )
-from dilonode.auth import Credentials
 from dilonode.statesync.protocol import (
     HEADER,
     MAX_FRAME_BYTES,
@@ -43,10 +43,8 @@ from dilonode.statesync.protocol import (
 )
 from dilonode.wire.errors import RemoteProtocolError
 
-__all__ = ["CONNECT_TIMEOUT_S", "Link", "StreamOpener", "reply_key"]
+__all__ = ["CONNECT_TIMEOUT_S", "Link", "own_peer_id", "reply_key"]
 
-# peer id -> a byte stream to that peer's state server by another path (swarm/tunnel.py)
-StreamOpener = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 # A TCP connect answers within a round trip or two; an address that drops the SYN (a peer
 # behind a NAT, a firewall) is given up on after this, not after the request timeout.
 CONNECT_TIMEOUT_S = 5.0
@@ -166,3 +164,14 @@ class Link:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def own_peer_id(auth: Credentials | None, peer_id: str | None) -> str:
+    """Our peer id in the handshake: the credentials' own, or a made-up one in trust mode."""
+    if auth is not None:
+        if peer_id not in (None, auth.peer_id):
+            raise ValueError(f"state sync: credentials of {auth.peer_id} used as {peer_id}")
+        return auth.peer_id
+    if peer_id is None:
+        raise ValueError("state sync: trust mode (no credentials) needs an explicit peer_id")
+    return peer_id

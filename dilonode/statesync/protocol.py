@@ -34,10 +34,11 @@ from dilonode import PROTOCOL_VERSION
 from dilonode.train.state import tensor_names
 from dilonode.wire.errors import RemoteProtocolError, one_line
 
-__all__ = ["HEADER", "MAX_FRAME_BYTES", "Chunk", "ChunkRequest", "Error", "Manifest",
+__all__ = ["BUSY", "HEADER", "MAX_FRAME_BYTES", "Chunk", "ChunkRequest", "Error", "Manifest",
            "ManifestRequest", "RoundReplay", "StateMessage", "TensorChunks", "chunk_count",
            "decode_body", "encode_frame", "replay_name"]
 
+BUSY = "busy"  # an Error reason with this prefix: ask again shortly
 HEADER = struct.Struct(">I")
 # The largest chunk (64 MiB, StateSyncConfig.chunk_bytes) plus room for its envelope; a
 # manifest of a 1B-parameter state at 1 MiB chunks is ~0.3 MB.

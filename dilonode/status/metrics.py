@@ -112,7 +112,7 @@ def node_metrics(s: Mapping[str, Any]) -> list[Metric]:
 
 def admission_metrics(a: Mapping[str, Any]) -> list[Metric]:
     """Connections refused and closed per port and reason, connections held, and the
-    peer-caused log lines (`dilonode.admission.Admission.snapshot()`)."""
+    peer-caused log lines (`dilonode.net.admission.Admission.snapshot()`)."""
     ports: Mapping[str, Any] = a.get("ports", {})
 
     def by_reason(kind: str) -> list[tuple[Mapping[str, str], float]]:

@@ -14,7 +14,7 @@ stops it. Handlers only call the source's `snapshot()`/`history()`, which copy v
 a short lock, so serving never blocks training and never changes any state.
 
 The port may face the internet, so it is admitted like the node's other ports
-(`dilonode.listener.Acceptor` and a `Gate`, `dilonode.admission`): every connection counts
+(`dilonode.net.listener.Acceptor` and a `Gate`, `dilonode.net.admission`): every connection counts
 as unauthenticated (there is no authentication here), so the per-address and per-port caps
 hold for its whole life. `_Guard` sits in front of aiohttp's handler: a connection must
 send its first request head within `handshake_timeout` seconds and in `max_head_bytes`,
@@ -36,8 +36,8 @@ from typing import Any, Protocol, cast
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from dilonode.admission import Admission, Gate, Ticket
-from dilonode.listener import Acceptor, bind_listener
+from dilonode.net.admission import Admission, Gate, Ticket
+from dilonode.net.listener import Acceptor, bind_listener
 from dilonode.status.metrics import CONTENT_TYPE, Metric, render
 
 __all__ = ["StatusServer", "StatusSource", "dashboard_html"]

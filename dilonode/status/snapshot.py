@@ -1,14 +1,15 @@
 """`NodeStatus`: what a training node is doing, recorded from the training thread and read as
 JSON-ready snapshots by the status server, the DHT heartbeat and the CLI.
 
-The training thread calls `on_step(worker, report)` after every step (`dilonode.node` hooks it
+The training thread calls `on_step(worker, report)` after every step (`dilonode.node.daemon` hooks
+it
 into the train loop) and every landed sync passes through `ObservedCollective`, which records
 the group that averaged it. Readers on other threads call `snapshot()`, `history()` and
 `summary()`; each takes the lock only long enough to copy plain values, so a reader never
 stalls training and never sees a half-updated step. Nothing here does I/O.
 
 An `AloneWatch` (status/alone.py) sees every landed round with the number of other live
-peers, and the node's supervisor (dilonode/supervise.py) reports its parts: both show in
+peers, and the node's supervisor (dilonode/node/supervisor.py) reports its parts: both show in
 `snapshot()` as `alone` and `supervision`.
 
 The history is a ring buffer of samples taken at most every `sample_every` seconds (not every
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dilonode import PROTOCOL_VERSION, __version__
-from dilonode.status.alone import AloneWatch
+from dilonode.status.isolation import AloneWatch
 
 if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no torch
     import torch
@@ -80,7 +81,7 @@ class NodeStatus:
         self.worker_id = ""
         self.url = ""
         self.state = "starting"
-        # The node's devices, one per rank (dilonode/train/dist.py: kind, name, memory).
+        # The node's devices, one per rank (dilonode/train/ranks/node_ranks.py: kind, name, memory).
         self.devices: list[dict[str, Any]] = []
         self.sample_every = sample_every
         self._peers = peers or (lambda: 0)

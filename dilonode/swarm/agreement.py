@@ -6,7 +6,7 @@ outer weights, its round counters and chains, the tokens it trained) under
 rounds, and any other live peer that published one), and compares. Pure decisions here
 (`Verdict`, `standing_digest`); the node does the waiting and, when its weights are not
 the ones that stand, adopts them through state sync before it checks again
-(`dilonode.node`). A node that still differs says in one line from whom, and exits
+(`dilonode.node.daemon`). A node that still differs says in one line from whom, and exits
 non-zero: a swarm never ends as two models with every node reporting success.
 
 A record lives on the DHT nodes that store it, and those leave when their runs end. So a

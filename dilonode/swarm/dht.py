@@ -31,7 +31,7 @@ The node's libp2p identity is ours, not p2pd's: `start()` loads the key at `iden
 the file to p2pd and keeps the key in `credentials` to sign records and data-plane
 handshakes. The peer id the DHT reports is checked against the key's.
 
-Supervision (`dilonode/supervise.py`): `health(timeout)` raises `DHTUnavailable` naming what
+Supervision (`dilonode/node/supervisor.py`): `health(timeout)` raises `DHTUnavailable` naming what
 is wrong (the DHT process exited or is stopped, its p2pd is gone, or a no-op call through
 p2pd got no answer in time); `restart()` replaces the process and its p2pd in place (same
 identity, same port, the initial peers plus the peers remembered) and fails the calls in
@@ -40,25 +40,20 @@ instead of writing into a pipe nobody reads. `remember_peers()` keeps the DHT ad
 the peers p2pd is connected to, and `reconnect(peers)` dials and pings them again (the
 re-merge after a partition, `swarm/remerge.py`).
 
-`import hivemind` costs seconds, so it happens in `start()`, never at module import.
+`import hivemind` costs seconds, so it happens in `start()`, never at module import. What it
+takes to run hivemind's DHT process safely inside a node is `swarm/hivemind_process.py`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import fcntl
 import functools
 import logging
 import math
-import multiprocessing as mp
-import os
 import re
 import shutil
-import signal
-import struct
 import tempfile
-import termios
 import threading
 import time
 from collections.abc import Sequence
@@ -68,7 +63,25 @@ from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 
-from dilonode.auth import AuthError, Credentials, Identity, peer_id_of_ssh_key
+from dilonode.net.auth import AuthError, Credentials, Identity, peer_id_of_ssh_key
+from dilonode.swarm.hivemind_process import (
+    bound_maddr,
+    ensure_fork_start_method,
+    exit_text,
+    host_maddr,
+    import_hivemind,
+    kill_p2pd,
+    node_daemon_maddr,
+    node_p2pd_pid,
+    node_peer_addrs,
+    node_peer_id,
+    node_ping_p2pd,
+    node_reconnect,
+    node_visible_maddrs,
+    orphan_safe,
+    proc_state,
+    unusable,
+)
 from dilonode.swarm.records import (
     RUN_ID_PATTERN,
     PeerRecord,
@@ -82,15 +95,13 @@ from dilonode.swarm.records import (
 __all__ = ["DHTUnavailable", "RawEntry", "SwarmDHT", "decode_entries", "owner_subkey",
            "plain_subkey", "read_records", "split_maddr", "store_record"]
 
+
 log = logging.getLogger(__name__)
 
 # Distinct (key, subkey, reason) triples remembered to log each at WARNING only once.
 _MAX_REMEMBERED_REJECTIONS = 1024
-_hivemind_ready = False
-_hivemind_lock = threading.Lock()
-# Bytes of requests waiting in the pipe to the DHT process. A stopped process reads nothing:
-# past this, calls fail at once rather than fill the pipe (64 KiB) and block forever.
-_MAX_PIPE_BACKLOG = 16 << 10
+
+
 # hivemind's marker, `RSASignatureValidator.PUBLIC_KEY_FORMAT`, at the end of the subkey.
 _OWNER_SUBKEY = re.compile(r"(?P<plain>[^\[\]]*)\[owner:(?P<key>[^\[\]]+)\]", re.ASCII)
 
@@ -205,281 +216,6 @@ class RawEntry(NamedTuple):
     expiration: float
 
 
-def _import_hivemind() -> Any:
-    """Import hivemind once and undo its process-wide logging side effects."""
-    global _hivemind_ready
-    with _hivemind_lock:
-        import hivemind
-        from hivemind.utils.logging import use_hivemind_log_handler
-
-        if not _hivemind_ready:
-            # hivemind renames WARNING to "WARN" for every logger in the process and installs
-            # its own INFO-level handler; route its records through the application's logging
-            # instead and keep only its warnings (its INFO lines are p2pd chatter).
-            logging.addLevelName(logging.WARNING, "WARNING")
-            use_hivemind_log_handler("nowhere")
-            logging.getLogger("hivemind").setLevel(logging.WARNING)
-            _use_fd_sharing()
-            _hivemind_ready = True
-        return hivemind
-
-
-def _use_fd_sharing() -> None:
-    """Share hivemind's MPFuture state through file descriptors, not torch_shm_manager.
-
-    hivemind switches torch to the "file_system" strategy, where every process registers its
-    shared tensors with one torch_shm_manager process over a socket. A DHT process killed
-    in the middle of such a registration crashed the manager ("terminate called after
-    throwing an instance of 'std::system_error'"), and from then on every DHT call of the
-    node raised "Broken pipe" (issue 20). With file descriptors there is no manager to
-    crash; a call costs about 2 ms more (a descriptor is handed over per request).
-    """
-    import torch.multiprocessing
-
-    torch.multiprocessing.set_sharing_strategy("file_descriptor")
-
-
-def _ensure_fork_start_method() -> None:
-    # The DHT is a ForkProcess, but hivemind's MPFuture locks and pipes come from the default
-    # context; hivemind is only tested with "fork" there, so make it the default in
-    # spawn-started processes (e.g. torch.multiprocessing workers) before the first DHT.
-    if mp.get_start_method() != "fork":
-        log.info("switching the multiprocessing start method to 'fork' for hivemind")
-        mp.set_start_method("fork", force=True)
-
-
-async def _node_peer_id(_dht: Any, node: Any) -> str:
-    return node.peer_id.to_base58()
-
-
-async def _node_daemon_maddr(_dht: Any, node: Any) -> Any:
-    return node.p2p.daemon_listen_maddr
-
-
-async def _node_visible_maddrs(_dht: Any, node: Any) -> list[str]:
-    return [str(m) for m in await node.get_visible_maddrs()]
-
-
-async def _node_p2pd_pid(_dht: Any, node: Any) -> int | None:
-    child = getattr(node.p2p, "_child", None)  # hivemind's asyncio subprocess of p2pd
-    return getattr(child, "pid", None)
-
-
-async def _node_ping_p2pd(_dht: Any, node: Any) -> None:
-    # identify() is a round trip to p2pd over its control socket: a dead daemon refuses
-    # it, a stopped one never answers.
-    await node.p2p.get_visible_maddrs(latest=True)
-
-
-async def _node_peer_addrs(_dht: Any, node: Any) -> dict[str, list[str]]:
-    return {info.peer_id.to_base58(): [str(a) for a in info.addrs]
-            for info in await node.p2p.list_peers() if info.addrs}
-
-
-async def _node_reconnect(_dht: Any, node: Any, peers: dict[str, list[str]],
-                          timeout: float) -> list[str]:
-    """Dial and ping `peers` (peer id -> addresses); those that answer are in our routing
-    table again, and we in theirs (a ping carries our node id). Then look up our own
-    neighbourhood, as a bootstrap does, so the two halves of a healed partition meet."""
-    import asyncio
-
-    from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
-
-    async def one(peer_id: str, addrs: list[str]) -> str | None:
-        try:
-            peer = PeerID.from_base58(peer_id)
-            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(a) for a in addrs]),
-                                   timeout)
-            answered = await asyncio.wait_for(node.protocol.call_ping(peer), timeout)
-        except Exception:  # unreachable, refused, not a valid address: try again later
-            return None
-        return peer_id if answered is not None else None
-
-    found = [p for p in await asyncio.gather(*(one(p, a) for p, a in peers.items())) if p]
-    if found:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout)
-    return found
-
-
-def _proc_state(pid: int) -> str | None:
-    """The state letter of process `pid` (R, S, T for stopped, Z for a zombie...), or None
-    when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
-def _kill_p2pd(pid: int | None) -> None:
-    """SIGKILL the p2pd at `pid` if it still runs (it outlives a SIGKILLed DHT process)."""
-    if pid is None or _proc_state(pid) in (None, "Z", "X"):
-        return
-    try:
-        if b"p2pd" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return  # the pid was reused by another program
-        os.kill(pid, signal.SIGKILL)
-    except (OSError, ProcessLookupError):
-        pass
-
-
-def _host_maddr(host: str, port: int) -> str:
-    family = "ip6" if ":" in host else "ip4"
-    return f"/{family}/{host}/tcp/{port}"
-
-
-def _die_with_parent(parent_pid: int, forked_by_main: bool) -> None:
-    """In a forked child: die when the parent dies, so a SIGKILLed node leaves no DHT
-    process behind still answering for its peer id.
-
-    PR_SET_PDEATHSIG fires when the *thread* that forked us ends, so it is used only for a
-    fork made by the main thread; a DHT restarted by the supervisor (from a short-lived
-    thread) instead checks every half second whether its parent is still there.
-    """
-    if forked_by_main:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass  # not Linux: the poll below still works
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-    if not forked_by_main:
-        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
-                         name="dilonode-orphan-watch").start()
-
-
-def _release_parent_sockets() -> None:
-    """In a forked child: let go of the parent's TCP sockets (listeners, connections).
-
-    A DHT process forked by a running node (a restart) inherits every socket the node has
-    open. Its copy kept the node's listening ports taken (a listener restarted in place got
-    EADDRINUSE, and the kernel went on queueing connections nobody accepted) and kept
-    closed connections open (peers saw no hang-up). Each such descriptor is pointed at
-    /dev/null instead of closed, so that a socket object of the parent's that this child
-    garbage-collects later closes that copy, never an unrelated descriptor of the child.
-    """
-    try:
-        fds = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:
-        return  # not Linux
-    devnull = os.open(os.devnull, os.O_RDWR)
-    try:
-        for fd in fds:
-            if fd != devnull and _is_tcp_socket(fd):
-                os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)
-
-
-def _is_tcp_socket(fd: int) -> bool:
-    import socket
-    import stat
-
-    try:
-        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            return False
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return False
-    try:
-        return sock.family in (socket.AF_INET, socket.AF_INET6)
-    finally:
-        sock.detach()  # the descriptor stays open: only asked
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)
-
-
-def _fresh_mpfuture_locks() -> None:
-    """New objects for hivemind's class-wide MPFuture locks (multiprocessing locks, shared
-    with every process forked while they are set).
-
-    A DHT process SIGKILLed (or SIGSTOPped) while it held one, sending a result or making
-    its shared state, left it held for good: the next DHT process hung at start-up, and a
-    parent thread creating an MPFuture could hang too. Called around each fork, a child gets
-    locks of its own and the parent keeps locks no child holds. Nothing needs them shared:
-    each process takes them for its own pipe writes and allocations.
-    """
-    from hivemind.utils.mpfuture import MPFuture, SharedBytes
-
-    MPFuture._initialization_lock = mp.Lock()
-    MPFuture._update_lock = mp.Lock()
-    SharedBytes._lock = mp.Lock()
-
-
-# In the DHT process: the request tasks in flight (see `_hold_current_task`).
-_REQUESTS: set[Any] = set()
-
-
-def _hold_current_task() -> None:
-    """Keep a strong reference to the running task until it is done.
-
-    hivemind's DHT process runs each request as `asyncio.create_task(...)` and keeps no
-    reference to it; asyncio holds tasks weakly, so a request waiting on p2pd could be
-    garbage-collected mid-call ("Task was destroyed but it is pending!", GeneratorExit) and
-    its caller waited out its whole timeout. Seen under load as health checks and
-    matchmaking reads that got no answer.
-    """
-    import asyncio
-
-    task = asyncio.current_task()
-    if task is not None:
-        _REQUESTS.add(task)
-        task.add_done_callback(_REQUESTS.discard)
-
-
-def _orphan_safe(dht_class: Any) -> Any:
-    """hivemind.DHT subclass whose process dies with the process that started it, shares no
-    lock with it (`_fresh_mpfuture_locks`) and keeps its requests alive until answered
-    (`_hold_current_task`)."""
-
-    class OrphanSafeDHT(dht_class):  # type: ignore[misc, valid-type]
-        _dilonode_p2pd_flags: dict[str, Any] = {}
-
-        async def _get(self, *args: Any, **kwargs: Any) -> Any:
-            _hold_current_task()
-            return await super()._get(*args, **kwargs)
-
-        async def _store(self, *args: Any, **kwargs: Any) -> Any:
-            _hold_current_task()
-            return await super()._store(*args, **kwargs)
-
-        async def _run_coroutine(self, *args: Any, **kwargs: Any) -> Any:
-            _hold_current_task()
-            return await super()._run_coroutine(*args, **kwargs)
-
-        def start(self) -> None:
-            _fresh_mpfuture_locks()  # the child's
-            try:
-                super().start()  # forks
-            finally:
-                _fresh_mpfuture_locks()  # the parent's from now on
-
-        def run(self) -> None:
-            _die_with_parent(self._dilonode_parent, self._dilonode_by_main)
-            _release_parent_sockets()
-            if self._dilonode_p2pd_flags:  # before the node starts its p2pd
-                from dilonode.swarm.reach import add_p2pd_flags
-
-                add_p2pd_flags(self._dilonode_p2pd_flags)
-            super().run()
-
-        def run_in_background(self, *args: Any, **kwargs: Any) -> Any:
-            self._dilonode_parent = os.getpid()
-            self._dilonode_by_main = threading.current_thread() is threading.main_thread()
-            return super().run_in_background(*args, **kwargs)
-
-    return OrphanSafeDHT
-
-
 class SwarmDHT:
     """A hivemind DHT node joined to a run's swarm; thread-safe, blocking, bounded calls."""
 
@@ -504,7 +240,7 @@ class SwarmDHT:
         self.run_id = run_id
         self.initial_peers = list(initial_peers)
         self.identity_path = identity_path
-        self.host_maddr = _host_maddr(host, port)
+        self.host_maddr = host_maddr(host, port)
         self.start_timeout = start_timeout
         self.op_timeout = op_timeout
         self.shutdown_timeout = shutdown_timeout
@@ -541,8 +277,8 @@ class SwarmDHT:
         if self._dht is not None:
             raise RuntimeError("SwarmDHT already started")
         self._closed = False  # a close() before start() closed nothing
-        _import_hivemind()
-        _ensure_fork_start_method()
+        import_hivemind()
+        ensure_fork_start_method()
         identity, key_path, fresh = self._identity()
         t0 = time.monotonic()
         try:
@@ -563,8 +299,8 @@ class SwarmDHT:
     def _spawn(self, identity: Identity, key_path: Path, initial_peers: Sequence[str],
                host_maddr: str, *, check_free: bool, strict: bool, timeout: float) -> None:
         """Fork a DHT process (and its p2pd) as `identity`; on success it is `self._dht`."""
-        hivemind = _import_hivemind()
-        dht = _orphan_safe(hivemind.DHT)(
+        hivemind = import_hivemind()
+        dht = orphan_safe(hivemind.DHT)(
             initial_peers=list(initial_peers) or None,
             start=False,
             host_maddrs=[host_maddr],
@@ -588,20 +324,20 @@ class SwarmDHT:
             # Only the child reads this end: closed here, a write to a dead child fails
             # with EPIPE instead of filling the pipe and blocking.
             dht._inner_pipe.close()
-            peer_id = self._call("run_coroutine", _node_peer_id, timeout=self.op_timeout,
+            peer_id = self._call("run_coroutine", node_peer_id, timeout=self.op_timeout,
                                  dht=dht)
             if peer_id != identity.peer_id:
                 raise RuntimeError(f"DHT runs as {peer_id}, but the key at {key_path} is "
                                    f"{identity.peer_id}")
             self._peer_id = peer_id
-            self._p2pd_pid = self._call("run_coroutine", _node_p2pd_pid,
+            self._p2pd_pid = self._call("run_coroutine", node_p2pd_pid,
                                         timeout=self.op_timeout, dht=dht)
-            maddrs = self._call("run_coroutine", _node_visible_maddrs,
+            maddrs = self._call("run_coroutine", node_visible_maddrs,
                                 timeout=self.op_timeout, dht=dht)
         except BaseException:
             self._stop_process(dht)
             raise
-        self._bound_maddr = _bound_maddr(host_maddr, maddrs)
+        self._bound_maddr = bound_maddr(host_maddr, maddrs)
         with self._send_lock:
             closed = self._closed
             if not closed:
@@ -644,7 +380,7 @@ class SwarmDHT:
         try:
             self._stop_dht(dht)
         finally:
-            _kill_p2pd(self._p2pd_pid)
+            kill_p2pd(self._p2pd_pid)
 
     def _stop_dht(self, dht: Any) -> None:
         if not dht.is_alive():
@@ -671,15 +407,15 @@ class SwarmDHT:
         if dht is None:
             raise DHTUnavailable("DHT not running (not started, closed or restarting)")
         if not dht.is_alive():
-            raise DHTUnavailable(f"DHT process {dht.pid} {_exit_text(dht.exitcode)}")
-        if _proc_state(dht.pid) == "T":
+            raise DHTUnavailable(f"DHT process {dht.pid} {exit_text(dht.exitcode)}")
+        if proc_state(dht.pid) == "T":
             raise DHTUnavailable(f"DHT process {dht.pid} is stopped")
         pid = self._p2pd_pid
-        if pid is not None and (state := _proc_state(pid)) in (None, "Z", "X", "T"):
+        if pid is not None and (state := proc_state(pid)) in (None, "Z", "X", "T"):
             raise DHTUnavailable(f"p2pd (pid {pid}) is {'stopped' if state == 'T' else 'gone'}")
         limit = self.op_timeout if timeout is None else timeout
         try:
-            self._call("run_coroutine", _node_ping_p2pd, timeout=limit, dht=dht)
+            self._call("run_coroutine", node_ping_p2pd, timeout=limit, dht=dht)
         except TimeoutError:
             raise DHTUnavailable(f"DHT process {dht.pid} did not answer a call through p2pd "
                                  f"within {limit:g}s", certain=False) from None
@@ -732,12 +468,12 @@ class SwarmDHT:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             dht.kill()
         dht.join(5.0)
-        _kill_p2pd(self._p2pd_pid)
+        kill_p2pd(self._p2pd_pid)
 
     def remember_peers(self, timeout: float | None = None) -> dict[str, list[str]]:
         """Note the DHT addresses of the peers p2pd is connected to now; returns them."""
         now = time.monotonic()
-        found = self._call("run_coroutine", _node_peer_addrs, timeout=timeout)
+        found = self._call("run_coroutine", node_peer_addrs, timeout=timeout)
         with self._count_lock:
             for peer, addrs in found.items():
                 if peer != self._peer_id:
@@ -762,7 +498,7 @@ class SwarmDHT:
     def reconnect(self, peers: dict[str, list[str]], timeout: float | None = None) -> list[str]:
         """Dial and ping `peers` (peer id -> DHT addresses); returns those that answered."""
         limit = self.op_timeout if timeout is None else timeout
-        call = functools.partial(_node_reconnect, peers=peers, timeout=limit)
+        call = functools.partial(node_reconnect, peers=peers, timeout=limit)
         # Dials run concurrently; the neighbourhood lookup after them takes one more limit.
         return list(self._call("run_coroutine", call, timeout=3 * limit))
 
@@ -800,11 +536,11 @@ class SwarmDHT:
 
     def p2p_daemon_maddr(self, timeout: float | None = None) -> Any:
         """Where the DHT's p2pd listens for clients (`dilonode.swarm.tunnel` attaches there)."""
-        return self._call("run_coroutine", _node_daemon_maddr, timeout=timeout)
+        return self._call("run_coroutine", node_daemon_maddr, timeout=timeout)
 
     def visible_maddrs(self, timeout: float | None = None) -> list[str]:
         """Multiaddrs (with /p2p/<peer id>) other nodes can pass as `initial_peers`."""
-        return self._call("run_coroutine", _node_visible_maddrs, timeout=timeout)
+        return self._call("run_coroutine", node_visible_maddrs, timeout=timeout)
 
     # -- raw access (also the matchmaking board) -------------------------------------------
 
@@ -912,7 +648,7 @@ class SwarmDHT:
               deadline: float, dht: Any) -> Any:
         with self._send_lock:
             target = dht if dht is not None else self._usable(deadline)
-            if (why := _unusable(target)) is not None:
+            if (why := unusable(target)) is not None:
                 raise DHTUnavailable(why)
             future = getattr(target, method)(*args, return_future=True, **kwargs)
             self._in_flight.add(future)
@@ -932,45 +668,10 @@ class SwarmDHT:
             if self._closed:
                 raise DHTUnavailable("SwarmDHT closed")
             why = ("SwarmDHT not started (or restarting)" if self._dht is None
-                   else _unusable(self._dht))
+                   else unusable(self._dht))
             if why is None:
                 return self._dht
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DHTUnavailable(why)
             self._replaced.wait(min(left, 0.5))  # a dead process is noticed by polling
-
-
-def _unusable(dht: Any) -> str | None:
-    """Why DHT process `dht` cannot take a request now (None: it can)."""
-    if not dht.is_alive():
-        return f"DHT process {dht.pid} {_exit_text(dht.exitcode)}"
-    if (backlog := _pipe_backlog(dht)) > _MAX_PIPE_BACKLOG:
-        return f"DHT process {dht.pid} is not reading its requests ({backlog} bytes waiting)"
-    return None
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "is running"
-    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-
-
-def _bound_maddr(host_maddr: str, visible: list[str]) -> str:
-    """`host_maddr` with the port p2pd actually listens on (for a restart on the same port)."""
-    prefix = host_maddr.rsplit("/", 1)[0] + "/"
-    for maddr in visible:
-        if maddr.startswith(prefix):
-            port = maddr[len(prefix):].split("/", 1)[0]
-            if port.isdigit():
-                return prefix + port
-    return host_maddr
-
-
-def _pipe_backlog(dht: Any) -> int:
-    """Bytes written to the DHT process's request pipe that it has not read yet."""
-    try:
-        raw = fcntl.ioctl(dht._outer_pipe.fileno(), termios.FIONREAD, b"\0\0\0\0")
-    except (OSError, ValueError, AttributeError):
-        return 0  # not a pipe we can ask (another platform): no early refusal
-    return int(struct.unpack("i", raw)[0])

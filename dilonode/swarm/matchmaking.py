@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dilonode.algo.groups import group_of
-from dilonode.auth import Credentials
+from dilonode.net.auth import Credentials
 from dilonode.swarm.dht import RawEntry, decode_entries
 from dilonode.swarm.records import (
     MAX_ROSTER,

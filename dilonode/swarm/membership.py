@@ -1,7 +1,7 @@
 """A node's membership in a run: its published peer record (with heartbeat and withdrawal),
 the live peer list, and group forming for one (fragment, round, attempt).
 
-Shared by the training node (`dilonode.node`) and the soak harness, which exercises the
+Shared by the training node (`dilonode.node.daemon`) and the soak harness, which exercises the
 network layer without a trainer.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from dilonode.algo.groups import grouped, key_index, num_keys
-from dilonode.allreduce.driver import FormedGroup
+from dilonode.collective import FormedGroup
 from dilonode.config import NetworkConfig
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.matchmaking import form_group

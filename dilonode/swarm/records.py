@@ -20,7 +20,7 @@ usable. Two kinds exist:
   (`dilonode.swarm.agreement`).
 
 Encoding is a msgpack map of the model's fields, sealed in the signed envelope of
-`dilonode.auth.seal_record` with the author's identity key (bound to the run id and the
+`dilonode.net.auth.seal_record` with the author's identity key (bound to the run id and the
 swarm secret). `decode_record` checks the envelope and signature first (the author must be
 admitted and must be the peer the record names), then the protocol version, the run id and
 every field, and raises `ValueError` with a one-line reason (`AuthError`, a subclass, for
@@ -36,7 +36,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dilonode import PROTOCOL_VERSION
-from dilonode.auth import AuthError, Credentials, open_record, seal_record
+from dilonode.net.auth import AuthError, Credentials, open_record, seal_record
 
 __all__ = [
     "MAX_RECORD_BYTES",

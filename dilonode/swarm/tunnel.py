@@ -9,19 +9,19 @@ streams to `DataPlane.accept_stream` (and, with `serve_state`, one for the state
 `accept_stream`), and offers `open(peer_id)` as the plane's `fallback`, tried when a direct
 connection fails or at once for a peer behind a NAT, and `open_state(peer_id)` for state
 sync. Over either path both ends run the same authenticating handshake and per-frame MACs
-(`dilonode.allreduce.channel`); libp2p's own transport security comes on top. Bulk data
+(`dilonode.net.channel`); libp2p's own transport security comes on top. Bulk data
 costs more CPU this way (docs/benchmarks.md), so it is only the fallback.
 
 Usage, on the plane's event loop::
 
     tunnel = Tunnel(dht.p2p_daemon_maddr(), run_id)
-    await tunnel.start(plane)          # then DataPlane(..., fallback=tunnel.open)
+    await tunnel.start(plane.accept_stream)  # then DataPlane(..., fallback=tunnel.open)
     ...
     await tunnel.reattach(dht.p2p_daemon_maddr())   # after the DHT (and p2pd) restarted
     ...
     await tunnel.aclose()
 
-**Behind a NAT** (`dilonode.swarm.reach`): libp2p reaches a private node through a circuit
+**Behind a NAT** (`dilonode.swarm.reachability`): libp2p reaches a private node through a circuit
 relay, but the relays hivemind's p2pd runs are *limited*: its `-relayDataLimit` and
 `-relayTimeLimit` flags do not reach the relay service it actually runs, which keeps
 go-libp2p's defaults, 128 KiB and 2 minutes per relayed connection, then a reset. Enough for
@@ -53,7 +53,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from dilonode.allreduce.transport import DataPlane
 from dilonode.swarm.records import PEER_ID_PATTERN
 
 __all__ = ["LivePeers", "Relay", "Tunnel", "relay_name", "relay_peers", "relayed_name",
@@ -331,17 +330,18 @@ class Tunnel:
         self.relay: Relay | None = None
         self.stats = dict.fromkeys(("relayed_out", "reached_out"), 0)
         self._p2p: Any = None
-        self._plane: DataPlane | None = None
+        self._accept_data: Accept | None = None  # the data plane's, served again on reattach
         self._state_accept: Accept | None = None  # serve_state's, served again on reattach
         self._streams: set[asyncio.Task[Any]] = set()
 
-    async def start(self, plane: DataPlane) -> None:
-        """Attach to the daemon and accept streams into `plane`."""
+    async def start(self, accept_data: Accept) -> None:
+        """Attach to the daemon and accept data-plane streams into `accept_data` (the
+        plane's `DataPlane.accept_stream`)."""
         from hivemind.p2p import P2P
 
-        self._plane = plane
+        self._accept_data = accept_data
         self._p2p = await asyncio.wait_for(P2P.replicate(self.daemon_maddr), _OP_TIMEOUT)
-        await self._serve("data", plane.accept_stream)
+        await self._serve("data", accept_data)
         if self.admitted is not None:
             old, self.relay = self.relay, Relay(self._p2p, self.run_id, self.admitted)
             if old is not None:  # re-attached: the counts go on
@@ -473,11 +473,11 @@ class Tunnel:
     async def reattach(self, daemon_maddr: Any) -> None:
         """Attach to a new daemon (the DHT restarted with a new p2pd) and serve the same
         plane through it; streams through the old daemon are dropped."""
-        if self._plane is None:
+        if self._accept_data is None:
             raise RuntimeError("Tunnel.reattach: start() first")
         await self.aclose(timeout=2.0)  # the old daemon is usually dead: do not wait long
         self.daemon_maddr = daemon_maddr
-        await self.start(self._plane)
+        await self.start(self._accept_data)
         if self._state_accept is not None:
             await self.serve_state(self._state_accept)
         log.info("libp2p tunnel re-attached to %s", daemon_maddr)

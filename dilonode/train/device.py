@@ -7,11 +7,13 @@ in `with autocast(device):` to get bf16 mixed precision on CUDA and plain float3
 from __future__ import annotations
 
 import contextlib
-from typing import Literal
+import os
+import platform
+from typing import Any, Literal
 
 import torch
 
-__all__ = ["autocast", "pick_device"]
+__all__ = ["autocast", "device_info", "pick_device"]
 
 
 def pick_device(name: Literal["auto", "cpu", "cuda"] | str) -> torch.device:
@@ -34,3 +36,16 @@ def autocast(device: torch.device | str) -> contextlib.AbstractContextManager[ob
     if device.type == "cuda":
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """What the status page shows of a device: kind, name, memory in bytes."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"kind": "cuda", "name": props.name, "memory_bytes": int(props.total_memory)}
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 0
+    return {"kind": "cpu", "name": platform.processor() or platform.machine(),
+            "memory_bytes": int(memory)}

@@ -1,7 +1,8 @@
 """The training thread's loop for one networked node: step a `Worker`, account compute vs
 waiting time, evaluate, and stop promptly when asked.
 
-No networking here: the Worker's `Collective` hides it. The daemon (`dilonode.node`) runs this
+No networking here: the Worker's `Collective` hides it. The daemon (`dilonode.node.daemon`) runs
+this
 on the main thread while the all-reduce runs in the background.
 """
 

@@ -414,7 +414,7 @@ def loss_sum(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tenso
 
 def mean_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
               device: torch.device | str) -> float:
-    """Mean `lm_loss` over (x, y) batches: `benchmarks/reeval.py`'s evaluation, the same
+    """Mean `lm_loss` over (x, y) batches: `benchmarks/testbed/reeval.py`'s evaluation, the same
     sum a node's `Worker.evaluate` takes of its outer weights."""
     return loss_sum(model, batches, device) / max(len(batches), 1)
 

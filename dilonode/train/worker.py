@@ -9,7 +9,8 @@ pacer says are due, landing first a round of the same fragment still in flight),
 pacer (`algo/pacing.py`): its own steps, or the swarm's clock, so that workers of different
 speeds meet in every round and each contributes the tokens it trained. No networking here.
 
-A node with several local devices runs one Worker per rank (`ranks`, dilonode/train/dist.py):
+A node with several local devices runs one Worker per rank (`ranks`,
+dilonode/train/ranks/node_ranks.py):
 the methods marked `@node_op` run on every rank together (the leader announces them), and
 the tensor work of a fragment goes through `ranks` (outer slices, the inner model's DDP or
 FSDP2 layout). With the default `SingleRank` the arithmetic is the one-process arithmetic.
@@ -49,8 +50,8 @@ from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TokenData
 from dilonode.train.device import autocast, pick_device
-from dilonode.train.dist import SingleRank
 from dilonode.train.model import build_model, lm_loss, loss_sum
+from dilonode.train.ranks.single import SingleRank
 from dilonode.train.state import (
     WorkerState,
     adoption_step,
@@ -186,7 +187,7 @@ class Worker:
         self.identity = identity
         self.device = device or pick_device(cfg.device)
         self.collective = collective
-        # This node's ranks (dilonode/train/dist.py); one process: SingleRank.
+        # This node's ranks (dilonode/train/ranks/node_ranks.py); one process: SingleRank.
         self.ranks = ranks if ranks is not None else SingleRank()
         torch.manual_seed(cfg.seed)  # identical initial weights on every worker
         self.model = build_model(cfg.model, data.vocab_size)  # on the CPU

@@ -2,7 +2,7 @@
 
 Six messages exist. Three make the handshake that opens every connection: `Hello` (who is
 speaking, for which run, with its public key and a nonce), `HelloAck` and `HelloAuth` (each
-side's proof of its identity and of the swarm secret; `dilonode.allreduce.channel`). The
+side's proof of its identity and of the swarm secret; `dilonode.net.channel`). The
 three round messages are `Contribution` (a member's encoded chunk of someone else's part),
 `Result` (the part owner's averaged chunk, sent back to everyone) and `Abort` (a member gives
 up the round, naming the members it blames). Each is a msgpack map whose `type` key names

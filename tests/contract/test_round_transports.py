@@ -22,7 +22,6 @@ import torch
 
 from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import get_codec
-from dilonode.allreduce.channel import OutboundHandshake, read_handshake_frame
 from dilonode.allreduce.driver import run_round
 from dilonode.allreduce.memnet import Faults, MemNet
 from dilonode.allreduce.round import (
@@ -32,6 +31,7 @@ from dilonode.allreduce.round import (
     group_digest,
 )
 from dilonode.allreduce.transport import DataPlane
+from dilonode.net.channel import OutboundHandshake, read_handshake_frame
 
 GARBAGE_FRAME = b"\x00\x00\x00\x02\xc1\xc1"  # a 2-byte body that is not msgpack
 MARGIN = 1.5  # seconds of slack past the round timeout on a loaded 2-core machine

@@ -10,8 +10,8 @@ import faulthandler
 import torch
 import torch.distributed as dist
 
+from dilonode.cli.fast_exit import exit_without_finalizing
 from dilonode.config import RunConfig
-from dilonode.exiting import exit_without_finalizing
 from dilonode.train.data import load_data
 from dilonode.train.model import build_model, lm_loss
 from dilonode.train.worker import build_inner_optimizer

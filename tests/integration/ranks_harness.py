@@ -41,7 +41,7 @@ def _child(fn: Callable[..., Any], env: Any, args: tuple[Any, ...], out: Any) ->
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any,
               timeout: float = 120.0) -> list[Any]:
     """`fn(env, *args)` on `world` spawned ranks; their results, by rank."""
-    from dilonode.train.dist import RankEnv
+    from dilonode.train.ranks.node_ranks import RankEnv
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -79,10 +79,11 @@ def train_node(env: Any, overrides: dict[str, Any], steps: int,
     import torch
 
     from dilonode.algo.codecs import get_codec
-    from dilonode.collective import LocalGroup
     from dilonode.config import load_config
+    from dilonode.sim.local_group import LocalGroup
     from dilonode.train.data import load_data
-    from dilonode.train.dist import SingleRank, follow, init_node_ranks
+    from dilonode.train.ranks.node_ranks import follow, init_node_ranks
+    from dilonode.train.ranks.single import SingleRank
     from dilonode.train.worker import Worker
 
     cfg = load_config(overrides={**overrides, "dist": {**overrides.get("dist", {}),

@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from dilonode.allreduce.driver import NetworkCollective, RoundPolicy
+from dilonode.allreduce.network_collective import NetworkCollective
+from dilonode.allreduce.retry import RoundPolicy
 from dilonode.collective import SyncKey
 from dilonode.config import NetworkConfig
 from dilonode.swarm.dht import SwarmDHT

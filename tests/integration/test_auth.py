@@ -26,16 +26,18 @@ import torch
 
 from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import get_codec
-from dilonode.allreduce.channel import _proof, _transcript
-from dilonode.allreduce.driver import FormedGroup, RoundPolicy, SwarmOutcome, SwarmRounds
+from dilonode.allreduce.inbox import PeerUnreachable
+from dilonode.allreduce.retry import RoundPolicy, SwarmOutcome, SwarmRounds
 from dilonode.allreduce.round import RoundState
-from dilonode.allreduce.transport import DataPlane, PeerUnreachable
-from dilonode.auth import Credentials, Identity, seal_record, swarm_key
+from dilonode.allreduce.transport import DataPlane
+from dilonode.collective import FormedGroup
+from dilonode.net.auth import Credentials, Identity, seal_record, swarm_key
+from dilonode.net.channel import _proof, _transcript
 from dilonode.swarm.dht import decode_entries
 from dilonode.swarm.matchmaking import Group, form_group
 from dilonode.swarm.records import GroupEntry, encode_record, group_key
-from dilonode.wire import Contribution, HelloAuth, encode_frame
-from dilonode.wire.framing import HEADER_BYTES
+from dilonode.wire.framing import HEADER_BYTES, encode_frame
+from dilonode.wire.messages import Contribution, HelloAuth
 from tests.boards import Board, View
 
 pytestmark = [pytest.mark.slow]
@@ -124,7 +126,7 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
 async def _forge_as_a(victim: Member, *, with_a_key: bool) -> bytes:
     """F dials `victim` claiming A's peer id (with A's public key, or its own) and proves
     what it can: the secret, and a signature by its own key. Returns what it reads back."""
-    from dilonode.allreduce.channel import OutboundHandshake
+    from dilonode.net.channel import OutboundHandshake
 
     shake = OutboundHandshake(Credentials(F, RUN, SECRET), RUN, F.peer_id, victim.creds.peer_id)
     hello = shake.hello.model_copy(update={
@@ -233,7 +235,7 @@ def test_intruders_cannot_join_or_change_weights(caplog: pytest.LogCaptureFixtur
     assert any(f"does not belong to peer {A.peer_id}" in ln and "unproven" in ln
                for ln in lines)
     # F's second forgery (same address, same claimed id: "cannot prove its peer id") is
-    # folded into a summary line (dilonode.logcap.PeerLog), counted all the same.
+    # folded into a summary line (dilonode.net.peer_log.PeerLog), counted all the same.
     assert any("more connections refused in the handshake" in ln for ln in lines)
     assert all("\n" not in ln for ln in lines)
     assert not any(SECRET.decode() in ln for ln in lines)
@@ -296,7 +298,7 @@ def test_unreachable_peer_is_reached_through_a_libp2p_stream() -> None:
                       for d, t in zip((da, db), tunnels, strict=True)]
             for plane, tunnel in zip(planes, tunnels, strict=True):
                 await plane.start()
-                await tunnel.start(plane)
+                await tunnel.start(plane.accept_stream)
             try:
                 members = tuple(sorted(p.peer_id for p in planes))
                 by_id = {p.peer_id: p for p in planes}

@@ -1,4 +1,4 @@
-"""Chaos, fast cases (the full matrix is benchmarks/chaos.py): one swarm of three nodes on
+"""Chaos, fast cases (the full matrix is benchmarks/testbed/chaos.py): one swarm of three nodes on
 loopback (nano model) in which each supervised part of some node is broken once, one at a
 time: kill -9 of the DHT process and of p2pd, each listener (data, state, status) destroyed
 under the node, and short stops (SIGSTOP of the DHT process, a data listener that drops
@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("hivemind")
 
-from deploy.chaos import Fault, run_chaos  # noqa: E402
 from dilonode.config import load_config  # noqa: E402
+from testbed.chaos import Fault, run_chaos  # noqa: E402
 
 REASON = ("needs root, `ss` and `iptables`"
           if os.geteuid() != 0 or not shutil.which("ss") or not shutil.which("iptables")

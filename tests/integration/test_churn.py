@@ -1,4 +1,4 @@
-"""Churn on the WAN test bed (deploy/churn.py): 4 nodes, one SIGKILLed and one joining every
+"""Churn on the WAN test bed (testbed/churn.py): 4 nodes, one SIGKILLed and one joining every
 K seconds. The run goes on, every fragment keeps advancing rounds, joiners recover the state
 from peers and contribute, no node stalls longer than two all-reduce timeouts, and the final
 outer weights (identical on every survivor) evaluate close to a run without churn.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.testbed import unavailable_reason
+from testbed.hosts import unavailable_reason
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -41,9 +41,9 @@ CFG = {
 @pytest.mark.timeout(480)
 def test_four_nodes_survive_kills_and_joins(tmp_path):
     pytest.importorskip("hivemind")
-    from deploy.churn import ChurnPlan, run_churn
     from dilonode.config import load_config
-    from dilonode.sim import simulate
+    from dilonode.sim.training import simulate
+    from testbed.churn import ChurnPlan, run_churn
 
     cfg = load_config(overrides={**CFG, "paths": {"out_dir": str(tmp_path)}})
     # A kill every 10 s or every 50 swarm steps (0.4 s each), whichever comes first, and
@@ -92,7 +92,7 @@ def test_four_nodes_survive_kills_and_joins(tmp_path):
     # Churn must not cost the model: the survivors (paced by the swarm clock, each trained
     # thousands of own steps) end no worse than 10% above 4 workers trained without faults
     # for as many steps each, at most REF_STEPS (a reference of their full length would cost
-    # minutes of CPU here; benchmarks/churn.py compares with a full run without churn).
+    # minutes of CPU here; benchmarks/testbed/churn.py compares with a full run without churn).
     steps = min(REF_STEPS, *(s["steps"] for s in survivors.values()))
     ref = simulate(cfg.model_copy(update={
         "total_steps": steps, "sim": cfg.sim.model_copy(update={"workers": 4}),

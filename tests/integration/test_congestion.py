@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 
 import pytest
 
-from dilonode import congestion
 from dilonode.allreduce.transport import DataPlane
 from dilonode.config import ConfigError, load_config
-from dilonode.statesync.service import SnapshotSource, StateServer
+from dilonode.net import congestion
+from dilonode.statesync.server import SnapshotSource, StateServer
 from tests.integration.test_join import _FixedWorker, _state
 from tests.integration.test_tcp_allreduce import IDS, RUN, _frames, _spec, _until
 
@@ -67,7 +67,7 @@ def test_system_leaves_the_socket_alone(pair) -> None:
 def test_a_refused_name_keeps_the_default_and_warns_once(pair, caplog) -> None:
     client, accepted = pair
     before = congestion.current(client)
-    with caplog.at_level(logging.WARNING, logger="dilonode.congestion"):
+    with caplog.at_level(logging.WARNING, logger="dilonode.net.congestion"):
         assert not congestion.apply(client, "nosuchcc")
         assert not congestion.apply(accepted, "nosuchcc")
     assert congestion.current(client) == before

@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("hivemind")
 
+from dilonode.cli.local_swarm import LocalSwarm  # noqa: E402
 from dilonode.config import load_config  # noqa: E402
-from dilonode.swarm.local import LocalSwarm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("hivemind")
 
-from dilonode.auth import Identity, seal_record  # noqa: E402
+from dilonode.net.auth import Identity, seal_record  # noqa: E402
 from dilonode.swarm.dht import SwarmDHT, _owner_validator, owner_subkey  # noqa: E402
 from dilonode.swarm.matchmaking import Group, MatchmakingError, form_group  # noqa: E402
 from dilonode.swarm.records import (  # noqa: E402

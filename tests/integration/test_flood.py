@@ -31,12 +31,12 @@ import pytest
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from dilonode.admission import Admission, Limits
 from dilonode.allreduce.transport import DataPlane
 from dilonode.config import StateSyncConfig
+from dilonode.net.admission import Admission, Limits
 from dilonode.statesync.link import Link
 from dilonode.statesync.protocol import Error, ManifestRequest
-from dilonode.statesync.service import SnapshotSource, StateServer
+from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.status.metrics import node_metrics
 from dilonode.status.server import StatusServer
 from dilonode.status.snapshot import NodeStatus
@@ -280,8 +280,8 @@ def test_a_megabyte_of_garbage_to_each_port_leaves_under_4_kb_of_log(
 _CHILD = """
 import asyncio, json, resource, sys
 sys.path.insert(0, sys.argv[1])
-from dilonode.admission import Admission, Limits
-from dilonode.listener import Acceptor, bind_listener
+from dilonode.net.admission import Admission, Limits
+from dilonode.net.listener import Acceptor, bind_listener
 
 class Echo(asyncio.Protocol):
     def __init__(self, gate, ticket):

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("hivemind")
 
+from dilonode.cli.local_swarm import LocalSwarm  # noqa: E402
 from dilonode.config import load_config  # noqa: E402
-from dilonode.swarm.local import LocalSwarm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,8 @@ import torch
 from dilonode.algo.pacing import rounds_before
 from dilonode.algo.schedule import SyncPlan
 from dilonode.config import load_config
-from dilonode.statesync.service import SnapshotSource, StateServer, recover
+from dilonode.statesync.client import recover
+from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.train.checkpoint import latest_checkpoints, load_checkpoint
 from dilonode.train.state import WorkerState, config_digest
 
@@ -103,7 +104,7 @@ def _assert_same(a: WorkerState, b: WorkerState, what: str) -> None:
 @pytest.mark.timeout(360)
 def test_joiner_recovers_state_and_contributes(tmp_path):
     pytest.importorskip("hivemind")
-    from dilonode.swarm.local import LocalSwarm
+    from dilonode.cli.local_swarm import LocalSwarm
 
     cfg = load_config(overrides={**BASE, "paths": {"out_dir": str(tmp_path)}})
     cfg_path = tmp_path / "cfg.json"

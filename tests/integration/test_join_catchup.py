@@ -25,7 +25,8 @@ import torch
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.replay import EncodedResult, replay_round
 from dilonode.config import load_config
-from dilonode.statesync.service import Recovery, SnapshotSource, StateServer, recover
+from dilonode.statesync.client import Recovery, recover
+from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.train.state import WorkerState, config_digest
 from tests.integration.test_join import _assert_same, _state
 
@@ -266,7 +267,7 @@ def test_a_result_is_replayed_while_the_rest_of_the_fetch_goes_on(caplog):
     it fetches fragment 2's result first, replays it while fragment 0's chunks are still
     coming (its peers wait for it from its publish on, so nothing is left for after the
     transfer), and ends bit for bit on the peers' state."""
-    caplog.set_level("INFO", logger="dilonode.statesync.service")
+    caplog.set_level("INFO", logger="dilonode.statesync.client")
     new = _replayed(OLD, 2)
     g = torch.Generator().manual_seed(7)
     local = WorkerState(OLD.step, OLD.rounds, OLD.outer_steps,
@@ -289,7 +290,7 @@ def test_a_result_is_replayed_while_the_rest_of_the_fetch_goes_on(caplog):
 
 @pytest.mark.timeout(90)
 def test_a_replay_that_does_not_match_the_new_state_is_dropped_for_a_fetch(caplog):
-    caplog.set_level("INFO", logger="dilonode.statesync.service")
+    caplog.set_level("INFO", logger="dilonode.statesync.client")
     rec = _land_late(_replayed(OLD, 2, served=6))
     assert rec.replayed == 0
     assert "digests differ" in caplog.text
@@ -324,7 +325,7 @@ def test_a_joiner_reports_the_rate_its_link_moved_and_the_round_results_once(mon
     report: the rate chunks arrived at through the throttled proxies (3 x RATE, not
     loopback's hundreds of MB/s), each fragment's result bytes the manifests list, and the
     peers counting the joiner."""
-    from dilonode.statesync import service
+    from dilonode.statesync import client as service
 
     # The fetch takes ~2 s here.
     monkeypatch.setattr(service, "_LINK_FROM_S", 0.3)

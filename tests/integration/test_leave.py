@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 def test_sigterm_abandons_a_stuck_round_withdraws_and_exits(tmp_path):
     pytest.importorskip("hivemind")
+    from dilonode.cli.local_swarm import LocalSwarm
     from dilonode.swarm.dht import SwarmDHT
-    from dilonode.swarm.local import LocalSwarm
     from dilonode.swarm.records import group_key
 
     # B's record must outlive the test (peer_ttl); A asks frozen B for state and gives up

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("hivemind")
 
+from dilonode.cli.local_swarm import LocalSwarm  # noqa: E402
 from dilonode.config import load_config  # noqa: E402
-from dilonode.swarm.local import LocalSwarm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ bed: they find out they are private, join, average with the others every round (
 libp2p streams: to each other through the bootstrap's relay) and a NATed joiner recovers
 the run's state from the public node and, through the relay, from the other NATed node.
 
-Topology (deploy/testbed.py): `bootstrap` and `node-0` on the bed's public subnet; `node-1`
+Topology (testbed/hosts.py): `bootstrap` and `node-0` on the bed's public subnet; `node-1`
 and `node-2` each behind a router of their own. Every node runs with the defaults
 (`network.reachable = "auto"`), so this is what a volunteer gets without configuring
 anything. Needs root, `ip`, `tc`, `iptables-restore` and NAT in network namespaces; skipped
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from deploy.testbed import unavailable_reason
+from testbed.hosts import unavailable_reason
 
 REASON = unavailable_reason(nat=True)
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -67,8 +67,8 @@ class _Seen:
 @pytest.mark.timeout(300)
 def test_natted_nodes_average_with_peers_and_a_natted_joiner_recovers(tmp_path):
     pytest.importorskip("hivemind")
-    from deploy.testbed import swarm_on_testbed
     from dilonode.config import load_config
+    from testbed.hosts import swarm_on_testbed
 
     cfg = load_config(overrides={**BASE, "paths": {"out_dir": str(tmp_path)}})
     names = ["node-0", "node-1", "node-2"]

@@ -19,8 +19,9 @@ from dilonode.allreduce.driver import run_round  # noqa: E402
 from dilonode.allreduce.round import GroupSpec, RoundState, group_digest  # noqa: E402
 from dilonode.allreduce.transport import DataPlane  # noqa: E402
 from dilonode.config import load_config  # noqa: E402
-from dilonode.statesync.service import SnapshotSource, StateServer, recover  # noqa: E402
-from dilonode.swarm import reach  # noqa: E402
+from dilonode.statesync.client import recover
+from dilonode.statesync.server import SnapshotSource, StateServer  # noqa: E402
+from dilonode.swarm import reachability as reach  # noqa: E402
 from dilonode.swarm.dht import SwarmDHT  # noqa: E402
 from dilonode.swarm.tunnel import Relay, Tunnel, relay_peers  # noqa: E402
 from dilonode.train.state import WorkerState, config_digest  # noqa: E402
@@ -81,7 +82,7 @@ def test_two_private_nodes_average_and_sync_state_through_the_relay():
                     plane.stream_only = frozenset(ids)
                     await plane.start()
                     plane.accept_stream = counted(plane.accept_stream)
-                    await tunnel.start(plane)
+                    await tunnel.start(plane.accept_stream)
                 await server.start()
                 await tunnels[1].serve_state(counted(server.accept_stream))
                 # the two daemons hold no direct connection: everything goes by the relay

@@ -2,7 +2,7 @@
 again (`swarm/remerge.py`): on the WAN test bed, a bootstrap and four training nodes (nano
 model) at 100 Mbit/s; node-2 and node-3 are cut off from the bootstrap and node-0/node-1 for
 15 s, then the cut is removed, and every node must read all peers live again within a
-bound. Without the re-merge they never did (issue 20; benchmarks/chaos.py runs that
+bound. Without the re-merge they never did (issue 20; benchmarks/testbed/chaos.py runs that
 control). Then the halves, which trained apart, must become one model again: the chain
 check at matchmaking leaves the half whose state does not stand out of a round, that half
 adopts the standing state, and every node ends the run with identical outer weights (the
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.testbed import unavailable_reason
+from testbed.hosts import unavailable_reason
 
 REASON = unavailable_reason(partitions=True)
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -39,9 +39,9 @@ CFG = {
 @pytest.mark.timeout(420)
 def test_two_halves_find_each_other_again_after_a_partition_heals(tmp_path):
     pytest.importorskip("hivemind")
-    from deploy.chaos import Fault, run_chaos
-    from deploy.testbed import Testbed
     from dilonode.config import load_config
+    from testbed.chaos import Fault, run_chaos
+    from testbed.hosts import Testbed
 
     cut = Fault(0, "partition", "stop", at_step=40, seconds=15.0,
                 sides=(("bootstrap", "node-0", "node-1"), ("node-2", "node-3")))

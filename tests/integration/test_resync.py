@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("hivemind")
 
-from dilonode.swarm.local import LocalSwarm  # noqa: E402
+from dilonode.cli.local_swarm import LocalSwarm  # noqa: E402
 from tests.integration.test_swarm import BASE, _cfg, _start_node, _wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow

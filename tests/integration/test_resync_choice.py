@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from dilonode.auth import Credentials, Identity
+from dilonode.net.auth import Credentials, Identity
+from dilonode.statesync.client import recover
 from dilonode.statesync.keeper import min_rounds
-from dilonode.statesync.service import SnapshotSource, StateServer, recover
+from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.train.state import WorkerState
 from tests.integration.test_join import _assert_same, _FixedWorker, _state
 from tests.integration.test_state_sync_auth import CFG, DIGEST

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from dilonode.algo.robust import AggregatorSpec, BanTracker
-from dilonode.allreduce.driver import FormedGroup, RoundPolicy, SwarmOutcome, SwarmRounds
+from dilonode.allreduce.retry import RoundPolicy, SwarmOutcome, SwarmRounds
 from dilonode.allreduce.round import RoundState, group_digest
 from dilonode.allreduce.transport import DataPlane
+from dilonode.collective import FormedGroup
 
 RUN = "robust-it"
 IDS = ("node-0", "node-1", "node-2", "node-3")

@@ -11,9 +11,9 @@ import torch.multiprocessing as mp
 from dilonode.algo.butterfly import wire_bytes_ideal
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.fragments import flatten
-from dilonode.collective import LocalGroup
 from dilonode.config import load_config
-from dilonode.sim import simulate
+from dilonode.sim.local_group import LocalGroup
+from dilonode.sim.training import simulate
 from dilonode.train.data import load_data
 from dilonode.train.model import build_model, lm_loss
 from dilonode.train.worker import Worker, build_inner_optimizer

@@ -22,7 +22,7 @@ import pytest
 
 from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import get_codec
-from dilonode.swarm.local import LocalSwarm
+from dilonode.cli.local_swarm import LocalSwarm
 from tests.integration.soak_node import tensor_for
 
 pytest.importorskip("hivemind")

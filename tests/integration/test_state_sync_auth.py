@@ -10,10 +10,11 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from dilonode.auth import Credentials, Identity
 from dilonode.config import load_config
+from dilonode.net.auth import Credentials, Identity
+from dilonode.statesync.client import Recovery, recover
 from dilonode.statesync.protocol import ManifestRequest, encode_frame
-from dilonode.statesync.service import Recovery, SnapshotSource, StateServer, recover
+from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.train.state import WorkerState, config_digest
 from tests.integration.test_join import _assert_same, _FixedWorker, _state
 
@@ -193,7 +194,7 @@ def test_tampered_frame_drops_the_peer_and_chunks_come_from_others(ids, directio
 @pytest.mark.timeout(60)
 def test_node_counts_refused_state_sync_connections_with_the_data_planes(ids):
     """What `Node._trust_counters` adds to dilonode_unauthorized_connections_total."""
-    from dilonode.allreduce.driver import LoopThread
+    from dilonode.net.loop_thread import LoopThread
     from dilonode.statesync.keeper import StateKeeper
 
     thread, keeper = LoopThread(), StateKeeper(CFG)

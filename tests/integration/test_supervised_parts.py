@@ -25,10 +25,10 @@ import pytest
 
 pytest.importorskip("hivemind")
 
-from dilonode.allreduce.driver import LoopThread  # noqa: E402
 from dilonode.allreduce.transport import DataPlane  # noqa: E402
-from dilonode.parts import ListenerPart, _relisten_state, _relisten_status  # noqa: E402
-from dilonode.supervise import PartDown  # noqa: E402
+from dilonode.net.loop_thread import LoopThread  # noqa: E402
+from dilonode.node.supervised_parts import ListenerPart, _relisten_state, _relisten_status  # noqa: E402
+from dilonode.node.supervisor import PartDown  # noqa: E402
 from dilonode.swarm.dht import DHTUnavailable, SwarmDHT  # noqa: E402
 from dilonode.swarm.records import PeerRecord  # noqa: E402
 
@@ -196,7 +196,7 @@ def test_a_destroyed_data_listener_is_noticed_and_relistens_on_its_port(loop):
 @pytest.mark.skipif(SS_REASON is not None, reason=SS_REASON or "")
 def test_status_and_state_servers_come_back_on_their_port(loop, tmp_path):
     from dilonode.config import StateSyncConfig
-    from dilonode.statesync.service import SnapshotSource, StateServer
+    from dilonode.statesync.server import SnapshotSource, StateServer
     from dilonode.status.metrics import node_metrics
     from dilonode.status.server import StatusServer
     from dilonode.status.snapshot import NodeStatus

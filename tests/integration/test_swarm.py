@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("hivemind")
 
+from dilonode.cli.local_swarm import GRACE_S, LocalSwarm  # noqa: E402
 from dilonode.config import load_config  # noqa: E402
-from dilonode.sim import simulate  # noqa: E402
-from dilonode.swarm.local import GRACE_S, LocalSwarm  # noqa: E402
+from dilonode.sim.training import simulate  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -26,14 +26,9 @@ import torch
 from dilonode import PROTOCOL_VERSION
 from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import get_codec
-from dilonode.allreduce.channel import InboundChannel
-from dilonode.allreduce.driver import (
-    FormedGroup,
-    NetworkCollective,
-    RoundPolicy,
-    SwarmRounds,
-    run_round,
-)
+from dilonode.allreduce.driver import run_round
+from dilonode.allreduce.network_collective import NetworkCollective
+from dilonode.allreduce.retry import RoundPolicy, SwarmRounds
 from dilonode.allreduce.round import (
     AllReduceRound,
     GroupSpec,
@@ -42,7 +37,8 @@ from dilonode.allreduce.round import (
     result_digest,
 )
 from dilonode.allreduce.transport import DataPlane
-from dilonode.collective import SyncKey
+from dilonode.collective import FormedGroup, SyncKey
+from dilonode.net.channel import InboundChannel
 from dilonode.wire.framing import encode_frame
 from dilonode.wire.messages import Hello
 
@@ -235,7 +231,7 @@ def test_wrong_run_or_version_hello_is_rejected(caplog: pytest.LogCaptureFixture
     lines = [r.getMessage() for r in caplog.records]
     assert all("\n" not in line for line in lines)
     # The first refusal from an address in full, the others from it in one summary line
-    # (dilonode.logcap.PeerLog: a peer cannot inflate the log).
+    # (dilonode.net.peer_log.PeerLog: a peer cannot inflate the log).
     assert len(lines) == 2, lines
     assert "hello message for run 'other-run', expected 'tcp-it'" in lines[0]
     assert "data port: 2 more connections closed for malformed data from 1 address" in lines[1]

@@ -1,4 +1,4 @@
-"""The WAN test bed (deploy/testbed.py): tbf limits hold, teardown leaves nothing behind (also
+"""The WAN test bed (testbed/hosts.py): tbf limits hold, teardown leaves nothing behind (also
 when its owner is SIGTERMed or SIGKILLed), and 3 nodes train across namespaces.
 
 Needs root, `ip` and `tc`; skipped with the reason otherwise.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.testbed import (
+from testbed.hosts import (
     SwarmHosts,
     Testbed,
     leftovers,
@@ -33,7 +33,7 @@ ROOT = Path(__file__).parents[2]
 # tag and that process's pid, then waits to be signalled.
 OWNER = """
 import subprocess, sys, threading
-from deploy.testbed import Testbed
+from testbed.hosts import Testbed
 bed = Testbed(2, rate_mbit=10).start()
 inner = bed.popen("h0", [sys.executable, "-c", "import threading; threading.Event().wait()"])
 print(bed.tag, inner.pid, flush=True)

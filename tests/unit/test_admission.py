@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dilonode.admission import Admission, Limits, limits_for
 from dilonode.config import AdmissionConfig
+from dilonode.net.admission import Admission, Limits, limits_for
 
 
 class Clock:
@@ -62,7 +62,7 @@ def test_limits_must_nest():
 
 def test_one_source_is_capped_and_refusals_are_counted_and_logged_once(caplog):
     gate = _gate(Limits(max_open=100, max_pending=50, max_pending_per_source=3))
-    with caplog.at_level(logging.WARNING, "dilonode.admission"):
+    with caplog.at_level(logging.WARNING, "dilonode.net.admission"):
         conns = [Conn(gate, "10.0.0.9") for _ in range(10)]
     assert sum(c.ticket is not None for c in conns) == 3
     assert gate.refused["source_full"] == 7 and gate.pending == gate.open == 3
@@ -105,7 +105,7 @@ def test_established_connections_leave_the_pending_caps_but_count_as_open():
 def test_closing_counts_and_logs_through_the_aggregator(caplog):
     clock = Clock()
     gate = _gate(Limits(), clock)
-    with caplog.at_level(logging.WARNING, "dilonode.admission"):
+    with caplog.at_level(logging.WARNING, "dilonode.net.admission"):
         for _ in range(1000):
             c = Conn(gate, "9.9.9.9")
             gate.closing(c.ticket, "handshake_timeout", "closed an idle one from 9.9.9.9")
@@ -146,7 +146,7 @@ import json, resource, sys
 sys.path.insert(0, sys.argv[1])
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
-from dilonode.admission import raise_nofile_limit
+from dilonode.net.admission import raise_nofile_limit
 got = raise_nofile_limit()
 print(json.dumps([got, resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard]))
 """

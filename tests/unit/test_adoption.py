@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dilonode.algo.codecs import get_codec
-from dilonode.collective import LocalGroup
 from dilonode.config import load_config
-from dilonode.sim import simulate
+from dilonode.sim.local_group import LocalGroup
+from dilonode.sim.training import simulate
 from dilonode.train.data import load_data
 from dilonode.train.model import lm_loss
 from dilonode.train.worker import Worker, build_inner_optimizer

@@ -11,7 +11,7 @@ import pytest
 
 from dilonode.algo.chain import chain_next, chain_start
 from dilonode.algo.pacing import TimePacer
-from dilonode.auth import Credentials, Identity
+from dilonode.net.auth import Credentials, Identity
 from dilonode.status.swarm import swarm_agreement
 from dilonode.swarm.agreement import FinalBoard, standing_digest, verdict
 from dilonode.swarm.clock import ClockKeeper, standing_clock
@@ -377,7 +377,7 @@ def test_a_joiners_link_record_reaches_the_pacemakers_retune_until_its_rounds_me
 def test_only_a_live_node_paces_the_clock_not_a_joiner_still_fetching():
     from types import SimpleNamespace
 
-    from dilonode.node import Node
+    from dilonode.node.daemon import Node
 
     class _Membership:
         def __init__(self, ids):
@@ -404,7 +404,7 @@ def test_the_pacemaker_reads_how_far_behind_the_clock_each_live_node_is():
     from types import SimpleNamespace
 
     from dilonode.algo.pacing import SwarmClock
-    from dilonode.node import Node
+    from dilonode.node.daemon import Node
 
     algo = SimpleNamespace(step_seconds=None, sync_every=30, min_round_seconds=5.0,
                            max_round_seconds=3600.0)

@@ -1,4 +1,4 @@
-"""benchmarks/allreduce.py fails fast: a chunk size the rounds would refuse is an argument
+"""benchmarks/loopback/allreduce.py fails fast: a chunk size the rounds would refuse is an argument
 error, and a worker that dies ends the run with its exit code instead of leaving the
 parent waiting on the others, which block in a barrier for it."""
 
@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.loopback import allreduce
 
-import allreduce  # noqa: E402  (benchmarks/ is on sys.path)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_chunk_off_the_codec_blocks_is_an_argument_error(capsys) -> None:
@@ -28,8 +27,8 @@ def test_a_chunk_off_the_codec_blocks_is_an_argument_error(capsys) -> None:
 @pytest.mark.timeout(120)
 def test_a_failing_worker_ends_the_run() -> None:
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/allreduce.py"), "--procs",
-                           "2", "--numel", "4096", "--rounds", "1", "--codecs", "nosuchcodec",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.loopback.allreduce", "--procs", "2",
+                           "--numel", "4096", "--rounds", "1", "--codecs", "nosuchcodec",
                            "--no-gloo"], capture_output=True, text=True, timeout=110, cwd=ROOT)
     assert proc.returncode != 0
     assert "worker(s) [" in proc.stderr and "failed" in proc.stderr, proc.stderr[-2000:]

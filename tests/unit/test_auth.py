@@ -15,14 +15,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from dilonode.allreduce.channel import (
-    HandshakeError,
-    InboundChannel,
-    OutboundHandshake,
-    _proof,
-    _transcript,
-)
-from dilonode.auth import (
+from dilonode.net.auth import (
     AuthError,
     Credentials,
     Identity,
@@ -33,10 +26,17 @@ from dilonode.auth import (
     seal_record,
     swarm_key,
 )
+from dilonode.net.channel import (
+    HandshakeError,
+    InboundChannel,
+    OutboundHandshake,
+    _proof,
+    _transcript,
+)
 from dilonode.swarm.records import GroupEntry, decode_record, encode_record
-from dilonode.wire import Abort, Contribution, HelloAuth, encode_frame
 from dilonode.wire.errors import RemoteProtocolError
-from dilonode.wire.framing import HEADER_BYTES
+from dilonode.wire.framing import HEADER_BYTES, encode_frame
+from dilonode.wire.messages import Abort, Contribution, HelloAuth
 
 RUN = "auth-run"
 SECRET = b"correct horse battery staple"
@@ -102,7 +102,7 @@ def test_identity_garbage_is_one_line(tmp_path: Path) -> None:
 
 
 def test_signatures_verify_only_for_their_key_and_message() -> None:
-    from dilonode.auth import verify
+    from dilonode.net.auth import verify
 
     sig = A.sign(b"message")
     verify(A.public_key, b"message", sig)
@@ -392,7 +392,7 @@ def test_identity_command_prints_what_the_allowlist_takes(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture) -> None:
     import json
 
-    from dilonode.cli import main
+    from dilonode.cli.main import main
 
     path = tmp_path / "node.key"
     assert main(["identity", str(path)]) == 2

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from dilonode.algo.codecs import get_codec
-from dilonode.collective import LocalGroup
 from dilonode.config import load_config
-from dilonode.statesync.service import SnapshotSource
+from dilonode.sim.local_group import LocalGroup
+from dilonode.statesync.server import SnapshotSource
 from dilonode.train.checkpoint import (
     Checkpointer,
     latest_checkpoints,

@@ -1,9 +1,9 @@
-"""The figures a churn run is judged by (deploy/churn.py), on hand-made event timelines."""
+"""The figures a churn run is judged by (testbed/churn.py), on hand-made event timelines."""
 
 import pytest
 
-from deploy.churn import ChurnPlan, ChurnResult, NodeTrack
-from deploy.testbed import tbf_args
+from testbed.churn import ChurnPlan, ChurnResult, NodeTrack
+from testbed.hosts import tbf_args
 
 
 def _track(name, events, killed_at=None):

@@ -10,7 +10,7 @@ def run(*args, timeout=120):
 
 
 def test_help_does_not_import_torch():
-    code = ("import sys\nfrom dilonode import cli\ntry:\n    cli.main(['--help'])\n"
+    code = ("import sys\nfrom dilonode.cli import main as cli\ntry:\n    cli.main(['--help'])\n"
             "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'\n"
             "assert 'hivemind' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -28,9 +28,9 @@ from dilonode.algo.butterfly import (
 )
 from dilonode.algo.codecs import CODEC_NAMES, CodecError, CodecMeta, get_codec
 from dilonode.algo.torch_codecs import decode_torch, encode_chunks_torch, encode_torch
-from dilonode.allreduce import AllReduceRound, Done, GroupSpec, MemNet
 from dilonode.allreduce.datapath import HostPath, TorchPath, chunk_hash
-from dilonode.allreduce.round import group_digest
+from dilonode.allreduce.memnet import MemNet
+from dilonode.allreduce.round import AllReduceRound, Done, GroupSpec, group_digest
 
 VECTORS = Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "vectors.json"
 STEPS = [("write", 1.0), ("add", 1.0), ("write_scaled", 0.3), ("add_scaled", 0.7),

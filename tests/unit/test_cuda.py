@@ -23,12 +23,14 @@ from dilonode.algo.fragments import flatten
 from dilonode.algo.outer import pseudo_gradient
 from dilonode.algo.pacing import final_rounds
 from dilonode.algo.schedule import SyncPlan
-from dilonode.allreduce import AllReduceRound, Done, GroupSpec, MemNet
-from dilonode.allreduce.driver import FormedGroup, NetworkCollective, RoundPolicy
-from dilonode.allreduce.round import group_digest
-from dilonode.collective import LocalGroup, PendingReduce, ReduceResult, SyncKey
+from dilonode.allreduce.memnet import MemNet
+from dilonode.allreduce.network_collective import NetworkCollective
+from dilonode.allreduce.retry import RoundPolicy
+from dilonode.allreduce.round import AllReduceRound, Done, GroupSpec, group_digest
+from dilonode.collective import FormedGroup, PendingReduce, ReduceResult, SyncKey
 from dilonode.config import RunConfig
-from dilonode.sim import simulate
+from dilonode.sim.local_group import LocalGroup
+from dilonode.sim.training import simulate
 from dilonode.statesync.keeper import StateKeeper
 from dilonode.train import worker as worker_module
 from dilonode.train.checkpoint import Checkpointer

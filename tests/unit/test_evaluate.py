@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dilonode.config import load_config
-from dilonode.sim import simulate
+from dilonode.sim.training import simulate
 from dilonode.train.data import load_data
 from dilonode.train.model import mean_loss
 

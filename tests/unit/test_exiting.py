@@ -11,7 +11,7 @@ import sys
 CHILD = """
 import atexit, sys, threading
 from pathlib import Path
-from dilonode.exiting import exit_without_finalizing
+from dilonode.cli.fast_exit import exit_without_finalizing
 
 out = Path(sys.argv[1])
 

@@ -11,10 +11,18 @@ import torch
 
 from dilonode.algo import kernels
 from dilonode.algo.codecs import CODEC_NAMES, CodecError, all_finite, get_codec
-from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet, RoundState
-from dilonode.allreduce.round import chunk_hash, part_digest, result_digest, round_digest
-from dilonode.wire import Contribution, encode_frame
-from dilonode.wire.framing import FrameDecoder
+from dilonode.allreduce.memnet import MemNet
+from dilonode.allreduce.round import (
+    AllReduceRound,
+    GroupSpec,
+    RoundState,
+    chunk_hash,
+    part_digest,
+    result_digest,
+    round_digest,
+)
+from dilonode.wire.framing import FrameDecoder, encode_frame
+from dilonode.wire.messages import Contribution
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -324,7 +332,7 @@ def test_frame_tags_are_gmac_as_specified_whatever_the_pieces() -> None:
 
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from dilonode.allreduce.channel import TAG_BYTES, FrameSealer
+    from dilonode.net.channel import TAG_BYTES, FrameSealer
 
     key, frame = os.urandom(32), os.urandom(300_001)
     sealer = FrameSealer(key)
@@ -342,7 +350,7 @@ def test_frame_tags_are_gmac_as_specified_whatever_the_pieces() -> None:
 def test_allocator_tuning_applies_once_on_glibc() -> None:
     import platform
 
-    from dilonode.allreduce.transport import tune_allocator
+    from dilonode.allreduce.allocator import tune_allocator
 
     first = tune_allocator()
     assert tune_allocator() is first

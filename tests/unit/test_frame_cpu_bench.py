@@ -1,17 +1,15 @@
-"""benchmarks/frame_cpu.py measures the real per-frame steps: its decode gives back the
+"""benchmarks/micro/frame_cpu.py measures the real per-frame steps: its decode gives back the
 payload its encode sent (else it refuses to report), and it prints every step."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.micro import frame_cpu
 
-import frame_cpu  # noqa: E402  (benchmarks/ is on sys.path)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_step_is_timed_for_the_chunk_asked_for() -> None:

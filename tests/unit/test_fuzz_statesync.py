@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dilonode.auth import seal_record
+from dilonode.net.auth import seal_record
 from dilonode.statesync.plan import manifest_of
 from dilonode.statesync.protocol import (
     HEADER,
@@ -27,7 +27,7 @@ from dilonode.statesync.protocol import (
 )
 from dilonode.swarm.records import GroupEntry, RosterMember, decode_record, encode_record
 from dilonode.train.state import WorkerState
-from dilonode.wire import RemoteProtocolError
+from dilonode.wire.errors import RemoteProtocolError
 from tests.unit.test_fuzz_wire import CREDS, FUZZ, RUN, mutated
 
 _STATE = WorkerState(12, (2, 1), (2, 1), {

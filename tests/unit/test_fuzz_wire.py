@@ -25,16 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dilonode.algo.codecs import CodecError, CodecMeta, get_codec
-from dilonode.allreduce import AllReduceRound, GroupSpec, RoundState
-from dilonode.auth import Credentials, Identity, seal_record
+from dilonode.allreduce.round import AllReduceRound, GroupSpec, RoundState
+from dilonode.net.auth import Credentials, Identity, seal_record
 from dilonode.swarm.records import GroupEntry, PeerRecord, decode_record, encode_record
-from dilonode.wire import (
-    FrameDecoder,
-    LocalProtocolError,
-    RemoteProtocolError,
-    decode_message,
-    message_from_dict,
-)
+from dilonode.wire.errors import LocalProtocolError, RemoteProtocolError
+from dilonode.wire.framing import FrameDecoder, decode_message
+from dilonode.wire.messages import message_from_dict
 
 VECTORS = Path(__file__).parents[2] / "protocol" / "vectors"
 FRAMES = [p.read_bytes() for p in sorted(VECTORS.glob("*.bin"))]

@@ -8,26 +8,24 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.gpu import corpus
+from benchmarks.gpu import memory as gpu_memory
+from benchmarks.gpu import quality as gpu_quality
+from benchmarks.gpu import swarm as gpu_swarm
+from dilonode.algo.codecs import get_codec
+from dilonode.collective import SyncKey
+from dilonode.config import DataConfig, load_config
+from dilonode.sim.local_group import LocalGroup
+from dilonode.train.data import load_data
+from dilonode.train.model import build_model, param_count
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import corpus  # noqa: E402  (benchmarks/ is on sys.path)
-import gpu_memory  # noqa: E402
-import gpu_quality  # noqa: E402
-import gpu_swarm  # noqa: E402
-
-from dilonode.algo.codecs import get_codec  # noqa: E402
-from dilonode.collective import LocalGroup, SyncKey  # noqa: E402
-from dilonode.config import DataConfig, load_config  # noqa: E402
-from dilonode.train.data import load_data  # noqa: E402
-from dilonode.train.model import build_model, param_count  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 TOY = ["--device", "cpu", "--preset", "nano", "--data", "builtin", "--steps", "4",

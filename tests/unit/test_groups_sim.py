@@ -9,9 +9,10 @@ import torch
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.groups import partition
 from dilonode.algo.mixing import pack_state
-from dilonode.collective import LocalGroup, SyncKey
+from dilonode.collective import SyncKey
 from dilonode.config import load_config
-from dilonode.sim import simulate
+from dilonode.sim.local_group import LocalGroup
+from dilonode.sim.training import simulate
 
 BASE = {"run_id": "groups-sim", "seed": 3, "eval_every": 12, "device": "cpu",
         "total_steps": 24, "model": {"preset": "nano"},

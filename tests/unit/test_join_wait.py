@@ -1,23 +1,18 @@
-"""benchmarks/join_wait.py reads the wait for a joiner off node 0's log: the gap between
+"""benchmarks/loopback/join_wait.py reads the wait for a joiner off node 0's log: the gap between
 its last group without the joiner and its first group with it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from benchmarks.loopback import join_wait
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("join_wait", ROOT / "benchmarks/join_wait.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _log(run: Path, lines: list[tuple[float, str]]) -> None:
@@ -27,7 +22,7 @@ def _log(run: Path, lines: list[tuple[float, str]]) -> None:
 
 
 def test_the_gap_before_the_first_group_with_the_joiner(tmp_path: Path) -> None:
-    jw = _module()
+    jw = join_wait
     _log(tmp_path, [(10.0, "group g/0/1/0: closed with 4 member(s), digest a"),
                     (13.0, "group g/1/1/0: 4 member(s), I am #2, digest b"),
                     (14.0, "state sync: something else"),
@@ -39,7 +34,7 @@ def test_the_gap_before_the_first_group_with_the_joiner(tmp_path: Path) -> None:
 
 
 def test_a_run_where_nobody_joined_is_refused_with_a_reason(tmp_path: Path) -> None:
-    jw = _module()
+    jw = join_wait
     _log(tmp_path, [(1.0, "group g/0/1/0: closed with 4 member(s), digest a"),
                     (2.0, "group g/1/1/0: closed with 4 member(s), digest b")])
     with pytest.raises(SystemExit, match="no group larger than the first"):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dilonode.logcap import CAP, PeerLog, cap
+from dilonode.net.peer_log import CAP, PeerLog, cap
 
 
 class Clock:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from dilonode.auth import Credentials, Identity
+from dilonode.net.auth import Credentials, Identity
 from dilonode.swarm.matchmaking import Group, MatchmakingError, form_group, settings_difference
 from dilonode.swarm.records import GroupEntry, PeerRecord, group_key
 from tests.boards import Board, View

@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 
 from dilonode.algo.groups import key_index, num_keys, split_members
-from dilonode.auth import Credentials, Identity
+from dilonode.net.auth import Credentials, Identity
 from dilonode.swarm.matchmaking import Group, form_group
 from dilonode.swarm.records import GroupEntry, group_key
 from tests.boards import Board, View

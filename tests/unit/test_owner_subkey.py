@@ -1,5 +1,5 @@
 """Owner-protected DHT subkeys (dilonode.swarm.dht.owner_subkey / plain_subkey) and the
-OpenSSH key form they carry (dilonode.auth.peer_id_of_ssh_key). No sockets, no hivemind:
+OpenSSH key form they carry (dilonode.net.auth.peer_id_of_ssh_key). No sockets, no hivemind:
 the validator running inside the DHT process is tested in tests/integration/test_dht.py.
 """
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dilonode.auth import AuthError, Identity, peer_id_of_ssh_key
+from dilonode.net.auth import AuthError, Identity, peer_id_of_ssh_key
 from dilonode.swarm.dht import owner_subkey, plain_subkey
 
 VICTIM, OTHER = Identity.generate(), Identity.generate()

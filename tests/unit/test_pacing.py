@@ -19,7 +19,7 @@ from dilonode.algo.pacing import (
 )
 from dilonode.algo.schedule import SyncPlan, SyncStart, auto_merge_delay
 from dilonode.config import load_config
-from dilonode.sim import simulate
+from dilonode.sim.training import simulate
 
 
 def test_due_starts_matches_the_step_schedule_exactly():
@@ -192,7 +192,7 @@ def test_clock_paced_delay_counts_reference_steps_whatever_a_workers_speed(monke
     that auto's tau is 4: the fast one merges each round 4 own steps after starting it, the
     slow one 2 (4 reference steps, the same moment of the clock), and neither waited for a
     result in the run."""
-    import dilonode.sim as sim
+    import dilonode.sim.training as sim
 
     built = sim._build_workers
 

@@ -1,25 +1,21 @@
-"""benchmarks/quality.py end to end on a nano model for a few steps, so the script keeps
+"""benchmarks/sim/quality.py end to end on a nano model for a few steps, so the script keeps
 running as the simulator changes (the real benchmark takes hours)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from benchmarks.sim import quality
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("quality_bench", ROOT / "benchmarks/quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_quality_bench_tiny(tmp_path: Path) -> None:
     out, png = tmp_path / "q.json", tmp_path / "q.png"
-    doc = _load().main([
+    doc = quality.main([
         "--preset", "nano", "--workers", "2", "--steps", "4", "--sync-every", "2",
         "--seq-len", "16", "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1",
         "--warmup", "0", "--seeds", "1", "--sweep", "1e-3,2e-3", "--sweep-rows", "diloco-fp32",

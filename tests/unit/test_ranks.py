@@ -1,4 +1,4 @@
-"""The arithmetic of a node's ranks (dilonode/train/ranks.py), checked without processes:
+"""The arithmetic of a node's ranks (dilonode/train/ranks/slices.py), checked without processes:
 outer slices, FSDP shard segments, the all-to-all plan between them, the strategy choice;
 and that the outer step and merge on slices give the bits they give on the whole vector
 (nodes with different rank counts must end with identical outer weights)."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from dilonode.algo.outer import OuterState, merge
-from dilonode.launch import EXIT_RANK_FAILED, RankEnv, _Supervisor, rank_environ
+from dilonode.cli.launch_ranks import EXIT_RANK_FAILED, RankEnv, _Supervisor, rank_environ
 from dilonode.status.snapshot import device_summary
-from dilonode.train.ranks import (
+from dilonode.train.ranks.slices import (
     choose_strategy,
     exchange_plan,
     fsdp_segments,

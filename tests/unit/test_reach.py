@@ -15,7 +15,7 @@ from dilonode.allreduce.driver import run_round
 from dilonode.allreduce.round import GroupSpec, RoundState, group_digest
 from dilonode.allreduce.transport import DataPlane
 from dilonode.config import NetworkConfig
-from dilonode.swarm import reach
+from dilonode.swarm import reachability as reach
 from dilonode.swarm.records import PeerRecord
 
 BOOT_PUBLIC = ("/ip4/11.77.0.1/tcp/31337/p2p/QmBoot",)
@@ -64,9 +64,9 @@ def test_a_private_node_reserves_relay_slots_at_its_initial_peers():
 
 def test_p2pd_flags_go_only_to_daemons_with_static_relays(monkeypatch):
     pytest.importorskip("hivemind")
-    from dilonode.swarm.dht import _import_hivemind
+    from dilonode.swarm.hivemind_process import import_hivemind
 
-    _import_hivemind()  # as the node does: undoes hivemind's renaming of WARNING
+    import_hivemind()  # as the node does: undoes hivemind's renaming of WARNING
     from hivemind import p2p
     monkeypatch.setattr(p2p.P2P, "_make_process_args", p2p.P2P._make_process_args)
     reach.add_p2pd_flags({"relayDiscovery": False})

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from dilonode import PROTOCOL_VERSION
-from dilonode.auth import Credentials, Identity, seal_record
+from dilonode.net.auth import Credentials, Identity, seal_record
 from dilonode.swarm.records import (
     MAX_RECORD_BYTES,
     GroupEntry,

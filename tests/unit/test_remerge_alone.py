@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 
 from dilonode.config import SuperviseConfig
-from dilonode.parts import DHTPart
-from dilonode.status.alone import AloneWatch
+from dilonode.node.remerge import Remerger
+from dilonode.node.supervised_parts import DHTPart
+from dilonode.node.supervisor import PartDown
+from dilonode.status.isolation import AloneWatch
 from dilonode.status.snapshot import NodeStatus
-from dilonode.supervise import PartDown
-from dilonode.swarm.remerge import Remerger
 
 
 class Clock:
@@ -78,7 +78,7 @@ def test_missing_peers_are_redialled_with_backoff_until_they_are_back(caplog):
     rm = Remerger(dht, CFG, clock=clock)
     run(rm, clock, 5)
     dht.live = {"a"}  # partition: b and c gone
-    with caplog.at_level(logging.INFO, logger="dilonode.swarm.remerge"):
+    with caplog.at_level(logging.INFO, logger="dilonode.node.remerge"):
         run(rm, clock, 60)
         assert len(dht.dials) >= 4
         # every attempt dials the initial and every remembered peer

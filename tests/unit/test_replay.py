@@ -15,7 +15,8 @@ import torch
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.outer import OuterState
 from dilonode.algo.replay import EncodedResult, keep_replay, kept_rounds, replay_round
-from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet
+from dilonode.allreduce.memnet import MemNet
+from dilonode.allreduce.round import AllReduceRound, GroupSpec
 from dilonode.collective import ReduceResult
 from dilonode.statesync.bank import ChunkBank
 from dilonode.statesync.plan import Assembler, chunk_bytes_of, digests_of, manifest_of

@@ -12,17 +12,13 @@ import torch
 
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.robust import AggregatorSpec, BanTracker
-from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet, RoundState
-from dilonode.allreduce.driver import RoundPolicy, SwarmRounds
-from dilonode.allreduce.memnet import Faults
-from dilonode.collective import LocalGroup, SyncKey
-from dilonode.wire import (
-    Contribution,
-    RemoteProtocolError,
-    Result,
-    message_from_dict,
-    message_to_dict,
-)
+from dilonode.allreduce.memnet import Faults, MemNet
+from dilonode.allreduce.retry import RoundPolicy, SwarmRounds
+from dilonode.allreduce.round import AllReduceRound, GroupSpec, RoundState
+from dilonode.collective import SyncKey
+from dilonode.sim.local_group import LocalGroup
+from dilonode.wire.errors import RemoteProtocolError
+from dilonode.wire.messages import Contribution, Result, message_from_dict, message_to_dict
 
 N, NUMEL, CHUNK = 4, 1000, 128
 
@@ -174,7 +170,7 @@ def one_thread():
 
 
 def test_simulator_norm_check_drops_a_scaled_worker_like_a_nan_worker(one_thread):
-    from dilonode.sim import simulate
+    from dilonode.sim.training import simulate
 
     def attack(scale):
         def tamper(worker, key, flat):

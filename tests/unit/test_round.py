@@ -15,26 +15,22 @@ import torch
 from dilonode import PROTOCOL_VERSION
 from dilonode.algo.butterfly import part_bounds, reduce_mean
 from dilonode.algo.codecs import CodecMeta, get_codec, max_abs_error_bound
-from dilonode.allreduce import (
+from dilonode.allreduce.memnet import Faults, MemNet
+from dilonode.allreduce.round import (
     AllReduceRound,
     Done,
     Failed,
-    Faults,
     GroupSpec,
-    MemNet,
     RoundState,
     Send,
+    chunk_hash,
+    group_digest,
+    part_digest,
+    result_digest,
 )
-from dilonode.allreduce.round import chunk_hash, group_digest, part_digest, result_digest
-from dilonode.wire import (
-    Abort,
-    Contribution,
-    LocalProtocolError,
-    Message,
-    Result,
-    encode_frame,
-)
-from dilonode.wire.messages import Hello
+from dilonode.wire.errors import LocalProtocolError
+from dilonode.wire.framing import encode_frame
+from dilonode.wire.messages import Abort, Contribution, Hello, Message, Result
 
 TIMEOUT = 30.0
 

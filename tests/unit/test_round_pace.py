@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from dilonode.allreduce import driver
-from dilonode.allreduce.driver import FormedGroup, RoundOutcome, RoundPolicy, SwarmRounds
+from dilonode.allreduce import retry
+from dilonode.allreduce.driver import RoundOutcome
+from dilonode.allreduce.retry import RoundPolicy, SwarmRounds
 from dilonode.allreduce.round import RoundFailure, RoundState, group_digest
+from dilonode.collective import FormedGroup
 
 ME, OTHER = "peer-a", "peer-b"
 
@@ -52,7 +54,7 @@ def _reduce(monkeypatch: pytest.MonkeyPatch, failures: dict[int, str],
         return RoundOutcome(RoundState.DONE, local.clone(), "digest", None, 0, 0, 0, 0, 1.0,
                             members=spec.members, attempt=spec.attempt)
 
-    monkeypatch.setattr(driver, "run_round", run_round)
+    monkeypatch.setattr(retry, "run_round", run_round)
     plane = SimpleNamespace(peer_id=ME, run_id="pace-unit")
     rounds = SwarmRounds(plane, form, RoundPolicy(codec="float32", max_attempts=attempts),
                          clock=clock)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dilonode.algo.codecs import CODEC_NAMES, get_codec
-from dilonode.algo.spliced import SplicedEncoding
-from dilonode.train.ranks import slice_bounds
+from dilonode.algo.sliced_encoding import SplicedEncoding
+from dilonode.train.ranks.slices import slice_bounds
 
 
 @pytest.mark.parametrize("codec", CODEC_NAMES)

@@ -29,7 +29,7 @@ from dilonode.statesync.protocol import (
     decode_body,
     encode_frame,
 )
-from dilonode.statesync.service import SnapshotSource
+from dilonode.statesync.server import SnapshotSource
 from dilonode.train.state import WorkerState, adoption_step
 from dilonode.wire.errors import RemoteProtocolError
 
@@ -330,7 +330,7 @@ def test_a_node_refuses_a_schedule_it_could_never_snapshot():
 
 
 def test_a_joiner_expects_its_fetch_to_end_later_when_rounds_keep_adding_results():
-    from dilonode.statesync.service import ResultRate, catch_up_seconds
+    from dilonode.statesync.rates import ResultRate, catch_up_seconds
 
     assert catch_up_seconds(10e6, 2e6, 0.0) == pytest.approx(5.0)
     assert catch_up_seconds(10e6, 2e6, 1e6) == pytest.approx(10.0)  # half the link chases
@@ -355,7 +355,7 @@ def _replaying_manifests() -> tuple[list[WorkerState], list[Manifest]]:
 def test_a_slow_fetch_keeps_about_a_second_of_chunks_in_flight():
     """At 10 Mbit/s, 16 chunks of 1 MiB in flight (4 peers x window 4) take 13 s to arrive,
     and a fetch that a round cuts short waits for them all before it goes on."""
-    from dilonode.statesync.service import RateMeter
+    from dilonode.statesync.rates import RateMeter
 
     mib = 1 << 20
     meter = RateMeter()
@@ -377,8 +377,8 @@ def test_a_stop_abandons_a_recovery_in_progress(monkeypatch, tmp_path):
     then: the recovery is cancelled and the node starts from what it had."""
     from types import SimpleNamespace
 
-    from dilonode.allreduce.driver import LoopThread
     from dilonode.config import load_config
+    from dilonode.net.loop_thread import LoopThread
     from dilonode.statesync import keeper as keeper_mod
 
     started, cancelled = threading.Event(), threading.Event()

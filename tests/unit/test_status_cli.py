@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dilonode.allreduce.driver import LoopThread
+from dilonode.net.loop_thread import LoopThread
 from dilonode.status.metrics import node_metrics, swarm_metrics
 from dilonode.status.server import StatusServer
 from dilonode.status.swarm import SwarmView
@@ -36,7 +36,7 @@ def serve():
 
 def cli(*args: str, code: str = "") -> subprocess.CompletedProcess:
     # Runs the CLI in a fresh interpreter and then checks what it imported.
-    prog = ("import sys\nfrom dilonode import cli\nrc = cli.main(sys.argv[1:])\n"
+    prog = ("import sys\nfrom dilonode.cli import main as cli\nrc = cli.main(sys.argv[1:])\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n"
             "assert 'hivemind' not in sys.modules, 'hivemind imported'\n"
             "sys.exit(rc)\n")

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dilonode.cli import build_parser
-from dilonode.cliargs import run_config_from_args
+from dilonode.cli.args import run_config_from_args
+from dilonode.cli.main import build_parser
 from dilonode.config import load_config
 
 ROOT = Path(__file__).parents[2]

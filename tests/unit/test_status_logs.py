@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dilonode import logs
+from dilonode.cli import logs
 
 
 class FakeTty(io.StringIO):

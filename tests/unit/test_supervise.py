@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from dilonode.config import ConfigError, SuperviseConfig, load_config
-from dilonode.supervise import Backoff, PartDown, Supervisor, bounded_call
+from dilonode.node.supervisor import Backoff, PartDown, Supervisor, bounded_call
 
 
 class Clock:
@@ -72,7 +72,7 @@ def test_healthy_parts_are_left_alone():
 def test_one_error_line_an_immediate_restart_and_a_heal_line(caplog):
     sup, clock, (a, b), fatal = make("a", "b")
     a.broken = True
-    with caplog.at_level(logging.INFO, logger="dilonode.supervise"):
+    with caplog.at_level(logging.INFO, logger="dilonode.node.supervisor"):
         sup.check()
         clock.t += 1
         sup.check()
@@ -182,7 +182,7 @@ def test_a_check_that_only_ran_out_of_time_counts_after_unanswered_checks(caplog
             raise PartDown("a did not answer within 2s", certain=False)
 
     a.health = health
-    with caplog.at_level(logging.WARNING, logger="dilonode.supervise"):
+    with caplog.at_level(logging.WARNING, logger="dilonode.node.supervisor"):
         sup.check()  # one slow answer: a warning, no restart
         assert a.restarts == [] and "did not answer its health check" in caplog.text
         slow["on"] = False

@@ -1,10 +1,10 @@
-"""The in-process swarm harness (dilonode/swarmsim.py) on a small swarm: bounded groups,
+"""The in-process swarm harness (dilonode/sim/swarm_scale.py) on a small swarm: bounded groups,
 mixing that converges, per-node costs that do not grow with the swarm, and churn that
 costs a round at most one timeout and a window."""
 
 from __future__ import annotations
 
-from dilonode.swarmsim import SwarmSimConfig, run_swarm, summarize
+from dilonode.sim.swarm_scale import SwarmSimConfig, run_swarm, summarize
 
 SMALL = SwarmSimConfig(nodes=40, max_group_size=8, rounds=5, numel=256, init_spread=1.0,
                        update_scale=0.0, timeout_s=10.0)

@@ -1,4 +1,4 @@
-"""`deploy.testbed.unavailable_reason` names the tool a test bed lacks, so that tests which
+"""`testbed.hosts.unavailable_reason` names the tool a test bed lacks, so that tests which
 need it skip saying what to install rather than fail midway."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from deploy import testbed
+from testbed import hosts as testbed
 
 
 @pytest.fixture

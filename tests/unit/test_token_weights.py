@@ -9,9 +9,11 @@ import torch
 from dilonode.algo.butterfly import butterfly_average, reduce_mean, reduce_weighted
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.robust import AggregatorSpec, aggregate, check_claims
-from dilonode.allreduce import AllReduceRound, GroupSpec, MemNet, RoundState
-from dilonode.collective import LocalGroup, SyncKey
-from dilonode.wire import RemoteProtocolError
+from dilonode.allreduce.memnet import MemNet
+from dilonode.allreduce.round import AllReduceRound, GroupSpec, RoundState
+from dilonode.collective import SyncKey
+from dilonode.sim.local_group import LocalGroup
+from dilonode.wire.errors import RemoteProtocolError
 
 N, NUMEL, CHUNK = 4, 1000, 128
 AGGREGATORS = [AggregatorSpec(), AggregatorSpec(norm_bound=3.0),

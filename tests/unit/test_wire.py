@@ -15,22 +15,21 @@ from hypothesis import strategies as st
 
 from dilonode import PROTOCOL_VERSION
 from dilonode.algo.codecs import CodecMeta, get_codec
-from dilonode.wire import (
+from dilonode.wire import framing
+from dilonode.wire.errors import LocalProtocolError, RemoteProtocolError
+from dilonode.wire.framing import FrameDecoder, decode_message, encode_frame, encode_message
+from dilonode.wire.messages import (
     Abort,
     Contribution,
-    FrameDecoder,
-    LocalProtocolError,
+    Hello,
+    HelloAck,
+    HelloAuth,
     Message,
-    RemoteProtocolError,
     Result,
-    decode_message,
-    encode_frame,
-    encode_message,
-    framing,
+    message_from_dict,
     message_to_dict,
     message_to_json,
 )
-from dilonode.wire.messages import Hello, HelloAck, HelloAuth, message_from_dict
 
 VECTORS = Path(__file__).resolve().parents[2] / "protocol" / "vectors"
 

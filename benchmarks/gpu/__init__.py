@@ -1,0 +1,1 @@
+"""The Python stages of benchmarks/gpu.sh (they also run on the CPU at toy sizes)."""

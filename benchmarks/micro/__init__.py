@@ -1,0 +1,1 @@
+"""The cost of one mechanism in one process (a codec, a frame, a reduction)."""

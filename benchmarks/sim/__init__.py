@@ -1,0 +1,1 @@
+"""Benchmarks that run the simulator in one process (no sockets)."""

@@ -1,0 +1,193 @@
+"""Rounds against the line rate: butterfly all-reduce rounds between 4 hosts of the WAN test
+bed (testbed/hosts.py, `tbf` on both ends of every link), per TCP congestion control.
+
+    sudo .venv/bin/python -m benchmarks.testbed.wan_round --rates 20,100 --cc system,cubic,reno \
+        --passes 2 --json runs/bench/wan_round.json
+
+Each host runs one process with a `DataPlane` whose connections use the named congestion
+control (`network.tcp_congestion`; "system" leaves the kernel's default). Round r starts
+at the same wall-clock instant on every host (the hosts share this machine's clock), so
+matchmaking is not part of it; a round's time is its slowest member's, from its start to
+its result. The ideal is the bytes one member sends, 2 (N-1)/N x the encoded tensor, at the
+line rate. "retransmitted" is the TCP segments the hosts sent again during the measured
+rounds (each host's namespace counts only its own process's traffic) per full-size segment
+of the round bytes they sent; a segment the sender's own queue dropped costs no link time,
+one lost at the receiver's end does. Passes
+alternate the congestion controls, so each sees the box in the same state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import ROOT, module_argv
+from testbed.hosts import Testbed, unavailable_reason
+
+WORLD = 4
+PORT = 7100
+_COUNTERS = ("OutSegs", "RetransSegs")
+_MSS = 1448  # payload bytes of a full segment on the bed's 1500-byte veth links
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", default="20,100", help="link rates, Mbit/s, comma-separated")
+    p.add_argument("--cc", default="system,cubic",
+                   help="congestion controls, comma-separated ('system': the kernel's default)")
+    p.add_argument("--numel", type=int, default=2_300_000,
+                   help="values per round (a third of the `small` preset: one fragment)")
+    p.add_argument("--codec", default="int4")
+    p.add_argument("--rounds", type=int, default=8, help="measured rounds per setting")
+    p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # one host's process: its JSON job
+    return p.parse_args(argv)
+
+
+def _tcp_counters() -> dict[str, int]:
+    """This network namespace's TCP segment counters (/proc/net/snmp)."""
+    with open("/proc/net/snmp") as f:
+        lines = f.read().splitlines()
+    for head, values in zip(lines[::2], lines[1::2], strict=False):
+        if head.startswith("Tcp:"):
+            row = dict(zip(head.split()[1:], values.split()[1:], strict=True))
+            return {k: int(row[k]) for k in _COUNTERS}
+    raise RuntimeError("no Tcp line in /proc/net/snmp")
+
+
+def _worker(rank: int, addrs: list[str], cc: str, numel: int, codec: str, rounds: int,
+            period: float, t0: float, out_dir: str) -> None:
+    import torch
+    import uvloop
+
+    from dilonode.algo.butterfly import round_chunk_numel
+    from dilonode.allreduce.driver import run_round
+    from dilonode.allreduce.round import GroupSpec, RoundState, group_digest
+    from dilonode.allreduce.transport import DataPlane
+    from dilonode.config import DEFAULT_CHUNK_NUMEL
+
+    torch.set_num_threads(1)
+    members = tuple(f"h{i}" for i in range(WORLD))
+    chunk = round_chunk_numel(numel, WORLD, DEFAULT_CHUNK_NUMEL, 64)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+
+    async def main() -> list[dict[str, Any]]:
+        async with DataPlane(members[rank], "wan-round", host=addrs[rank], port=PORT,
+                             tcp_congestion=cc) as plane:
+            peers = {i: f"{a}:{PORT}" for i, a in enumerate(addrs) if i != rank}
+            rows = []
+            before = _tcp_counters()
+            for r in range(rounds + 1):  # round 0 opens the connections: not counted
+                start = t0 + r * period
+                await asyncio.sleep(max(0.0, start - time.time()))
+                spec = GroupSpec(run_id="wan-round", fragment=0, round=r, members=members,
+                                 weights=(1.0,) * WORLD, numel=numel, codec=codec,
+                                 block_size=64, chunk_numel=chunk,
+                                 group_digest=group_digest(members))
+                began = time.time()
+                res = await run_round(plane, spec, rank, x, peers, timeout=max(30.0, period))
+                if res.state is not RoundState.DONE:
+                    raise RuntimeError(f"round {r}: {res.failure}")
+                rows.append({"wall": time.time() - began, "late": began - start,
+                             "sent": res.bytes_sent, "digest": res.digest})
+                if r == 0:
+                    before = _tcp_counters()
+            after = _tcp_counters()
+            rows[0]["tcp"] = {k: after[k] - before[k] for k in _COUNTERS}
+            return rows
+
+    rows = uvloop.run(main())
+    Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(rows))
+
+
+def _setting(bed: Testbed, rate: float, cc: str, args: argparse.Namespace) -> dict[str, Any]:
+    from dilonode.algo.codecs import get_codec
+
+    encoded = get_codec(args.codec, 64).encoded_size(args.numel)
+    ideal = 2 * (WORLD - 1) / WORLD * encoded * 8 / (rate * 1e6)
+    period = 3 * ideal + 1.0
+    t0 = time.time() + 6.0  # the processes import torch meanwhile
+    with tempfile.TemporaryDirectory() as out:
+        job = {"addrs": [bed.addr(f"h{i}") for i in range(WORLD)], "cc": cc,
+               "numel": args.numel, "codec": args.codec, "rounds": args.rounds,
+               "period": period, "t0": t0, "out_dir": out}
+        procs = [bed.popen(f"h{i}", [*module_argv(__spec__.name), "--worker",
+                                     json.dumps(job | {"rank": i})], cwd=ROOT) for i in
+                                     range(WORLD)]
+        deadline = t0 + (args.rounds + 1) * period + 60
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if any(p.returncode != 0 for p in procs):
+            raise SystemExit(f"wan_round: a host failed at {rate:g} Mbit/s, {cc} "
+                             f"(exit codes {[p.returncode for p in procs]})")
+        per_rank = [json.loads(Path(out, f"rank-{i}.json").read_text()) for i in range(WORLD)]
+    if len({rows[-1]["digest"] for rows in per_rank}) != 1:
+        raise SystemExit(f"wan_round: members disagree at {rate:g} Mbit/s, {cc}")
+    walls = [max(rows[r]["wall"] for rows in per_rank) for r in range(1, args.rounds + 1)]
+    tcp = {k: sum(rows[0]["tcp"][k] for rows in per_rank) for k in _COUNTERS}
+    sent = sum(r["sent"] for rows in per_rank for r in rows[1:])
+    return {"rate_mbit": rate, "cc": cc, "ideal_s": ideal, "walls": walls,
+            "wall_median_s": statistics.median(walls),
+            "late_max_s": max(r["late"] for rows in per_rank for r in rows[1:]),
+            "sent_bytes": per_rank[0][1]["sent"],
+            "retransmitted": tcp["RetransSegs"] * _MSS / max(1, sent), "tcp": tcp}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        _worker(**json.loads(args.worker))
+        return 0
+    if (why := unavailable_reason()) is not None:
+        raise SystemExit(f"wan_round: {why}")
+    rates = [float(r) for r in args.rates.split(",")]
+    ccs = args.cc.split(",")
+    kernel = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    print(f"{WORLD} hosts, {args.numel:,} values {args.codec}, {args.rounds} rounds per "
+          f"setting, {args.passes} passes; the kernel's default: {kernel}", flush=True)
+    rows = []
+    with Testbed([f"h{i}" for i in range(WORLD)], rate_mbit=rates[0]) as bed:
+        for n in range(args.passes):
+            order = ccs if n % 2 == 0 else ccs[::-1]
+            for rate in rates:
+                for i in range(WORLD):
+                    bed.set_rate(f"h{i}", rate)
+                for cc in order:
+                    row = _setting(bed, rate, cc, args)
+                    row["pass"] = n
+                    rows.append(row)
+                    ratio = row["wall_median_s"] / row["ideal_s"]
+                    print(f"pass {n}  {rate:6g} Mbit/s  {cc:8s} round "
+                          f"{row['wall_median_s']:.3f} s (ideal {row['ideal_s']:.3f} s: "
+                          f"{ratio:.2f}x)  retransmitted {row['retransmitted']:.1%}", flush=True)
+    print("\n| link | congestion control | round (median of passes) | / ideal | "
+          "retransmitted |\n|---|---|---|---|---|")
+    for rate in rates:
+        for cc in ccs:
+            mine = [r for r in rows if r["rate_mbit"] == rate and r["cc"] == cc]
+            wall = statistics.median(r["wall_median_s"] for r in mine)
+            label = f"{cc} ({kernel})" if cc == "system" else cc
+            print(f"| {rate:g} Mbit/s | {label} | {wall:.3f} s | {wall / mine[0]['ideal_s']:.2f}x "
+                  f"| {statistics.median(r['retransmitted'] for r in mine):.1%} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
+                                                  if k != "json"} | {"kernel_default": kernel},
+                                         "rows": rows}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""`SingleRank`: the ranks of a node of one process. Every operation is local: no
+collectives, the plain one-process arithmetic of a `Worker`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dilonode.algo.fragments import flatten, unflatten_into
+from dilonode.algo.outer import OuterState, merge
+from dilonode.train.device import device_info
+
+__all__ = ["SingleRank"]
+
+
+class SingleRank:
+    """A node of one process: every operation is local (the pre-ranks arithmetic)."""
+
+    rank, world, leader, strategy = 0, 1, True, "single"
+
+    def __init__(self) -> None:
+        self.devices: list[dict[str, Any]] = []
+
+    def handshake(self, identity: str | int | None, device: torch.device) -> Any:
+        self.devices = [device_info(device)]
+        return identity
+
+    def op(self, name: str, args: tuple[Any, ...]) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        return model.to(device)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def node_loss(self, loss: torch.Tensor) -> float:
+        return float(loss.detach())
+
+    def mean(self, value: float) -> float:
+        return value
+
+    def setup_fragments(self, groups: Sequence[Sequence[nn.Parameter]], align: int) -> None:
+        """Nothing to plan: the rank holds every fragment whole."""
+
+    def local_flat(self, p: int, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        return flatten(params)
+
+    def apply(self, p: int, params: Sequence[torch.Tensor], new_global: torch.Tensor,
+              alpha: float) -> None:
+        unflatten_into(merge(flatten(params), new_global, alpha), params)
+
+    def set_local(self, p: int, params: Sequence[torch.Tensor], weights: torch.Tensor) -> None:
+        unflatten_into(weights, params)
+
+    def local_tensors(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.data for t in params]
+
+    def begin(self, collective: Any, key: Any, delta: torch.Tensor, weight: float,
+              state: Any = None) -> Any:
+        if state is None:
+            return collective.begin(key, delta, weight)
+        return collective.begin(key, delta, weight, state=state)
+
+    def localize(self, p: int, result: Any) -> Any:
+        return result
+
+    def gather(self, p: int, part: torch.Tensor) -> torch.Tensor | None:
+        return part
+
+    def check_state(self, state: Any) -> None:
+        """`WorkerState.apply_to` checks shapes itself."""
+
+    def apply_state(self, state: Any, outer: list[OuterState],
+                    fragments: Sequence[int] | None = None) -> None:
+        if fragments is None:
+            state.apply_to(outer)
+        for p in fragments or ():
+            state.apply_fragment(p, outer[p])
+
+    def stop(self) -> None:
+        pass
