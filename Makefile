@@ -43,7 +43,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check dilonode tests benchmarks protocol deploy testbed
 	$(VENV)/bin/mypy --strict dilonode/algo dilonode/wire
 
-# About 2.5 h on the 2-core box (docs/benchmarks.md); --resume continues an interrupted run.
+# About 2.5 h on the 2-core box (docs/reports/2026-11-25-quality.md); --resume continues an interrupted run.
 bench-quality: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 10 $(PY) -m benchmarks.sim.quality --sweep 1.875e-4,3.75e-4,7.5e-4,1.5e-3,3e-3,6e-3 \
 		--seeds 3 --jobs 2 --json runs/bench/quality.json --plot docs/img/quality.png --resume
