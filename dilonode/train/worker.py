@@ -9,11 +9,11 @@ pacer says are due, landing first a round of the same fragment still in flight),
 pacer (`algo/pacing.py`): its own steps, or the swarm's clock, so that workers of different
 speeds meet in every round and each contributes the tokens it trained. No networking here.
 
-A node with several local devices runs one Worker per rank (`ranks`,
-dilonode/train/ranks/node_ranks.py):
-the methods marked `@node_op` run on every rank together (the leader announces them), and
-the tensor work of a fragment goes through `ranks` (outer slices, the inner model's DDP or
-FSDP2 layout). With the default `SingleRank` the arithmetic is the one-process arithmetic.
+A node with several local devices runs one Worker per rank (`ranks`, a `Ranks`:
+dilonode/train/ranks/protocol.py): the methods marked `@node_op` run on every rank together
+(the leader announces them; the others look them up in `NODE_OPS`), and the tensor work of a
+fragment goes through `ranks` (outer slices, the inner model's DDP or FSDP2 layout). With
+the default `SingleRank` the arithmetic is the one-process arithmetic.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import torch
@@ -51,17 +52,18 @@ from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TokenData
 from dilonode.train.device import autocast, pick_device
 from dilonode.train.model import build_model, lm_loss, loss_sum
+from dilonode.train.ranks.protocol import Ranks
 from dilonode.train.ranks.single import SingleRank
 from dilonode.train.state import (
+    OuterCopy,
     WorkerState,
     adoption_step,
     config_digest,
-    reusable_fragments,
     settled_step,
 )
 
-__all__ = ["Interrupted", "Worker", "WorkerStats", "build_inner_optimizer", "inner_lr",
-           "node_op"]
+__all__ = ["NODE_OPS", "Interrupted", "Worker", "WorkerStats", "build_inner_optimizer",
+           "inner_lr", "node_op"]
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +72,24 @@ _STOP_POLL_S = 0.25  # how often a blocked `land` checks `should_stop`
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+_NODE_OPS: dict[str, Callable[..., Any]] = {}
+# Op name -> the op, called as `op(worker, *args)`: what a follower rank runs when the
+# leader announces that name (`follow`); nothing else is run by name.
+NODE_OPS: Mapping[str, Callable[..., Any]] = MappingProxyType(_NODE_OPS)
+
 
 def node_op(fn: _F) -> _F:
     """A Worker method every rank of a node runs together: on the leader it is announced
-    to the other ranks (name and arguments) before it runs (`ranks.op`)."""
+    to the other ranks (name and arguments) before it runs (`ranks.op`); it is registered
+    in `NODE_OPS` under its name."""
+    name = fn.__name__
+    assert name not in _NODE_OPS, f"two node ops named {name!r}"
+
     @functools.wraps(fn)
     def wrapper(self: Worker, *args: Any) -> Any:
-        with self.ranks.op(fn.__name__, args):
+        with self.ranks.op(name, args):
             return fn(self, *args)
+    _NODE_OPS[name] = wrapper
     return wrapper  # type: ignore[return-value]
 
 
@@ -181,14 +193,14 @@ class Worker:
 
     def __init__(self, cfg: RunConfig, data: TokenData, collective: Collective,
                  identity: int | str, device: torch.device | None = None,
-                 pacer: Pacer | None = None, ranks: Any = None) -> None:
+                 pacer: Pacer | None = None, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
         self.algo = cfg.diloco.effective()
         self.identity = identity
         self.device = device or pick_device(cfg.device)
         self.collective = collective
         # This node's ranks (dilonode/train/ranks/node_ranks.py); one process: SingleRank.
-        self.ranks = ranks if ranks is not None else SingleRank()
+        self.ranks: Ranks = ranks if ranks is not None else SingleRank()
         torch.manual_seed(cfg.seed)  # identical initial weights on every worker
         self.model = build_model(cfg.model, data.vocab_size)  # on the CPU
         # On our device; inside a multi-rank node wrapped in DDP or FSDP2 (which moves one
@@ -363,11 +375,10 @@ class Worker:
                                "tokens": tokens})
         self._launched_at[p] = self.step
         # The node's contribution: the ranks' slices gathered on the leader. `state`: our
-        # packed outer state, for the state round of a grouped swarm (one-rank nodes only:
-        # a multi-rank node's outer state is sharded over its ranks).
-        state = (lambda p=p: self._packed(p)) if self.ranks.world == 1 else None
+        # packed outer state, for the state round of a grouped swarm (`Ranks.begin`).
         self.pending[p] = (r, self.ranks.begin(self.collective, SyncKey("fragment", p, r),
-                                               delta, float(tokens), state=state))
+                                               delta, float(tokens),
+                                               state=lambda p=p: self._packed(p)))
 
     def _packed(self, p: int) -> torch.Tensor:
         """Fragment p's outer state as one flat vector (mixing rounds, algo/mixing.py)."""
@@ -606,16 +617,13 @@ class Worker:
         replays = {p: tuple(enc for _, enc in kept) for p, kept in self.replays.items()
                    if kept and kept[-1][0] == landed[p] - 1}
         chains = [self._landed_chain(p) for p in range(len(self.outer))]
-        outer: list[Any] = self.outer
-        if self.ranks.world > 1:  # the leader gathers the fragments that changed
-            steps = [st.steps for st in self.outer]
-            keep = reusable_fragments(reuse, landed, steps, chains)
-            outer = self._gather_outer([p for p in range(len(steps)) if p not in keep])
-        return WorkerState.capture(step, landed, outer, reuse, taken_at=taken_at,
-                                   replays=replays, chains=chains)
+        need = self.ranks.fragments_to_gather(reuse, landed, [st.steps for st in self.outer],
+                                              chains)
+        return WorkerState.capture(step, landed, self._gather_outer(need), reuse,
+                                   taken_at=taken_at, replays=replays, chains=chains)
 
     @node_op
-    def _gather_outer(self, need: list[int]) -> list[Any]:
+    def _gather_outer(self, need: list[int]) -> Sequence[OuterState | OuterCopy]:
         return self.ranks.full_outer(self.outer, need)
 
     def _landed_chain(self, p: int) -> str:
