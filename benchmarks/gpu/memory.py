@@ -240,7 +240,7 @@ def run_node(cfg: RunConfig) -> dict[str, Any]:
            "eval_loss": eval_loss, "host_rss_after_context_bytes": rss0,
            "host_rss_built_bytes": rss_built, "host_rss_end_bytes": rss_bytes(),
            "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-           "outer_state_bytes": sum(2 * s.weights.numel() * 4 for s in w.outer)}
+           "outer_state_bytes": sum(2 * f.outer.weights.numel() * 4 for f in w.frags)}
     if cuda:
         out |= {"gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                 "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(),

@@ -92,7 +92,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tensor_bytes(w: Any) -> dict[str, int]:
-    outer = sum(8 * st.weights.numel() for st in w.outer)
+    outer = sum(8 * f.outer.weights.numel() for f in w.frags)
     local = sum(4 * t.numel() for t in w.ranks.local_tensors(w.params))
     adam = sum(_local(t).numel() * t.element_size() for s in w.opt.state.values()
                for t in s.values() if isinstance(t, torch.Tensor) and t.dim())

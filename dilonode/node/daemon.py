@@ -294,7 +294,7 @@ class Node:
         w = self.worker
         if w is None or w.plan is None:
             return "", 0
-        return w.chains[fragment], w.stats.tokens
+        return w.frags[fragment].chain, w.stats.tokens
 
     def _round_start(self, fragment: int, round_no: int) -> float | None:
         """Where round `round_no` of `fragment` starts on the swarm clock (reference steps),
@@ -345,7 +345,8 @@ class Node:
             return max(w.pacer.step_s, floor) if w.step >= 5 and w.pacer.step_s else None
 
         self.clock = ClockKeeper(self.dht, self.cfg.run_id, w.pacer, propose,
-                                 frozen=lambda: any(w.next_round) or bool(w.pending),
+                                 frozen=lambda: any(f.next_round or f.pending is not None
+                                                    for f in w.frags),
                                  ttl=max(4 * self.cfg.network.peer_ttl, 60.0),
                                  retune=self._retune if a.retune_clock else None,
                                  pacemaker=self._is_pacemaker, lead_steps=a.sync_every,
@@ -617,7 +618,8 @@ class Node:
         w = self.worker
         return FinalRecord(peer_id=self.peer_id, run_id=self.cfg.run_id,
                            digest=w.outer_digest(),
-                           rounds=list(w.next_round), chains=list(w.chains),
+                           rounds=[f.next_round for f in w.frags],
+                           chains=[f.chain for f in w.frags],
                            tokens=w.stats.tokens, end_step=w.end_step or 0)
 
     def _agree(self) -> Any:

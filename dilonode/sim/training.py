@@ -353,17 +353,17 @@ class _VirtualRun:
             if w.at_end():
                 break
         w.start_final()  # fragments with no round in flight, as `Worker.final_sync`
-        if wait := [h for _, h in w.pending.values() if not h.done()]:
+        if wait := w.unfinished():
             yield wait
         w.drain()
         w.start_final()  # those whose rounds were in flight
-        if wait := [h for _, h in w.pending.values() if not h.done()]:
+        if wait := w.unfinished():
             yield wait
         w.drain()
         while w.final_mix_due():
             w.start_mix()
             yield None  # the others start theirs before anyone waits
-            if wait := [h for _, h in w.pending.values() if not h.done()]:
+            if wait := w.unfinished():
                 yield wait
             w.drain()
         if all(r.finished or r is run for r in self.runs):
@@ -435,9 +435,10 @@ def _replay(w: Worker, trace: list[dict], steps: int) -> Iterator[PendingReduce 
                 w.start_round(p, r)
                 yield None  # let the others contribute before anyone waits
             else:
-                handle = w.pending[p][1]
-                if not handle.done():
-                    yield handle
+                pending = w.frags[p].pending
+                assert pending is not None, f"trace lands fragment {p}, which has no round"
+                if not pending.handle.done():
+                    yield pending.handle
                 w.land_round(p)
             nxt = next(events, None)
         if w.step >= steps:

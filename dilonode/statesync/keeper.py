@@ -205,9 +205,9 @@ class StateKeeper:
         if same_rounds and got.fetched_bytes == 0 and got.state.rounds == local.rounds:
             log.info("state sync: peers hold the same state as ours; nothing to adopt")
             return
-        if worker.pending and not self._import_settled(worker, got.state, local):
+        if worker.in_flight() and not self._import_settled(worker, got.state, local):
             return
-        if not worker.pending:
+        if not worker.in_flight():
             with self.source.replacing():
                 worker.import_state(got.state)
         self.recovery = got
@@ -225,13 +225,13 @@ class StateKeeper:
         the others, where the peers' state differs from ours and is at least as far on;
         False when that leaves nothing to adopt."""
         chains = state.chains or ()
-        take = [p for p in range(len(state.rounds)) if p not in worker.pending
+        in_flight = worker.in_flight()
+        take = [p for p in range(len(state.rounds)) if p not in in_flight
                 and state.rounds[p] >= local.rounds[p]
-                and (not chains or chains[p] != worker.chains[p]
+                and (not chains or chains[p] != worker.frags[p].chain
                      or state.rounds[p] != local.rounds[p])]
         if not take:
-            log.info("state sync: nothing to adopt between rounds in flight %s",
-                     sorted(worker.pending))
+            log.info("state sync: nothing to adopt between rounds in flight %s", in_flight)
             return False
         with self.source.replacing():
             worker.import_fragments(state, take)
@@ -253,7 +253,7 @@ class StateKeeper:
         state than its group's (`worker.diverged_from`), it takes that group's state.
         Between steps; fragments with a round in flight keep theirs (`_import_settled`)."""
         if (not (self.active and self.cfg.statesync.enabled)
-                or len(worker.pending) == len(worker.outer)
+                or len(worker.in_flight()) == len(worker.frags)
                 or worker.stats.alone == self._alone_seen):
             return
         self._alone_seen = worker.stats.alone

@@ -61,7 +61,6 @@ _HOLD_S = 120.0  # snapshots are dropped after this long without a manifest requ
 
 class _Exportable(Protocol):
     step: int
-    pending: dict[int, Any]
 
     def export_state(self, reuse: WorkerState | None = None) -> WorkerState: ...
 

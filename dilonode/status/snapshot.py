@@ -255,8 +255,7 @@ def state_chain(worker: Any) -> str:
     groups.py): the view then compares the final weights only."""
     if getattr(worker, "grouped", False):
         return ""
-    return ";".join(f"{worker.next_round[p] - (p in worker.pending)}:{c[:12]}"
-                    for p, c in enumerate(worker.chains))
+    return ";".join(f"{f.landed()}:{f.chain[:12]}" for f in worker.frags)
 
 
 def _label_order(label: str) -> tuple[int, int]:

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from dilonode.train.state import WorkerState
 
@@ -182,7 +182,6 @@ def load_latest(directory: Path, run_id: str,
 
 class _Exportable(Protocol):
     step: int
-    pending: dict[int, Any]
 
     def export_state(self) -> WorkerState: ...
 

@@ -26,7 +26,7 @@ from dilonode.algo.replay import EncodedResult
 from dilonode.algo.schedule import SyncPlan
 from dilonode.config import RunConfig
 
-__all__ = ["WorkerState", "adoption_step", "config_digest", "fragment_names",
+__all__ = ["OuterCopy", "WorkerState", "adoption_step", "config_digest", "fragment_names",
            "reusable_fragments", "settled_step", "snapshot_error", "tensor_names"]
 
 
@@ -103,6 +103,17 @@ def reusable_fragments(reuse: WorkerState | None, rounds: list[int], outer_steps
             and (not compare or reuse.chains[p] == ours[p])}
 
 
+@dataclass(frozen=True)
+class OuterCopy:
+    """A fragment's outer state as a node of several ranks gathers it for a capture (each
+    rank holds a slice): the whole tensors on the leader, None where the capture reuses an
+    earlier copy of them."""
+
+    weights: torch.Tensor | None
+    momentum_buf: torch.Tensor | None
+    steps: int
+
+
 @dataclass
 class WorkerState:
     """Outer state after `rounds` landed rounds per fragment; `step` is the latest step at
@@ -121,7 +132,7 @@ class WorkerState:
     chains: tuple[str, ...] = ()
 
     @classmethod
-    def capture(cls, step: int, rounds: list[int], outer: Sequence[OuterState],
+    def capture(cls, step: int, rounds: list[int], outer: Sequence[OuterState | OuterCopy],
                 reuse: WorkerState | None = None, taken_at: int | None = None,
                 replays: dict[int, tuple[EncodedResult, ...]] | None = None,
                 chains: list[str] | None = None) -> WorkerState:
@@ -137,8 +148,11 @@ class WorkerState:
                 for kind in ("weights", "momentum"):
                     tensors[f"outer.{p}.{kind}"] = reuse.tensors[f"outer.{p}.{kind}"]
                 continue
-            tensors[f"outer.{p}.weights"] = st.weights.detach().to("cpu", copy=True)
-            tensors[f"outer.{p}.momentum"] = st.momentum_buf.detach().to("cpu", copy=True)
+            weights, momentum = st.weights, st.momentum_buf
+            assert weights is not None and momentum is not None, \
+                f"fragment {p} changed since `reuse` but was not gathered"
+            tensors[f"outer.{p}.weights"] = weights.detach().to("cpu", copy=True)
+            tensors[f"outer.{p}.momentum"] = momentum.detach().to("cpu", copy=True)
         return cls(step, tuple(rounds), tuple(st.steps for st in outer), tensors,
                    step if taken_at is None else taken_at, dict(replays or {}),
                    tuple(chains or ()))
@@ -189,7 +203,7 @@ class WorkerState:
             raise ValueError(f"state tensors: got {sorted(tensors)}, expected {sorted(expected)}")
         return state
 
-    def apply_to(self, outer: list[OuterState]) -> None:
+    def apply_to(self, outer: Sequence[OuterState]) -> None:
         """Copy into a worker's outer states; ValueError if the shapes do not match."""
         if len(outer) != self.num_fragments:
             raise ValueError(f"state has {self.num_fragments} fragments, this worker "

@@ -8,12 +8,14 @@ pacer says are due, landing first a round of the same fragment still in flight),
 (apply the results that are due). When rounds start and land is decided by the worker's
 pacer (`algo/pacing.py`): its own steps, or the swarm's clock, so that workers of different
 speeds meet in every round and each contributes the tokens it trained. No networking here.
+Each fragment's outer state, counters, chain and round in flight are one `FragmentState`
+(dilonode/train/fragment_state.py) in `frags`; the phases loop over them.
 
-A node with several local devices runs one Worker per rank (`ranks`,
-dilonode/train/ranks/node_ranks.py):
-the methods marked `@node_op` run on every rank together (the leader announces them), and
-the tensor work of a fragment goes through `ranks` (outer slices, the inner model's DDP or
-FSDP2 layout). With the default `SingleRank` the arithmetic is the one-process arithmetic.
+A node with several local devices runs one Worker per rank (`ranks`, a `Ranks`:
+dilonode/train/ranks/protocol.py): the methods marked `@node_op` run on every rank together
+(the leader announces them; the others look them up in `NODE_OPS`), and the tensor work of a
+fragment goes through `ranks` (outer slices, the inner model's DDP or FSDP2 layout). With
+the default `SingleRank` the arithmetic is the one-process arithmetic.
 """
 
 from __future__ import annotations
@@ -25,16 +27,16 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from dilonode.algo.chain import chain_next, chain_start
-from dilonode.algo.fragments import Fragment, assign_fragments, flatten, unflatten_into
-from dilonode.algo.mixing import mixed_chain, pack_state, unpack_state
+from dilonode.algo.chain import chain_start
+from dilonode.algo.fragments import assign_fragments, flatten, unflatten_into
 from dilonode.algo.outer import NonFiniteError, OuterState, merge, pseudo_gradient
 from dilonode.algo.pacing import (
     Pacer,
@@ -44,24 +46,25 @@ from dilonode.algo.pacing import (
     final_rounds,
     rounds_before,
 )
-from dilonode.algo.replay import EncodedResult, keep_replay, replay_budget
 from dilonode.algo.schedule import SyncPlan, SyncStart
 from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TokenData
 from dilonode.train.device import autocast, pick_device
+from dilonode.train.fragment_state import FragmentState
 from dilonode.train.model import build_model, lm_loss, loss_sum
+from dilonode.train.ranks.protocol import Ranks
 from dilonode.train.ranks.single import SingleRank
 from dilonode.train.state import (
+    OuterCopy,
     WorkerState,
     adoption_step,
     config_digest,
-    reusable_fragments,
     settled_step,
 )
 
-__all__ = ["Interrupted", "Worker", "WorkerStats", "build_inner_optimizer", "inner_lr",
-           "node_op"]
+__all__ = ["NODE_OPS", "Interrupted", "Worker", "WorkerStats", "build_inner_optimizer",
+           "inner_lr", "node_op"]
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +73,24 @@ _STOP_POLL_S = 0.25  # how often a blocked `land` checks `should_stop`
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+_NODE_OPS: dict[str, Callable[..., Any]] = {}
+# Op name -> the op, called as `op(worker, *args)`: what a follower rank runs when the
+# leader announces that name (`follow`); nothing else is run by name.
+NODE_OPS: Mapping[str, Callable[..., Any]] = MappingProxyType(_NODE_OPS)
+
 
 def node_op(fn: _F) -> _F:
     """A Worker method every rank of a node runs together: on the leader it is announced
-    to the other ranks (name and arguments) before it runs (`ranks.op`)."""
+    to the other ranks (name and arguments) before it runs (`ranks.op`); it is registered
+    in `NODE_OPS` under its name."""
+    name = fn.__name__
+    assert name not in _NODE_OPS, f"two node ops named {name!r}"
+
     @functools.wraps(fn)
     def wrapper(self: Worker, *args: Any) -> Any:
-        with self.ranks.op(fn.__name__, args):
+        with self.ranks.op(name, args):
             return fn(self, *args)
+    _NODE_OPS[name] = wrapper
     return wrapper  # type: ignore[return-value]
 
 
@@ -181,14 +194,14 @@ class Worker:
 
     def __init__(self, cfg: RunConfig, data: TokenData, collective: Collective,
                  identity: int | str, device: torch.device | None = None,
-                 pacer: Pacer | None = None, ranks: Any = None) -> None:
+                 pacer: Pacer | None = None, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
         self.algo = cfg.diloco.effective()
         self.identity = identity
         self.device = device or pick_device(cfg.device)
         self.collective = collective
         # This node's ranks (dilonode/train/ranks/node_ranks.py); one process: SingleRank.
-        self.ranks = ranks if ranks is not None else SingleRank()
+        self.ranks: Ranks = ranks if ranks is not None else SingleRank()
         torch.manual_seed(cfg.seed)  # identical initial weights on every worker
         self.model = build_model(cfg.model, data.vocab_size)  # on the CPU
         # On our device; inside a multi-rank node wrapped in DDP or FSDP2 (which moves one
@@ -208,8 +221,6 @@ class Worker:
         self.wait_hook: Callable[[bool], None] | None = None
         # Polled while blocked on a sync result; True makes `land` raise `Interrupted`.
         self.should_stop: Callable[[], bool] | None = None
-        self.pending: dict[int, tuple[int, PendingReduce]] = {}
-        self._launched_at: dict[int, int] = {}  # fragment -> own step its round started at
         # Drivers pass the pacer the run uses (the daemon: the swarm clock when
         # diloco.pacing = "time"); built alone, a worker follows its own steps.
         self.pacer: Pacer = pacer or StepPacer()
@@ -220,12 +231,9 @@ class Worker:
         self.pause_s = 0.0
         self._rewarm_from: int | None = None  # own step of the last adoption with fresh AdamW
         self.plan: SyncPlan | None = None
-        self.fragments: list[Fragment] = []
-        self.outer: list[OuterState] = []
-        # fragment -> [(round, its result as the codec carried it)]: the last rounds
-        # applied, consecutive, when the collective keeps encoded results; served so
-        # joiners a few rounds behind replay them (`keep_replay`).
-        self.replays: dict[int, list[tuple[int, EncodedResult]]] = {}
+        # Per fragment, by index: its parameters, outer state, counters and round in flight
+        # (none in mode=ddp).
+        self.frags: list[FragmentState] = []
         # When set (a list), every round started and landed is recorded here in order
         # (own step, fragment, round, tokens or group size): `sim.replay_traces` re-runs a
         # daemon's schedule exactly, and operators can see why a round was missed.
@@ -236,7 +244,6 @@ class Worker:
         # The swarm averages in bounded groups (the last landed round said so): replicas
         # differ between groups by design, the end of the run mixes states first.
         self.grouped = False
-        self._mixing: set[int] = set()  # fragments whose round in flight is a "mix" round
         self._mixes_done = 0  # end-of-run mixing rounds started
         if self.algo.mode != "ddp":
             self._init_outer(list(names))
@@ -244,21 +251,26 @@ class Worker:
     def _init_outer(self, names: list[str]) -> None:
         a = self.algo
         self.plan = SyncPlan(a.sync_every, a.num_fragments, a.fragment_sync_delay)
-        self.fragments = assign_fragments(names, a.num_fragments, a.fragment_pattern)
+        fragments = assign_fragments(names, a.num_fragments, a.fragment_pattern)
         outer_device = "cpu" if a.outer_state_on_cpu else self.device
-        groups = [self._frag_params(f) for f in self.fragments]
+        groups = [[self.params[i] for i in f.param_indices] for f in fragments]
         self.ranks.setup_fragments(groups, self.cfg.codec.block_size)
-        # Each rank keeps its slice of every fragment (SingleRank: all of it).
-        self.outer = [OuterState(self.ranks.local_flat(p, g), a.outer_lr, a.outer_momentum,
-                                 a.outer_nesterov, outer_device) for p, g in enumerate(groups)]
-        p_count = len(self.fragments)
-        self.next_round = [0] * p_count  # per fragment: the next round to start
-        self.tokens_since = [0] * p_count  # per fragment: tokens trained since its last start
         digest = config_digest(self.cfg)
-        self.chains = [chain_start(digest, p) for p in range(p_count)]
+        # Each rank keeps its slice of every fragment (SingleRank: all of it).
+        self.frags = [FragmentState(p, frag, g, OuterState(self.ranks.local_flat(p, g),
+                                                           a.outer_lr, a.outer_momentum,
+                                                           a.outer_nesterov, outer_device),
+                                    chain_start(digest, p))
+                      for p, (frag, g) in enumerate(zip(fragments, groups, strict=True))]
 
-    def _frag_params(self, frag: Fragment) -> list[nn.Parameter]:
-        return [self.params[i] for i in frag.param_indices]
+    def in_flight(self) -> list[int]:
+        """The fragments with a round in flight, in order."""
+        return [f.index for f in self.frags if f.pending is not None]
+
+    def unfinished(self) -> list[PendingReduce]:
+        """The rounds in flight whose result is not there yet (what `drain` waits for)."""
+        return [f.pending.handle for f in self.frags
+                if f.pending is not None and not f.pending.handle.done()]
 
     # -- phase 1 -------------------------------------------------------------------------
     @node_op
@@ -274,8 +286,8 @@ class Worker:
         self.step += 1
         self.stats.steps = self.step
         self.stats.tokens += tokens
-        if self.plan is not None:
-            self.tokens_since = [t + tokens for t in self.tokens_since]
+        for f in self.frags:
+            f.tokens_since += tokens
         self.stats.last_loss = self.ranks.node_loss(loss)
         if self.algo.mode == "ddp":
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -324,14 +336,15 @@ class Worker:
         ref, lead = self.ref_now, self.lead
         if self.end_step is not None and ref + lead >= self.end_step:
             ref, lead = float(self.end_step), 0.0  # nothing past the end starts
-        return due_starts(self.plan, self.next_round, ref, lead)
+        return due_starts(self.plan, [f.next_round for f in self.frags], ref, lead)
 
     def start_due(self, due: list[SyncStart]) -> None:
         """Start `due` (from `due()`), landing first any round of those fragments still
         in flight (the only place a clock-paced worker waits for a result)."""
         for act in due:
-            if act.fragment in self.pending:
-                self.stats.late += int(not self.pending[act.fragment][1].done())
+            pending = self.frags[act.fragment].pending
+            if pending is not None:
+                self.stats.late += int(not pending.handle.done())
                 self._land_fragment(act.fragment)
             self._start(act.fragment, act.round)
 
@@ -339,39 +352,32 @@ class Worker:
         """The results `start_due(due)` (or, with `due` None, `land()`) would wait for: what
         a driver that advances virtual time (the simulator) must let finish first."""
         if due is not None:
-            fragments = [a.fragment for a in due if a.fragment in self.pending]
+            waits = [self.frags[a.fragment].pending for a in due]
         else:
-            fragments = [p for p in self.pending if self._lands_now(p, block=True)]
-        return [self.pending[p][1] for p in fragments if not self.pending[p][1].done()]
+            waits = [f.pending for f in self.frags if self._lands_now(f, block=True)]
+        return [w.handle for w in waits if w is not None and not w.handle.done()]
 
     @node_op
     def _start(self, p: int, r: int) -> None:
-        if p in self.pending:
+        f = self.frags[p]
+        if f.pending is not None:
             raise RuntimeError(f"fragment {p} round {r} started while round "
-                               f"{self.pending[p][0]} is still in flight")
-        if r > self.next_round[p]:
-            self.stats.missed += r - self.next_round[p]
+                               f"{f.pending.round} is still in flight")
+        local = self.ranks.local_flat(p, f.params)  # [slice_p]
+        delta = pseudo_gradient(f.outer.weights, local)
+        missed, tokens = f.claim(r)
+        if missed:
+            self.stats.missed += missed
             log.warning("fragment %d: rounds %d..%d missed (this node was paused or is slower "
                         "than one round period); contributing to round %d", p,
-                        self.next_round[p], r - 1, r)
-        local = self.ranks.local_flat(p, self._frag_params(self.fragments[p]))  # [slice_p]
-        delta = pseudo_gradient(self.outer[p].weights, local)
-        tokens, self.tokens_since[p] = self.tokens_since[p], 0
-        self.next_round[p] = r + 1
+                        r - missed, r - 1, r)
         if self.trace is not None:
             self.trace.append({"step": self.step, "event": "start", "fragment": p, "round": r,
                                "tokens": tokens})
-        self._launched_at[p] = self.step
         # The node's contribution: the ranks' slices gathered on the leader. `state`: our
-        # packed outer state, for the state round of a grouped swarm (one-rank nodes only:
-        # a multi-rank node's outer state is sharded over its ranks).
-        state = (lambda p=p: self._packed(p)) if self.ranks.world == 1 else None
-        self.pending[p] = (r, self.ranks.begin(self.collective, SyncKey("fragment", p, r),
-                                               delta, float(tokens), state=state))
-
-    def _packed(self, p: int) -> torch.Tensor:
-        """Fragment p's outer state as one flat vector (mixing rounds, algo/mixing.py)."""
-        return pack_state(self.outer[p].weights, self.outer[p].momentum_buf)
+        # packed outer state, for the state round of a grouped swarm (`Ranks.begin`).
+        f.launched(r, self.ranks.begin(self.collective, SyncKey("fragment", p, r), delta,
+                                       float(tokens), state=f.packed), self.step)
 
     # -- phase 3 -------------------------------------------------------------------------
     def land(self) -> None:
@@ -382,21 +388,25 @@ class Worker:
             self._land_grads(self._wait(self._grad_pending))
             self._grad_pending = None
             return
-        for p in sorted(self.pending):
-            if self._lands_now(p):
-                self._land_fragment(p)
+        for f in self.frags:
+            if self._lands_now(f):
+                self._land_fragment(f.index)
 
-    def _lands_now(self, p: int, block: bool = False) -> bool:
-        """Whether pending fragment p lands at this boundary (`block`: waiting for it).
+    def _lands_now(self, f: FragmentState, block: bool = False) -> bool:
+        """Whether fragment f has a round in flight that lands at this boundary (`block`:
+        waiting for it).
         Paced by steps: tau own steps after its round started. Paced by the clock: once its
         result is there (never awaited) and the clock is tau reference steps past the
         round's scheduled start (the same moment on every node, whatever its speed; the
         lead as for starts: at the last boundary before that moment)."""
+        pending = f.pending
+        if pending is None:
+            return False
         tau = self.algo.fragment_sync_delay
         if tau and self.pacer.timed and self.plan is not None:
-            due = self.plan.start_step(p, self.pending[p][0]) + tau
-            return self.ref_now + self.lead >= due and not block and self.pending[p][1].done()
-        return self.step - self._launched_at[p] >= tau
+            due = self.plan.start_step(f.index, pending.round) + tau
+            return self.ref_now + self.lead >= due and not block and pending.handle.done()
+        return self.step - pending.launched_at >= tau
 
     def final_sync(self) -> None:
         """The end of the run: land the rounds still in flight and run one more round of
@@ -407,32 +417,32 @@ class Worker:
         matchmaking and transfers overlap the landing instead of following it (where the
         link's bytes set the time, they still share it). Each fragment's rounds move only
         its own weights: the order changes no result."""
-        in_flight = sorted(self.pending)
+        in_flight = self.in_flight()
         self.start_final()
         for p in in_flight:
             self._land_fragment(p)
             self.start_final()  # p's own, now that its round landed
-        for p in sorted(self.pending):
+        for p in self.in_flight():
             self._land_fragment(p)
         while self.final_mix_due():
             self.start_mix()
-            for p in sorted(self.pending):
+            for p in self.in_flight():
                 self._land_fragment(p)
 
     def final_mix_due(self) -> bool:
         """Whether another end-of-run mixing round is due (grouped swarms only:
         `network.final_mix_rounds` of them, after the end-of-run rounds)."""
         return (self.grouped and self.plan is not None and self.end_step is not None
-                and not self.pending and self._mixes_done < self.cfg.network.final_mix_rounds)
+                and not self.in_flight()
+                and self._mixes_done < self.cfg.network.final_mix_rounds)
 
     def start_mix(self) -> None:
         """One end-of-run round of every fragment that only averages outer states in this
         round's group, numbered after the schedule's rounds (the round counters stay)."""
-        for p in range(len(self.outer)):
-            r = self.next_round[p] + self._mixes_done
-            self._launched_at[p] = self.step
-            self._mixing.add(p)
-            self.pending[p] = (r, self.collective.begin(SyncKey("mix", p, r), self._packed(p)))
+        for f in self.frags:
+            r = f.next_round + self._mixes_done
+            f.launched(r, self.collective.begin(SyncKey("mix", f.index, r), f.packed()),
+                       self.step, mix=True)
         self._mixes_done += 1
 
     def start_round(self, p: int, r: int) -> None:
@@ -450,8 +460,8 @@ class Worker:
         (`pacing.final_rounds` counts them). The simulators drive the end this way too."""
         if self.plan is None or self.end_step is None or not self.algo.final_sync:
             return
-        for act in final_rounds(self.plan, self.next_round, self.end_step):
-            if act.fragment not in self.pending:
+        for act in final_rounds(self.plan, [f.next_round for f in self.frags], self.end_step):
+            if self.frags[act.fragment].pending is None:
                 self._start(act.fragment, act.round)
 
     def drain(self, timeout: float | None = None) -> None:
@@ -459,11 +469,13 @@ class Worker:
         is stopping), rounds not done by then are abandoned, never half-applied: the outer
         state stays at the last landed round and the other members retry without us."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for p in sorted(self.pending):
-            r, handle = self.pending[p]
+        for p in self.in_flight():
+            pending = self.frags[p].pending
+            assert pending is not None
+            r = pending.round
             if deadline is not None:
                 try:
-                    handle.wait(max(deadline - time.monotonic(), 0.0))
+                    pending.handle.wait(max(deadline - time.monotonic(), 0.0))
                 except TimeoutError:
                     self._abandon(p, r)
                     log.warning("fragment %d round %d abandoned: not done %.1f s after the "
@@ -473,11 +485,7 @@ class Worker:
 
     @node_op
     def _abandon(self, p: int, r: int) -> None:
-        del self.pending[p]
-        self._launched_at.pop(p, None)
-        if p not in self._mixing:  # a mixing round claims no round counter
-            self.next_round[p] = r  # not landed: the state must not claim it
-        self._mixing.discard(p)
+        self.frags[p].abandon()  # not landed: the state must not claim round r
         self.stats.abandoned += 1
 
     def _wait(self, handle: PendingReduce) -> ReduceResult:
@@ -516,8 +524,10 @@ class Worker:
         self._inner_update()
 
     def _land_fragment(self, p: int) -> None:
-        r, handle = self.pending[p]
-        result = self._wait(handle)  # p stays pending while we wait: export_state sees it
+        pending = self.frags[p].pending
+        assert pending is not None, f"fragment {p}: no round in flight to land"
+        r = pending.round
+        result = self._wait(pending.handle)  # p stays pending while we wait: export_state sees it
         if not result.digest:
             result = replace(result, digest=_values_digest(result.mean))
         self._apply_round(p, r, result)
@@ -526,10 +536,9 @@ class Worker:
     def _apply_round(self, p: int, r: int, result: ReduceResult) -> None:
         """Apply round r's result to fragment p (every rank: its slice of the mean)."""
         result = self.ranks.localize(p, result)
-        del self.pending[p]
-        self._launched_at.pop(p, None)
-        if p in self._mixing:
-            self._land_mix(p, r, result)
+        f = self.frags[p]
+        if f.take_landing().mix:
+            self._land_mix(f, r, result)
             return
         if result.group_size > 1:  # a round alone says nothing about the swarm
             self.grouped = result.grouped
@@ -539,45 +548,25 @@ class Worker:
                                "group": result.group_size, "members": list(result.members)})
         if result.diverged:
             self.diverged_from = result.diverged
-        params = self._frag_params(self.fragments[p])
-        kept = self.replays.pop(p, [])  # back only if this round can be replayed after them
-        digest = result.digest
-        if result.state_mean is not None:  # the group's mean state: every member steps it
-            self._load_packed(p, result.state_mean)
-            self.chains[p] = mixed_chain(result.state_digest)
         try:
-            new_global = self.outer[p].step(result.mean)
+            new_global = f.outer_step(r, result, self.cfg.statesync.replay_rounds)
         except NonFiniteError as exc:
             self.stats.rejected += 1
-            self.chains[p] = chain_next(self.chains[p], r, digest, applied=False)
             log.warning("fragment %d round %d: %s", p, r, exc)
             return
-        self.chains[p] = chain_next(self.chains[p], r, digest, applied=True)
-        if result.encoded is not None and result.group_size > 1 and result.state_mean is None:
-            self.replays[p] = keep_replay(kept, r, result.encoded,
-                                          self.cfg.statesync.replay_rounds,
-                                          replay_budget(result.encoded.numel))
-        self.ranks.apply(p, params, new_global, self.algo.fragment_update_alpha)
+        self.ranks.apply(p, f.params, new_global, self.algo.fragment_update_alpha)
 
-    def _load_packed(self, p: int, packed: torch.Tensor) -> None:
-        weights, momentum = unpack_state(packed)
-        self.outer[p].weights.copy_(weights)
-        self.outer[p].momentum_buf.copy_(momentum)
-
-    def _land_mix(self, p: int, r: int, result: ReduceResult) -> None:
+    def _land_mix(self, f: FragmentState, r: int, result: ReduceResult) -> None:
         """An end-of-run mixing round landed: adopt the group's mean state and merge it
         into the local weights as a round's new global weights are."""
-        self._mixing.discard(p)
         self.stats.bytes_sent += result.payload_bytes_sent
         self.stats.bytes_received += result.payload_bytes_received
         if self.trace is not None:
-            self.trace.append({"step": self.step, "event": "mix", "fragment": p, "round": r,
-                               "group": result.group_size})
-        self._load_packed(p, result.mean)
-        self.chains[p] = mixed_chain(result.digest or _values_digest(result.mean))
-        params = self._frag_params(self.fragments[p])
-        merged = merge(flatten(params), self.outer[p].weights, self.algo.fragment_update_alpha)
-        unflatten_into(merged, params)
+            self.trace.append({"step": self.step, "event": "mix", "fragment": f.index,
+                               "round": r, "group": result.group_size})
+        f.adopt_mixed(result.mean, result.digest or _values_digest(result.mean))
+        merged = merge(flatten(f.params), f.outer.weights, self.algo.fragment_update_alpha)
+        unflatten_into(merged, f.params)
 
     # -- state (checkpoints, joiners) ----------------------------------------------------
     def export_state(self, reuse: WorkerState | None = None) -> WorkerState:
@@ -588,8 +577,7 @@ class Worker:
         if self.plan is None:
             raise RuntimeError("export_state: mode=ddp has no outer state to export")
         # Outer state moves only when a round lands: it is the state after `landed` rounds.
-        landed = [self.next_round[p] - (p in self.pending and p not in self._mixing)
-                  for p in range(len(self.outer))]
+        landed = [f.landed() for f in self.frags]
         step = adoption_step(self.plan, landed)
         if step is None and isinstance(self.pacer, StepPacer):
             raise RuntimeError(f"export_state: no step of this schedule has landed exactly "
@@ -603,24 +591,17 @@ class Worker:
         # After `drain` (end of training) rounds may have landed before their scheduled step;
         # a checkpoint named by our own step would then resume with them due again.
         taken_at = max(self.swarm_step, settled_step(self.plan, landed))
-        replays = {p: tuple(enc for _, enc in kept) for p, kept in self.replays.items()
-                   if kept and kept[-1][0] == landed[p] - 1}
-        chains = [self._landed_chain(p) for p in range(len(self.outer))]
-        outer: list[Any] = self.outer
-        if self.ranks.world > 1:  # the leader gathers the fragments that changed
-            steps = [st.steps for st in self.outer]
-            keep = reusable_fragments(reuse, landed, steps, chains)
-            outer = self._gather_outer([p for p in range(len(steps)) if p not in keep])
-        return WorkerState.capture(step, landed, outer, reuse, taken_at=taken_at,
-                                   replays=replays, chains=chains)
+        replays = {f.index: kept for f in self.frags if (kept := f.replayable())}
+        # Chains move only when a round lands, so a pending round is not in them yet.
+        chains = [f.chain for f in self.frags]
+        need = self.ranks.fragments_to_gather(reuse, landed, [f.outer.steps for f in self.frags],
+                                              chains)
+        return WorkerState.capture(step, landed, self._gather_outer(need), reuse,
+                                   taken_at=taken_at, replays=replays, chains=chains)
 
     @node_op
-    def _gather_outer(self, need: list[int]) -> list[Any]:
-        return self.ranks.full_outer(self.outer, need)
-
-    def _landed_chain(self, p: int) -> str:
-        # Chains move only when a round lands, so a pending round is not in it yet.
-        return self.chains[p]
+    def _gather_outer(self, need: list[int]) -> Sequence[OuterState | OuterCopy]:
+        return self.ranks.full_outer([f.outer for f in self.frags], need)
 
     def floor_step(self, counts_joiner: Callable[[int, int], bool]) -> int:
         """For a joiner: the step its adopted state must reach. Every round started by now
@@ -630,12 +611,16 @@ class Worker:
         launched once the joiner asks, after its record is visible, they count it too,
         unless they start before the first round its record names (`joining_floor`, which
         the joiner itself takes as its floor too, covers those).
-        Read from another thread: a plain snapshot of `step`, `pending` and `next_round`."""
-        step, pending, launched = self.swarm_step, dict(self.pending), list(self.next_round)
+        Read from another thread: a plain snapshot of `step` and each fragment's round in
+        flight and counter."""
+        step = self.swarm_step
+        pending = [f.pending for f in self.frags]
+        launched = [f.next_round for f in self.frags]
         if self.plan is None:
             return step
-        started = [self.plan.rounds_started(p, step) for p in range(len(self.outer))]
-        needed = [min(n, launched[p]) - (p in pending and counts_joiner(p, pending[p][0]))
+        started = [self.plan.rounds_started(p, step) for p in range(len(self.frags))]
+        needed = [min(n, launched[p])
+                  - (pending[p] is not None and counts_joiner(p, pending[p].round))
                   for p, n in enumerate(started)]
         if needed == started:
             return step
@@ -658,31 +643,29 @@ class Worker:
         its inner AdamW moments (its gradient statistics still fit weights this close); a
         fresh one starts them at zero and re-warms its learning rate
         (docs/architecture.md says why)."""
-        if self.plan is None or self.pending:
+        if self.plan is None or self.in_flight():
             raise RuntimeError("import_state: only with no sync in flight, outside mode=ddp")
-        expected = [self.plan.rounds_started(p, state.step) for p in range(len(self.outer))]
+        expected = [self.plan.rounds_started(p, state.step) for p in range(len(self.frags))]
         if isinstance(self.pacer, StepPacer) and list(state.rounds) != expected:
             # Paced by steps the worker jumps to the state's step: it must be one at which
             # the schedule has exactly these rounds. Paced by the clock, the counters say
             # which round of each fragment comes next, whatever the label.
             raise ValueError(f"state at step {state.step} has round counters "
                              f"{list(state.rounds)}, this config's schedule gives {expected}")
-        if len(state.rounds) != len(self.outer):
+        if len(state.rounds) != len(self.frags):
             raise ValueError(f"state has {len(state.rounds)} fragments, this worker "
-                             f"{len(self.outer)} (diloco.num_fragments differs)")
+                             f"{len(self.frags)} (diloco.num_fragments differs)")
         self.ranks.check_state(state)
         self._import(state)
 
     @node_op
     def _import(self, state: WorkerState) -> None:
-        self.ranks.apply_state(state, self.outer)  # several ranks: scattered by the leader
-        self.replays.clear()
-        for p, (frag, outer) in enumerate(zip(self.fragments, self.outer, strict=True)):
-            self.ranks.set_local(p, self._frag_params(frag), outer.weights)
-        self.next_round = list(state.rounds)
-        self.tokens_since = [0] * len(self.outer)
-        if state.chains:
-            self.chains = list(state.chains)
+        # Several ranks: scattered by the leader.
+        self.ranks.apply_state(state, [f.outer for f in self.frags])
+        for f in self.frags:
+            self.ranks.set_local(f.index, f.params, f.outer.weights)
+            f.adopt_counters(state.rounds[f.index],
+                             state.chains[f.index] if state.chains else None)
         fresh = not self.opt.state  # no moments yet: nothing to keep, re-warm instead
         if isinstance(self.pacer, StepPacer):
             self.step = self.stats.steps = state.step  # the schedule counts own steps
@@ -694,33 +677,30 @@ class Worker:
     def adopt_outer(self, other: Worker) -> None:
         """Take another in-process worker's outer state and chains, keeping our counters
         and inner state (the simulator's end-of-run agreement; the daemon fetches it)."""
-        if self.pending or other.pending:
+        if self.in_flight() or other.in_flight():
             raise RuntimeError("adopt_outer: only with no sync in flight")
-        for mine, theirs, frag in zip(self.outer, other.outer, self.fragments, strict=True):
-            mine.weights.copy_(theirs.weights)
-            mine.momentum_buf.copy_(theirs.momentum_buf)
-            unflatten_into(mine.weights, self._frag_params(frag))
-        self.chains = list(other.chains)
+        for mine, theirs in zip(self.frags, other.frags, strict=True):
+            mine.outer.weights.copy_(theirs.outer.weights)
+            mine.outer.momentum_buf.copy_(theirs.outer.momentum_buf)
+            unflatten_into(mine.outer.weights, mine.params)
+            mine.chain = theirs.chain
 
     def import_fragments(self, state: WorkerState, fragments: list[int]) -> None:
         """Adopt `state` for `fragments` only (paced by the clock, a re-syncing worker has
         rounds of other fragments in flight nearly all the time): their outer state, round
         counters and chains, local weights set to the outer weights; AdamW moments kept."""
-        if any(p in self.pending for p in fragments) or self.plan is None:
+        if any(self.frags[p].pending is not None for p in fragments) or self.plan is None:
             raise RuntimeError(f"import_fragments: fragments {fragments} must not be in flight")
         self.ranks.check_state(state)
         self._import_fragments(state, list(fragments))
 
     @node_op
     def _import_fragments(self, state: WorkerState, fragments: list[int]) -> None:
-        self.ranks.apply_state(state, self.outer, fragments)
+        self.ranks.apply_state(state, [f.outer for f in self.frags], fragments)
         for p in fragments:
-            self.ranks.set_local(p, self._frag_params(self.fragments[p]), self.outer[p].weights)
-            self.next_round[p] = state.rounds[p]
-            self.tokens_since[p] = 0
-            self.replays.pop(p, None)
-            if state.chains:
-                self.chains[p] = state.chains[p]
+            f = self.frags[p]
+            self.ranks.set_local(p, f.params, f.outer.weights)
+            f.adopt_counters(state.rounds[p], state.chains[p] if state.chains else None)
 
     # -- evaluation ----------------------------------------------------------------------
     def outer_model(self) -> nn.Module:
@@ -732,8 +712,8 @@ class Worker:
         model = copy.deepcopy(self.model)
         if self.algo.mode != "ddp":
             params = [p for p in model.parameters() if p.requires_grad]
-            for frag, state in zip(self.fragments, self.outer, strict=True):
-                unflatten_into(state.weights, [params[i] for i in frag.param_indices])
+            for f in self.frags:
+                unflatten_into(f.outer.weights, [params[i] for i in f.fragment.param_indices])
         return model
 
     @node_op
@@ -744,9 +724,9 @@ class Worker:
         mean; then the inner weights back. (Not `outer_model()`: deep-copying the module
         costs a small model more Python time than the evaluation itself.)"""
         # DDP has no outer state: its weights are the model's.
-        saved = [t.clone() for t in self.ranks.local_tensors(self.params)] if self.outer else []
-        for p, (frag, outer) in enumerate(zip(self.fragments, self.outer, strict=True)):
-            self.ranks.set_local(p, self._frag_params(frag), outer.weights)
+        saved = [t.clone() for t in self.ranks.local_tensors(self.params)] if self.frags else []
+        for f in self.frags:
+            self.ranks.set_local(f.index, f.params, f.outer.weights)
         self.model.eval()
         try:
             total = loss_sum(self.model, batches, self.device, self.ranks.rows)
@@ -763,7 +743,7 @@ class Worker:
         on a node's other ranks, an empty tensor (the leader gathers it)."""
         if self.algo.mode == "ddp":
             return flatten(self.params)
-        parts = [self.ranks.gather(p, s.weights) for p, s in enumerate(self.outer)]
+        parts = [self.ranks.gather(f.index, f.outer.weights) for f in self.frags]
         if any(t is None for t in parts):
             return torch.empty(0)
         return torch.cat([t.to("cpu") for t in parts if t is not None])
@@ -774,8 +754,8 @@ class Worker:
         if self.algo.mode == "ddp":
             return hashlib.sha256(flatten(self.params).numpy().tobytes()).hexdigest()
         h = hashlib.sha256()
-        for p, s in enumerate(self.outer):
-            part = self.ranks.gather(p, s.weights)
+        for f in self.frags:
+            part = self.ranks.gather(f.index, f.outer.weights)
             if part is not None:
                 h.update(part.to("cpu").contiguous().numpy().tobytes())
         return h.hexdigest()
@@ -786,10 +766,10 @@ class Worker:
         if self.ranks.world == 1:
             return self.outer_model().state_dict()
         out: dict[str, torch.Tensor] = {}
-        for p, (frag, st) in enumerate(zip(self.fragments, self.outer, strict=True)):
-            flat = self.ranks.gather(p, st.weights)
+        for f in self.frags:
+            flat = self.ranks.gather(f.index, f.outer.weights)
             offset = 0
-            for i in frag.param_indices:
+            for i in f.fragment.param_indices:
                 shape, n = self.params[i].shape, self.params[i].numel()
                 if flat is not None:
                     out[self.param_names[i]] = flat[offset:offset + n].view(shape).clone()

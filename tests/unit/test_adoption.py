@@ -101,11 +101,12 @@ def test_a_worker_adopts_the_fragments_not_in_flight_and_keeps_the_others(swarm_
     for _ in range(5):
         w.train_step()
     w.start_round(0, 0)  # fragment 0's round in flight (its peer never contributes)
-    before = w.outer[0].weights.clone()
+    before = w.frags[0].outer.weights.clone()
     with pytest.raises(RuntimeError, match="in flight"):
         w.import_fragments(state, [0, 1])
     w.import_fragments(state, [1, 2])
     for p in (1, 2):
-        assert torch.equal(w.outer[p].weights, state.tensors[f"outer.{p}.weights"])
-        assert w.next_round[p] == state.rounds[p] and w.chains[p] == state.chains[p]
-    assert torch.equal(w.outer[0].weights, before) and w.next_round[0] == 1
+        f = w.frags[p]
+        assert torch.equal(f.outer.weights, state.tensors[f"outer.{p}.weights"])
+        assert f.next_round == state.rounds[p] and f.chain == state.chains[p]
+    assert torch.equal(w.frags[0].outer.weights, before) and w.frags[0].next_round == 1

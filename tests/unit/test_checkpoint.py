@@ -270,8 +270,8 @@ def test_a_joiners_floor_leaves_out_only_the_rounds_in_flight_that_count_it():
         w.launch()
         if w.step < 8:
             w.land()
-    assert list(w.pending) == [1]
-    round_1 = w.pending[1][0]
+    assert w.in_flight() == [1]
+    round_1 = w.frags[1].pending.round
     src = SnapshotSource()
     src.attach(w)
     src.counts = lambda frag, rnd, joiner: joiner == "J" and (frag, rnd) == (1, round_1)
@@ -282,7 +282,7 @@ def test_a_joiners_floor_leaves_out_only_the_rounds_in_flight_that_count_it():
     assert src.step_now() == 8
     w.train_step()
     w.land()  # step 9: the round landed
-    assert not w.pending and src.step_now("J") == src.step_now("K") == 9
+    assert not w.in_flight() and src.step_now("J") == src.step_now("K") == 9
 
 
 def test_a_joiners_floor_leaves_out_a_round_due_but_not_launched_yet():
@@ -296,10 +296,10 @@ def test_a_joiners_floor_leaves_out_a_round_due_but_not_launched_yet():
     src = SnapshotSource()
     src.attach(w)
     src.counts = lambda frag, rnd, joiner: False  # nothing in flight counts anyone
-    assert not w.pending and w.step == 8
+    assert not w.in_flight() and w.step == 8
     assert src.step_now("J") == 7 and src.step_now() == 8
     w.launch()  # launched without counting the joiner (it was not visible yet): wait for it
-    assert list(w.pending) == [1] and src.step_now("J") == 8
+    assert w.in_flight() == [1] and src.step_now("J") == 8
 
 
 def test_a_joiners_first_round_sets_the_step_its_state_must_reach():
@@ -346,20 +346,20 @@ def test_the_end_of_run_rounds_start_while_the_rounds_in_flight_land():
     evals = load_data(cfg.data).eval_batches(16, 2, 1)
     train_loop(w, 8, 100, evals, threading.Event())
     assert events[-3:] == [("start", 0), ("land", 1), ("land", 0)], events
-    assert w.step == 8 and not w.pending and w.stats.rounds == {0: 3, 1: 2}
+    assert w.step == 8 and not w.in_flight() and w.stats.rounds == {0: 3, 1: 2}
 
     before, _ = _worker(cfg)  # the same run, landing everything before the last rounds
     before.end_step = 8
     _run_to(before, 7)
     before.train_step()
     before.launch()
-    assert list(before.pending) == [1]
+    assert before.in_flight() == [1]
     before.drain()
     before.start_final()
     before.drain()
-    for a, b in zip(w.outer, before.outer, strict=True):
-        assert torch.equal(a.weights, b.weights)
-        assert torch.equal(a.momentum_buf, b.momentum_buf)
+    for a, b in zip(w.frags, before.frags, strict=True):
+        assert torch.equal(a.outer.weights, b.outer.weights)
+        assert torch.equal(a.outer.momentum_buf, b.outer.momentum_buf)
 
 
 def test_a_joiner_takes_part_in_the_round_its_state_leaves_it_at_if_one_round_behind():
@@ -389,7 +389,7 @@ def test_a_joiner_takes_part_in_the_round_its_state_leaves_it_at_if_one_round_be
     w = joiner()
     assert w.due() == [SyncStart(0, 2), SyncStart(1, 1)]
     w.start_due(w.due())
-    assert w.stats.missed == 0 and sorted(w.pending) == [0, 1]
+    assert w.stats.missed == 0 and w.in_flight() == [0, 1]
     w.land()
     now[0] = 22.5  # two rounds of each fragment since: behind as a paused worker is
     w.pacer.restart()  # (no step time measured: no lead)

@@ -174,8 +174,8 @@ def test_ddp_on_cuda_agrees(data: TokenData) -> None:
 def test_cuda_pseudo_gradient_through_every_codec(data: TokenData) -> None:
     w = _solo(_cfg(diloco={"outer_state_on_cpu": False}), data)
     _steps(w, 5)  # before fragment 0's first sync: the outer state is still the init
-    for p, frag in enumerate(w.fragments):
-        delta = pseudo_gradient(w.outer[p].weights, flatten(w._frag_params(frag)))  # [numel_p]
+    for p, f in enumerate(w.frags):
+        delta = pseudo_gradient(f.outer.weights, flatten(f.params))  # [numel_p]
         assert delta.is_cuda and delta.dtype == torch.float32 and bool(delta.abs().max() > 0)
         for name in CODEC_NAMES:
             codec = get_codec(name, 64)
@@ -186,11 +186,11 @@ def test_cuda_pseudo_gradient_through_every_codec(data: TokenData) -> None:
             if name == "float32":
                 assert torch.equal(back, delta)
     # An averaged result arrives on the CPU; the outer step moves it onto the GPU.
-    last = w.fragments[-1]
-    delta = pseudo_gradient(w.outer[-1].weights, flatten(w._frag_params(last)))
-    before = w.outer[-1].weights.clone()
+    last = w.frags[-1]
+    delta = pseudo_gradient(last.outer.weights, flatten(last.params))
+    before = last.outer.weights.clone()
     codec = get_codec("int4", 64)
-    new = w.outer[-1].step(codec.decode(*codec.encode(delta)))
+    new = last.outer.step(codec.decode(*codec.encode(delta)))
     assert new.is_cuda and not torch.equal(new, before)
 
 
@@ -208,10 +208,9 @@ def test_checkpoint_from_cuda_worker_resumes_on_cuda_and_on_cpu(
         keeper.prepare(other, None, None, publish=lambda: None)
         assert keeper.resumed_from == saved and other.step == exported.step
         assert torch.equal(other.outer_flat(), w.outer_flat())
-        for frag, outer in zip(other.fragments, other.outer, strict=True):
-            params = other._frag_params(frag)
-            assert all(q.device.type == device for q in params)
-            assert torch.equal(flatten(params), outer.weights.cpu())
+        for f in other.frags:
+            assert all(q.device.type == device for q in f.params)
+            assert torch.equal(flatten(f.params), f.outer.weights.cpu())
         losses = _steps(other, 6)  # and it trains on from there, landing rounds
         assert all(torch.isfinite(torch.tensor(losses)))
         assert sum(other.stats.rounds.values()) >= 2
@@ -332,4 +331,4 @@ def test_cuda_workers_sync_over_the_network_collective(data: TokenData) -> None:
         assert all(m.is_cuda and torch.equal(m.cpu(), expected) for m in means)
         assert res.group_size == 2 and not res.skipped
     assert torch.equal(workers[0].outer_flat(), workers[1].outer_flat())
-    assert all(s.weights.is_cuda for w in workers for s in w.outer)
+    assert all(f.outer.weights.is_cuda for w in workers for f in w.frags)

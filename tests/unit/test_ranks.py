@@ -1,21 +1,30 @@
 """The arithmetic of a node's ranks (dilonode/train/ranks/slices.py), checked without processes:
 outer slices, FSDP shard segments, the all-to-all plan between them, the strategy choice;
 and that the outer step and merge on slices give the bits they give on the whole vector
-(nodes with different rank counts must end with identical outer weights)."""
+(nodes with different rank counts must end with identical outer weights). Also that both
+ranks classes provide the whole `Ranks` protocol, and how a follower rank dispatches ops."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from dilonode.algo.outer import OuterState, merge
 from dilonode.cli.launch_ranks import EXIT_RANK_FAILED, RankEnv, _Supervisor, rank_environ
+from dilonode.config import load_config
 from dilonode.status.snapshot import device_summary
+from dilonode.train import worker as worker_module
+from dilonode.train.ranks.node_ranks import NodeRanks, RankFailure, follow
+from dilonode.train.ranks.protocol import Ranks
+from dilonode.train.ranks.single import SingleRank
 from dilonode.train.ranks.slices import (
     choose_strategy,
     exchange_plan,
@@ -23,6 +32,7 @@ from dilonode.train.ranks.slices import (
     shard_rows,
     slice_bounds,
 )
+from dilonode.train.worker import NODE_OPS, Worker
 
 
 @pytest.mark.parametrize("numel", [0, 1, 63, 64, 65, 1000, 4097])
@@ -164,3 +174,74 @@ def test_a_leader_that_does_not_leave_is_killed_after_the_grace():
 def test_the_node_exits_with_the_leaders_status():
     procs = [_proc("raise SystemExit(3)"), _proc("import time; time.sleep(0.3)")]
     assert _Supervisor(procs, grace=5.0).wait() == 3
+
+
+# -- the Ranks protocol ------------------------------------------------------------------------
+
+def _protocol_methods() -> list[str]:
+    return sorted(n for n, v in vars(Ranks).items() if callable(v) and not n.startswith("_"))
+
+
+def _ranks_of(cls: type) -> object:
+    if cls is SingleRank:
+        return SingleRank()
+    # Constructing NodeRanks joins no process group: that is `init_node_ranks`.
+    return NodeRanks(RankEnv(0, 2, 0, "127.0.0.1:1"), load_config(), torch.device("cpu"),
+                     control=None)
+
+
+@pytest.mark.parametrize("cls", [SingleRank, NodeRanks])
+def test_both_ranks_classes_provide_every_member_of_the_protocol(cls):
+    ranks = _ranks_of(cls)
+    for name in Ranks.__annotations__:
+        assert hasattr(ranks, name), f"{cls.__name__} has no attribute {name!r}"
+    for name in _protocol_methods():
+        theirs = getattr(cls, name, None)
+        assert callable(theirs), f"{cls.__name__} lacks {name}()"
+        want, got = inspect.signature(getattr(Ranks, name)), inspect.signature(theirs)
+        assert got == want, f"{cls.__name__}.{name}{got} differs from Ranks.{name}{want}"
+
+
+def test_the_worker_uses_only_members_the_protocol_declares():
+    tree = ast.parse(Path(worker_module.__file__).read_text())
+    used = {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "ranks"}
+    declared = set(Ranks.__annotations__) | set(_protocol_methods())
+    assert used and used <= declared, f"not in Ranks: {sorted(used - declared)}"
+
+
+def test_node_ops_are_registered_by_name():
+    assert {"train_step", "evaluate", "_start", "_apply_round", "_import"} <= set(NODE_OPS)
+    for name, op in NODE_OPS.items():
+        assert getattr(Worker, name) is op
+
+
+class _FollowerRanks(SingleRank):
+    """A follower's ranks replaying a fixed list of the leader's ops."""
+
+    rank, leader = 1, False
+    device = torch.device("cpu")
+
+    def __init__(self, ops: list[tuple[str, tuple]]) -> None:
+        super().__init__()
+        self.ops = list(ops)
+
+    def receive(self) -> tuple[str, tuple]:
+        return self.ops.pop(0)
+
+
+_TINY = {"model": {"preset": "nano"}, "device": "cpu", "data": {"seq_len": 16, "batch_size": 2},
+         "codec": {"name": "float32"}}
+
+
+def test_a_follower_runs_the_leaders_ops_until_stop():
+    ranks = _FollowerRanks([("train_step", ()), ("outer_digest", ()), ("stop", ())])
+    follow(load_config(overrides=_TINY), ranks)
+    assert ranks.ops == []
+
+
+def test_a_follower_refuses_an_op_it_does_not_know():
+    ranks = _FollowerRanks([("train_step", ()), ("__init__", ()), ("stop", ())])
+    with pytest.raises(RankFailure, match=r"rank 1: the leader sent op '__init__'"):
+        follow(load_config(overrides=_TINY), ranks)

@@ -21,7 +21,8 @@ inside the node (`dilonode/train/ranks/slices.py` says which values go where):
 * snapshots (checkpoints, state for joiners, digests) are gathered on the leader one
   fragment at a time; a state to import is scattered from it.
 
-`SingleRank` (`ranks/single.py`) is the one-process case: no collectives. A collective that
+`SingleRank` (`ranks/single.py`) is the one-process case: no collectives; both implement
+`Ranks` (`ranks/protocol.py`), which says what every member does. A collective that
 fails (a rank died) raises `RankFailure` and the node stops (dilonode/cli/launch_ranks.py then
 stops every rank).
 """
@@ -36,7 +37,6 @@ import math
 import threading
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from torch import nn
 from dilonode.algo.fragments import flatten, unflatten_into
 from dilonode.algo.outer import OuterState, merge
 from dilonode.algo.sliced_encoding import SplicedEncoding, splice_supported
+from dilonode.collective import Collective, PendingReduce, ReduceResult, StateSource, SyncKey
 from dilonode.config import RunConfig
 from dilonode.train.device import device_info
 from dilonode.train.ranks.slices import (
@@ -56,6 +57,7 @@ from dilonode.train.ranks.slices import (
     fsdp_segments,
     slice_bounds,
 )
+from dilonode.train.state import OuterCopy, WorkerState, reusable_fragments
 
 __all__ = ["NodeRanks", "RankEnv", "RankFailure", "follow", "init_node_ranks", "rank_device",
            "used_process_groups"]
@@ -93,7 +95,7 @@ class _NoResult:
     def done(self) -> bool:
         return True
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None) -> ReduceResult:
         raise AssertionError("followers never wait for a round (the leader does)")
 
 
@@ -118,9 +120,6 @@ class _Layout:
 def _portable(arg: Any) -> Any:
     """What an op's argument looks like to the other ranks: results and states without
     their tensors (those travel by collectives)."""
-    from dilonode.collective import ReduceResult
-    from dilonode.train.state import WorkerState
-
     if isinstance(arg, ReduceResult):
         return dataclasses.replace(arg, mean=None, encoded=None)
     if isinstance(arg, WorkerState):
@@ -137,7 +136,7 @@ class NodeRanks:
         self.leader = env.rank == 0
         self.cfg, self.device = cfg, device
         self.control = control  # gloo: ops and outer-state exchanges (host memory)
-        self.strategy = cfg.dist.strategy
+        self.strategy: str = cfg.dist.strategy  # "auto" until `wrap` picks one
         self.devices: list[dict[str, Any]] = []
         self.broken = False
         self._stopped = False
@@ -156,7 +155,7 @@ class NodeRanks:
         name, args = self._bcast(None)
         return name, args
 
-    def handshake(self, identity: str | int | None, device: torch.device) -> Any:
+    def handshake(self, identity: str | int | None, device: torch.device) -> str | int | None:
         """Every rank: the leader's data-stream identity; every rank's device."""
         identity = self._bcast(identity if self.leader else None)
         infos: list[Any] = [None] * self.world
@@ -164,10 +163,13 @@ class NodeRanks:
         self.devices = infos
         return identity
 
-    @contextlib.contextmanager
-    def op(self, name: str, args: tuple[Any, ...]) -> Iterator[None]:
+    def op(self, name: str, args: tuple[Any, ...]) -> contextlib.AbstractContextManager[None]:
         """Run a Worker operation on every rank: the leader announces it (once, however
         nested) and holds its lock meanwhile; a failed collective becomes `RankFailure`."""
+        return self._announced(name, args)
+
+    @contextlib.contextmanager
+    def _announced(self, name: str, args: tuple[Any, ...]) -> Iterator[None]:
         with self._lock:
             if self.broken:
                 raise RankFailure(f"{name}: a rank of this node failed earlier")
@@ -308,11 +310,11 @@ class NodeRanks:
         self.apply(p, params, weights, 0.0)
 
     # -- the swarm's round ---------------------------------------------------------------
-    def begin(self, collective: Any, key: Any, delta: torch.Tensor, weight: float,
-              state: Any = None) -> Any:
+    def begin(self, collective: Collective, key: SyncKey, delta: torch.Tensor, weight: float,
+              state: StateSource | None = None) -> PendingReduce:
         """Gather the slices into the node's contribution; the leader hands it on, with
         the ranks' encodings of their slices when they share the codec work. (`state`, a
-        grouped swarm's state round, is for one-rank nodes: ours is sharded.)"""
+        grouped swarm's state round, goes unused: our outer state is sharded.)"""
         p = key.fragment
         encoded = self._gather_encoded(p, delta) if self._shares_codec() else None
         full = self.gather(p, delta)
@@ -362,7 +364,7 @@ class NodeRanks:
                       for r, n in enumerate(lay.sizes))
         return SplicedEncoding(codec.name, codec.block_size, lay.bounds, parts)
 
-    def localize(self, p: int, result: Any) -> Any:
+    def localize(self, p: int, result: ReduceResult) -> ReduceResult:
         """The round's result with `mean` cut to this rank's slice (scattered by the
         leader). A result with any NaN/Inf reaches every rank as NaN, so all refuse it."""
         lay = self._frag[p]
@@ -377,7 +379,7 @@ class NodeRanks:
         """Fragment p's slices -> the whole vector on the leader (None elsewhere)."""
         return self._gather(part.to("cpu", torch.float32), self._frag[p])
 
-    def check_state(self, state: Any) -> None:
+    def check_state(self, state: WorkerState) -> None:
         """Leader, before announcing an import: the state fits this model."""
         if state.num_fragments != len(self._frag):
             raise ValueError(f"state has {state.num_fragments} fragments, this worker "
@@ -390,7 +392,7 @@ class NodeRanks:
                                      f"{tuple(t.shape)} does not fit float32 ({lay.numel},) "
                                      "(a different model?)")
 
-    def apply_state(self, state: Any, outer: list[OuterState],
+    def apply_state(self, state: WorkerState, outer: Sequence[OuterState],
                     fragments: Sequence[int] | None = None) -> None:
         """Scatter an imported state's fragments (all, or `fragments`) from the leader into
         every rank's slices."""
@@ -402,14 +404,22 @@ class NodeRanks:
                 dst.copy_(self._scatter(full, lay))
             st.steps = state.outer_steps[p]
 
-    def full_outer(self, outer: list[OuterState], need: Sequence[int]) -> list[Any]:
+    def fragments_to_gather(self, reuse: WorkerState | None, rounds: list[int],
+                            outer_steps: list[int], chains: list[str]) -> list[int]:
+        """The fragments whose state changed since `reuse`: gathering one costs a collective
+        of its whole outer state."""
+        keep = reusable_fragments(reuse, rounds, outer_steps, chains)
+        return [p for p in range(len(outer_steps)) if p not in keep]
+
+    def full_outer(self, outer: Sequence[OuterState],
+                   need: Sequence[int]) -> Sequence[OuterState | OuterCopy]:
         """Leader: the whole outer state of the fragments in `need` (others: steps only)."""
-        out = []
+        out: list[OuterState | OuterCopy] = []
         for p, st in enumerate(outer):
             w = m = None
             if p in need:
                 w, m = self.gather(p, st.weights), self.gather(p, st.momentum_buf)
-            out.append(SimpleNamespace(weights=w, momentum_buf=m, steps=st.steps))
+            out.append(OuterCopy(weights=w, momentum_buf=m, steps=st.steps))
         return out
 
     # -- collectives (control group, host memory) ----------------------------------------
@@ -448,6 +458,7 @@ class NodeRanks:
         return recv
 
     def close(self) -> None:
+        """Leave the node's process groups (the node is done or failed)."""
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -498,7 +509,7 @@ def follow(cfg: RunConfig, ranks: NodeRanks) -> None:
 
     from dilonode.algo.pacing import StepPacer, TimePacer
     from dilonode.train.data import load_data
-    from dilonode.train.worker import Worker
+    from dilonode.train.worker import NODE_OPS, Worker
 
     identity = ranks.handshake(None, ranks.device)
     timed = cfg.diloco.pacing == "time" and cfg.diloco.mode != "ddp"
@@ -511,7 +522,11 @@ def follow(cfg: RunConfig, ranks: NodeRanks) -> None:
             raise RankFailure(f"rank {ranks.rank}: lost the leader: {exc}") from exc
         if name == "stop":
             return
-        getattr(worker, name)(*args)
+        op = NODE_OPS.get(name)
+        if op is None:
+            raise RankFailure(f"rank {ranks.rank}: the leader sent op {name!r}, which no "
+                              "`node_op` of Worker defines")
+        op(worker, *args)
 
 
 class _NoCollective:

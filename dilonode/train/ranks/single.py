@@ -1,5 +1,6 @@
 """`SingleRank`: the ranks of a node of one process. Every operation is local: no
-collectives, the plain one-process arithmetic of a `Worker`."""
+collectives, the plain one-process arithmetic of a `Worker` (`Ranks`, ranks/protocol.py,
+says what each member does)."""
 
 from __future__ import annotations
 
@@ -12,20 +13,22 @@ from torch import nn
 
 from dilonode.algo.fragments import flatten, unflatten_into
 from dilonode.algo.outer import OuterState, merge
+from dilonode.collective import Collective, PendingReduce, ReduceResult, StateSource, SyncKey
 from dilonode.train.device import device_info
+from dilonode.train.state import OuterCopy, WorkerState
 
 __all__ = ["SingleRank"]
 
 
 class SingleRank:
-    """A node of one process: every operation is local (the pre-ranks arithmetic)."""
+    """A node of one process: every operation is local."""
 
     rank, world, leader, strategy = 0, 1, True, "single"
 
     def __init__(self) -> None:
         self.devices: list[dict[str, Any]] = []
 
-    def handshake(self, identity: str | int | None, device: torch.device) -> Any:
+    def handshake(self, identity: str | int | None, device: torch.device) -> str | int | None:
         self.devices = [device_info(device)]
         return identity
 
@@ -60,27 +63,38 @@ class SingleRank:
     def local_tensors(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.data for t in params]
 
-    def begin(self, collective: Any, key: Any, delta: torch.Tensor, weight: float,
-              state: Any = None) -> Any:
+    def begin(self, collective: Collective, key: SyncKey, delta: torch.Tensor, weight: float,
+              state: StateSource | None = None) -> PendingReduce:
         if state is None:
             return collective.begin(key, delta, weight)
         return collective.begin(key, delta, weight, state=state)
 
-    def localize(self, p: int, result: Any) -> Any:
+    def localize(self, p: int, result: ReduceResult) -> ReduceResult:
         return result
 
     def gather(self, p: int, part: torch.Tensor) -> torch.Tensor | None:
         return part
 
-    def check_state(self, state: Any) -> None:
+    def check_state(self, state: WorkerState) -> None:
         """`WorkerState.apply_to` checks shapes itself."""
 
-    def apply_state(self, state: Any, outer: list[OuterState],
+    def apply_state(self, state: WorkerState, outer: Sequence[OuterState],
                     fragments: Sequence[int] | None = None) -> None:
         if fragments is None:
             state.apply_to(outer)
         for p in fragments or ():
             state.apply_fragment(p, outer[p])
 
+    def fragments_to_gather(self, reuse: WorkerState | None, rounds: list[int],
+                            outer_steps: list[int], chains: list[str]) -> list[int]:
+        return []
+
+    def full_outer(self, outer: Sequence[OuterState],
+                   need: Sequence[int]) -> Sequence[OuterState | OuterCopy]:
+        return outer
+
     def stop(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
