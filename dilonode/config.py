@@ -85,6 +85,19 @@ class ModelConfig(_Frozen):
     ffn_hidden: int | None = Field(None, ge=8, description="SwiGLU hidden width")
     max_seq_len: int | None = Field(None, ge=8, description="longest sequence for rotary cache")
     tie_embeddings: bool = Field(True, description="share token embedding and output head")
+    activation_checkpointing: bool = Field(
+        False, description="keep only each transformer block's input for the backward pass "
+        "and recompute the rest (builtin models, and Hugging Face models that support "
+        "gradient checkpointing): activations shrink to about one block's, a step costs "
+        "about a third more compute")
+    loss_chunk_tokens: int | Literal["auto"] = Field(
+        "auto", description="compute the loss this many tokens at a time, recomputing each "
+        "chunk's logits in the backward pass, so full float32 logits [tokens, vocab] never "
+        "exist (builtin models); 0 computes them whole; auto: 1024 once the vocabulary has "
+        "8192 tokens or more, else 0")
+    compile: bool = Field(
+        False, description="torch.compile the model (the first steps take longer while it "
+        "compiles)")
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -112,6 +125,10 @@ class DataConfig(_Frozen):
     seq_len: int = Field(128, ge=2, description="tokens per training sequence")
     batch_size: int = Field(8, ge=1, description="sequences per inner step per worker (a "
                             "node with several ranks splits them evenly over its ranks)")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="sequences per forward/backward pass: a rank's share of "
+        "batch_size is cut into micro-batches whose gradients add up before the one AdamW "
+        "update of the inner step (gradient accumulation); None: the whole share at once")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out share of tokens")
     eval_batches: int = Field(8, ge=1, description="batches per evaluation")
     seed: int = Field(0, description="base seed; each worker's stream also mixes its identity")
@@ -120,6 +137,9 @@ class DataConfig(_Frozen):
     def _check(self) -> DataConfig:
         if self.source != "builtin" and self.path is None:
             raise ValueError(f"data.path = None: source={self.source} needs a path")
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise ValueError(f"data.micro_batch_size = {self.micro_batch_size}: must divide "
+                             f"data.batch_size = {self.batch_size}")
         return self
 
 
@@ -131,7 +151,18 @@ class InnerOptConfig(_Frozen):
     beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1")
     beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW beta2")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
-    warmup_steps: int = Field(0, ge=0, description="linear warm-up steps, then constant")
+    warmup_steps: int = Field(
+        0, ge=0, description="linear warm-up over this many reference steps of the swarm "
+        "clock (a node paced by its own steps counts its own), then the schedule")
+    schedule: Literal["constant", "cosine", "wsd"] = Field(
+        "constant", description="after the warm-up: constant, a cosine down to "
+        "min_lr_ratio * lr at total_steps, or warm-up-stable-decay (constant, then a linear "
+        "decay over the last decay_fraction of the run); driven by the swarm clock, so every "
+        "node is at the same point of it")
+    min_lr_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="where cosine and wsd end, as a share of lr")
+    decay_fraction: float = Field(
+        0.2, gt=0.0, le=1.0, description="wsd: the share of total_steps the decay takes")
     grad_clip: float = Field(1.0, ge=0.0, description="global norm clip; 0 disables")
     rewarm_steps: int = Field(
         20, ge=0, description="after adopting a state with a fresh AdamW (joining, resuming), "

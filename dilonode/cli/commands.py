@@ -28,8 +28,12 @@ from dilonode.cli.progress import (
 )
 from dilonode.fmt import human_bytes, key_values
 
-__all__ = ["NodeFailure", "bootstrap", "identity", "prepare_data", "run_node", "simulate",
-           "status", "swarm"]
+__all__ = ["NodeFailure", "bootstrap", "identity", "memory", "prepare_data", "run_node",
+           "simulate", "status", "swarm"]
+
+# What the CUDA context and the allocator's slack take beside the tensors (a few hundred MB
+# on current drivers): left free when comparing the estimate with a card.
+_CUDA_OVERHEAD = 1 << 30
 
 
 class NodeFailure(Exception):
@@ -91,6 +95,40 @@ def prepare_data(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None
     print(key_values([(k, str(v)) for k, v in meta.items()], indent="  "))
+    return 0
+
+
+def memory(args: argparse.Namespace) -> int:
+    cfg = run_config_from_args(args)
+    from dilonode.train.data import load_tokenizer
+    from dilonode.train.memory import estimate_memory
+
+    try:
+        vocab = args.vocab or cfg.model.vocab_size or load_tokenizer(cfg.data.tokenizer).vocab_size
+        est = estimate_memory(cfg, vocab, ranks=args.ranks)
+    except (ValueError, FileNotFoundError) as exc:
+        raise UserError(str(exc)) from None
+    if args.json:
+        print(json.dumps(est.as_dict(), indent=2))
+        return 0
+    card = int(args.device_gb * (1 << 30))
+    fits = est.device_bytes + _CUDA_OVERHEAD <= card
+    print(key_values([
+        ("parameters", f"{est.params:,} (vocabulary {vocab:,})"),
+        ("weights + gradients (float32)", human_bytes(est.weights + est.gradients)),
+        ("AdamW moments", human_bytes(est.optimizer)),
+        ("activations of one micro-batch", f"{human_bytes(est.activations)} "
+         f"({est.micro_batch_tokens:,} tokens, activation checkpointing "
+         f"{'on' if est.activation_checkpointing else 'off'})"),
+        ("loss", f"{human_bytes(est.loss)} ("
+         + (f"chunks of {est.loss_chunk:,} tokens" if est.loss_chunk else "whole logits")
+         + ")"),
+        ("outer state", f"{human_bytes(est.outer_state)} in "
+         + ("device memory" if est.outer_on_device else "host RAM")),
+        ("device memory, estimated", human_bytes(est.device_bytes)),
+        (f"fits a {args.device_gb:g} GiB card", f"{'yes' if fits else 'no'} (leaving "
+         f"{human_bytes(_CUDA_OVERHEAD)} for the CUDA context)"),
+    ], indent="  "))
     return 0
 
 

@@ -82,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     ident.add_argument("path", help="libp2p key file (network.identity_path)")
     ident.add_argument("--create", action="store_true", help="write a new key if missing")
 
+    mem = sub.add_parser("memory", help="estimate the device memory and host RAM a node of "
+                         "this config needs (measures activations on the CPU, ~10-60 s)")
+    _add_config_args(mem)
+    mem.add_argument("--vocab", type=int, help="vocabulary size (default: the tokenizer's)")
+    mem.add_argument("--ranks", type=int, default=1, help="ranks sharing each inner step")
+    mem.add_argument("--device-gb", type=float, default=24.0,
+                     help="memory of the card to compare with, in GiB")
+    mem.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
     prep = sub.add_parser("prepare-data", help="tokenize a folder of .txt/.jsonl into shards")
     prep.add_argument("src", help="folder of .txt / .jsonl files")
     prep.add_argument("out", help="output folder (train.bin, val.bin, meta.json)")
@@ -117,7 +126,7 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     handler = {"simulate": commands.simulate, "prepare-data": commands.prepare_data,
                "run": commands.run_node, "bootstrap": commands.bootstrap,
                "swarm": commands.swarm, "status": commands.status,
-               "identity": commands.identity}
+               "identity": commands.identity, "memory": commands.memory}
     try:
         return handler[args.command](args)
     except KeyboardInterrupt:

@@ -20,11 +20,12 @@
    reads at the end of its wait (minus the peers it excludes). It re-stores its own entry
    with a `roster` (members, data addresses, weights, sorted by peer id) and uses that
    roster.
-   Every other peer adopts the first roster it reads that names it and was written by the
-   smallest member of that roster; it waits for one until about one window after it first
-   read the leader's entry (the leader registered before that, so its own wait is over by
-   then), and blames the leader (`MatchmakingError.blame`) if none comes, so the retry
-   leaves the leader out.
+   Every other peer waits for a roster until about one window after it first read the
+   leader's entry (the leader registered before that, so its own wait is over by then), and
+   blames the leader (`MatchmakingError.blame`) if none comes, so the retry leaves the
+   leader out. Which roster a peer's group comes from is settled as the paragraph "One
+   writer per group" below says (a roster counts only when its writer is its smallest
+   member).
    A peer that reads only rosters without itself registered too late (or was excluded by
    the leader): it is a group of one for this attempt, and joins the next round. A peer
    alone at the end of its window while others are expected (they lag) is not waited on
@@ -42,14 +43,22 @@ the same split on every member). Such groups are `mixing`: their members also av
 their outer states (`algo/mixing.py`). With at most `max_group_size` peers nothing changes.
 
 One writer per group makes every member's view the same, where reading the key at the end of
-each peer's own window did not: peers that register at different times read different sets,
-and a joiner appearing mid-window split rounds into mismatching views. What remains is a
-race between two peers that each believe they lead (a smaller peer id registering between
-the other's last read and its roster becoming visible); the all-reduce layer still catches
-any disagreement (its first message carries `Group.digest()`, a mismatch fails the attempt,
-and the caller retries with `attempt + 1`, a fresh key). An entry is valid only if it is
-signed by the peer it names and that peer is admitted (swarm secret, allowlist:
-`board.credentials`), so no one can register another peer, slip in, or forge a roster.
+each peer's own window did not: peers that register at different times read different sets.
+Two peers can still each believe they lead: a smaller peer id (a joiner) reads the key while
+the other's roster is on its way, and writes a roster of its own. So no peer takes a group
+from the first roster it sees: once a roster is out (its own written, or one read) it waits
+until any competing roster must have landed (twice its slowest DHT call of the attempt, plus
+a poll: the competitor read before the first roster landed, and its roster lands within two
+of its calls after that), reads again, and takes its group from the rosters that stand:
+taken from the smallest writer up, a roster stands unless a standing roster before it names
+one of its peers already. Every member derives the same groups from the same rosters, the
+writer of a roster that does not stand included. A roster later still (a peer stalled past
+that margin) is caught by the all-reduce layer: its first message carries `Group.digest()`,
+a mismatch fails the attempt, and the caller retries with `attempt + 1`, a fresh key.
+
+An entry is valid only if it is signed by the peer it names and that peer is admitted (swarm
+secret, allowlist: `board.credentials`), so no one can register another peer, slip in, or
+forge a roster.
 Everything is bounded by `timeout`; failure to register or to read raises `MatchmakingError`.
 """
 
@@ -187,15 +196,26 @@ class _Board:
         # (and its roster, if it leads) ends at most one window later.
         self.first_seen: dict[str, float] = {}
         self.own_visible = False
+        # The slowest store or read of this attempt so far: how stale what we read can be,
+        # and how late a roster written by a peer that read before ours landed can appear.
+        self.slowest_call = 0.0
 
     def store(self, entry: GroupEntry, until: float) -> bool:
-        return self.board.store_raw(self.key, entry.peer_id,
-                                    encode_record(entry, self.board.credentials), self.ttl,
-                                    timeout=max(until - time.monotonic(), 0.0))
+        t0 = time.monotonic()
+        try:
+            return self.board.store_raw(self.key, entry.peer_id,
+                                        encode_record(entry, self.board.credentials), self.ttl,
+                                        timeout=max(until - time.monotonic(), 0.0))
+        finally:
+            self.slowest_call = max(self.slowest_call, time.monotonic() - t0)
 
     def read(self, until: float) -> dict[str, GroupEntry]:
         """Read the key (TimeoutError past `until`) and return its valid entries."""
-        raw = self.board.get_raw(self.key, timeout=max(until - time.monotonic(), 0.0))
+        t0 = time.monotonic()
+        try:
+            raw = self.board.get_raw(self.key, timeout=max(until - time.monotonic(), 0.0))
+        finally:
+            self.slowest_call = max(self.slowest_call, time.monotonic() - t0)
         self.own_visible = self.me.peer_id in raw
         fresh = {k: v for k, v in raw.items() if (k, v.value) not in self._decoded}
         good = decode_entries(self.board, self.key, fresh, GroupEntry, self.board.credentials)
@@ -243,23 +263,41 @@ def _register(view: _Board, deadline: float) -> None:
         log.debug("store under %s refused; relying on the existing entry", view.key)
 
 
+def _closing(entries: Mapping[str, GroupEntry]) -> list[GroupEntry]:
+    """The closing entries among `entries`, by writer: a roster counts only when its
+    writer is its smallest member."""
+    return [e for p, e in sorted(entries.items())
+            if e.roster and e.roster[0].peer_id == p]
+
+
+def _standing_rosters(entries: Mapping[str, GroupEntry]) -> list[GroupEntry]:
+    """The rosters that stand, by writer: taking them from the smallest writer up, a roster
+    stands unless it names a peer that a roster standing before it names already. Two
+    peers that each believed they led (one registered while the other's roster was on its
+    way) wrote overlapping rosters; every member that reads both derives the same groups
+    from them, so the round is not split."""
+    claimed: set[str] = set()
+    standing = []
+    for entry in _closing(entries):
+        names = {m.peer_id for m in entry.roster or ()}
+        if not names & claimed:
+            claimed |= names
+            standing.append(entry)
+    return standing
+
+
 def _roster_for(entries: dict[str, GroupEntry], me: str) -> tuple[GroupEntry | None, bool]:
-    """(the closing entry whose roster names `me`, whether any roster exists): a roster
-    counts only when its writer is its smallest member; of several naming `me`, the
-    smallest writer's wins."""
-    closed = sorted(e for e in entries.items() if e[1].roster is not None and e[1].roster
-                    and e[1].roster[0].peer_id == e[0])
-    for _, entry in closed:
-        assert entry.roster is not None
-        if any(m.peer_id == me for m in entry.roster):
+    """(the standing roster that names `me`, whether any roster exists)."""
+    for entry in _standing_rosters(entries):
+        if any(m.peer_id == me for m in entry.roster or ()):
             return entry, True
-    return None, bool(closed)
+    return None, bool(_closing(entries))
 
 
 def _standing_roster(entries: dict[str, GroupEntry]) -> tuple[tuple[str, ...], str] | None:
-    """(members, chain) of the valid roster with the most members (then the smallest
+    """(members, chain) of the standing roster with the most members (then the smallest
     writer), or None: the group that stands when we were left out of it."""
-    closed = [e for p, e in sorted(entries.items()) if e.roster and e.roster[0].peer_id == p]
+    closed = _standing_rosters(entries)
     if not closed:
         return None
     best = max(closed, key=lambda e: len(e.roster or ()))
@@ -337,6 +375,7 @@ def _close(view: _Board, exclude: frozenset[str], deadline: float, grouped: bool
         view.store(closing, deadline)  # a later expiration than the registration: replaces it
     except TimeoutError as exc:
         raise MatchmakingError(f"could not publish the roster under {view.key}: {exc}") from None
+    view.entries[view.me.peer_id] = closing  # stored: what we read next holds it too
     if outvoted:
         log.warning("group %s: left out %d peer(s) whose outer state differs from ours "
                     "(they adopt the state that stands): %s", view.key, len(outvoted),
@@ -384,14 +423,23 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
     steps.gather()
     roster, any_roster = _roster_for(view.entries, me.peer_id)
     grouped = _is_grouped(view.entries, me, max_group_size)
+    led: Group | None = None
     if roster is None and not any_roster:
         leader = steps.leader(grouped)
         if leader == me.peer_id:
-            group = _close(view, steps.skip, deadline, grouped, max_group_size)
-            log.info("group %s: closed with %d member(s), digest %s", view.key, group.size,
-                     group.digest()[:12])
-            return group
-        roster = steps.follow(leader)
+            led = _close(view, steps.skip, deadline, grouped, max_group_size)
+            if nobody_else and led.size == 1:
+                return led  # no other live peer: no other roster to wait for
+        else:
+            steps.follow(leader)
+    roster = steps.settle()
+    if led is not None and roster is not None and roster.peer_id == me.peer_id:
+        log.info("group %s: closed with %d member(s), digest %s", view.key, led.size,
+                 led.digest()[:12])
+        return led
+    if led is not None:
+        log.info("group %s: a roster by %s names us first; ours does not stand", view.key,
+                 roster.peer_id if roster is not None else "a smaller peer")
     return steps.joined(roster, grouped)
 
 
@@ -481,6 +529,20 @@ class _Attempt:
             raise MatchmakingError(f"no roster from leader {leader} under {view.key} within "
                                    f"{time.monotonic() - self.start:.1f}s{why}", blame=leader)
         return roster
+
+    def settle(self) -> GroupEntry | None:
+        """Once a roster is out (ours written, or one read): wait until every competing
+        roster must be visible, read the key again, and return the standing roster that
+        names us (None: none does). A competing roster comes from a peer whose last read
+        was sent before the first roster landed; its roster lands within two of its calls
+        after that, so twice the slowest call seen here plus a poll covers it."""
+        view = self.view
+        until = min(time.monotonic() + 2 * view.slowest_call + view.poll_interval,
+                    self.deadline - self.reserve)
+        view.watch(until, lambda _: False)
+        with contextlib.suppress(TimeoutError):
+            view.read(self.deadline)
+        return _roster_for(view.entries, view.me.peer_id)[0]
 
     def joined(self, roster: GroupEntry | None, grouped: bool) -> Group:
         """Our group from the roster that names us; alone when the group closed without

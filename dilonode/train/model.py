@@ -31,6 +31,7 @@ import math
 import os
 import re
 import sys
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from torch import nn
 
 from dilonode.config import ModelConfig
 from dilonode.train.device import autocast
+from dilonode.train.loss import chunked_cross_entropy
 
 __all__ = [
     "PRESETS",
@@ -50,7 +52,9 @@ __all__ = [
     "SwiGLU",
     "Transformer",
     "build_model",
+    "checkpoint_blocks",
     "lm_loss",
+    "loss_chunk_of",
     "loss_sum",
     "mean_loss",
     "model_identity",
@@ -72,6 +76,11 @@ PRESETS: dict[str, dict[str, int]] = {
            "max_seq_len": 2048},
 }
 
+# The chunked loss's tokens per chunk when `loss_chunk_tokens = "auto"`, from this vocabulary
+# size up: a [1024, 32000] float32 chunk is 131 MB, where whole logits of 8 x 1024 tokens are
+# 1 GB (and as much again for their gradient).
+_AUTO_LOSS_CHUNK = 1024
+_CHUNKED_VOCAB = 8192
 _INIT_STD = 0.02
 _NORM_EPS = 1e-5
 _ROPE_BASE = 10000.0
@@ -182,9 +191,13 @@ class Transformer(nn.Module):
     """Decoder-only Llama-style language model; `forward(idx [B, T]) -> logits [B, T, V]`."""
 
     def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int,
-                 ffn_hidden: int, max_seq_len: int, tie_embeddings: bool = True) -> None:
+                 ffn_hidden: int, max_seq_len: int, tie_embeddings: bool = True,
+                 loss_chunk: int = 0) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        # > 0: `forward(idx, targets)` returns the loss, `loss_chunk` tokens at a time
+        # (`chunked_cross_entropy`), and the logits are never whole.
+        self.loss_chunk = loss_chunk
         self.max_seq_len = max_seq_len
         self.n_layers = n_layers
         self.tie_embeddings = tie_embeddings
@@ -211,7 +224,9 @@ class Transformer(nn.Module):
             else:
                 param.normal_(0.0, _INIT_STD)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V]; with `targets` [B, T] and `loss_chunk` set, the mean next-token
+        cross entropy instead (the logits are then computed a chunk at a time)."""
         t = idx.shape[1]
         if t > self.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len = {self.max_seq_len}")
@@ -220,9 +235,11 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin)
         x = self.norm(x)
-        if self.lm_head is None:
-            return F.linear(x, self.tok_emb.weight)  # [B, T, V]
-        return self.lm_head(x)  # [B, T, V]
+        head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
+        if targets is not None and self.loss_chunk:
+            return chunked_cross_entropy(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1),
+                                         self.loss_chunk)
+        return F.linear(x, head)  # [B, T, V]
 
 
 def _import_factory(spec: str) -> Any:
@@ -358,6 +375,17 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for name, m in model.named_modules() if _BLOCK_NAME.search(name)]
 
 
+def loss_chunk_of(cfg: ModelConfig, vocab_size: int) -> int:
+    """Tokens per chunk of the loss (`ModelConfig.loss_chunk_tokens`; 0: whole logits)."""
+    chunk = cfg.loss_chunk_tokens
+    if chunk == "auto":
+        return _AUTO_LOSS_CHUNK if cfg.kind == "builtin" and vocab_size >= _CHUNKED_VOCAB else 0
+    if chunk and cfg.kind != "builtin":
+        raise ValueError(f"model.loss_chunk_tokens = {chunk}: the chunked loss is computed by "
+                         f"the builtin model only (model.kind = {cfg.kind!r}); use 0 or auto")
+    return int(chunk)
+
+
 def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
     """Build the configured network for `vocab_size` tokens on the CPU, initialised from
     torch's global RNG. `cfg.vocab_size`, when set, may pad the vocabulary but not shrink it."""
@@ -365,17 +393,44 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
         raise ValueError(f"model.vocab_size = {cfg.vocab_size}: smaller than the data's "
                          f"vocab_size {vocab_size}")
     vocab = cfg.vocab_size or vocab_size
+    chunk = loss_chunk_of(cfg, vocab)
     if cfg.kind == "factory":
-        return _build_factory(cfg, vocab)
-    if cfg.kind == "hf_llama":
-        return _build_hf_llama(cfg, vocab)
-    if cfg.kind == "hf":
-        return _build_hf(cfg, vocab)
-    if cfg.kind != "builtin":
+        model = _build_factory(cfg, vocab)
+    elif cfg.kind == "hf_llama":
+        model = _build_hf_llama(cfg, vocab)
+    elif cfg.kind == "hf":
+        model = _build_hf(cfg, vocab)
+    elif cfg.kind == "builtin":
+        model = Transformer(vocab_size=vocab, tie_embeddings=cfg.tie_embeddings,
+                            loss_chunk=chunk, **resolve_model_dims(cfg))
+    else:
         raise ValueError(f"model.kind = {cfg.kind!r}: expected builtin, factory, hf_llama "
                          "or hf")
-    return Transformer(vocab_size=vocab, tie_embeddings=cfg.tie_embeddings,
-                       **resolve_model_dims(cfg))
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)
+    return model
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """Recompute every transformer block's activations in the backward pass instead of
+    keeping them: each block keeps only its input (`torch.utils.checkpoint`, non-reentrant,
+    so FSDP2's per-block hooks and autocast work inside). Parameter names do not change."""
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ValueError(f"model.activation_checkpointing: no transformer blocks found in "
+                         f"{type(model).__name__} (expected modules named like blocks.0 or "
+                         "model.layers.0, or a Hugging Face _no_split_modules class)")
+    for block in blocks:
+        block.forward = types.MethodType(_checkpointed_forward, block)  # type: ignore[method-assign]
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # Bound per block (not a closure), so a deep copy of the model rebinds to the copy.
+    forward = type(self).forward
+    if not torch.is_grad_enabled():
+        return forward(self, *args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, self, *args, use_reentrant=False,
+                                             preserve_rng_state=False, **kwargs)
 
 
 def _logits_of(output: Any) -> torch.Tensor:
@@ -392,7 +447,11 @@ def _logits_of(output: Any) -> torch.Tensor:
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of `model(x)` against targets y (both [B, T]), in float32."""
+    """Mean next-token cross entropy of `model(x)` against targets y (both [B, T]), in float32.
+    A builtin model with a loss chunk computes it itself (`Transformer.forward(x, y)`), so
+    its full logits never exist; `model` may be wrapped (DDP keeps it in `.module`)."""
+    if getattr(getattr(model, "module", model), "loss_chunk", 0):
+        return model(x, targets=y)  # type: ignore[no-any-return]
     logits = _logits_of(model(x))  # [B, T, V]
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 

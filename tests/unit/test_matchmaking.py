@@ -15,8 +15,15 @@ import time
 import pytest
 
 from dilonode.net.auth import Credentials, Identity
-from dilonode.swarm.matchmaking import Group, MatchmakingError, form_group, settings_difference
-from dilonode.swarm.records import GroupEntry, PeerRecord, group_key
+from dilonode.swarm.matchmaking import (
+    Group,
+    MatchmakingError,
+    _roster_for,
+    _standing_rosters,
+    form_group,
+    settings_difference,
+)
+from dilonode.swarm.records import GroupEntry, PeerRecord, RosterMember, group_key
 from tests.boards import Board, View
 
 RUN = "mm-unit"
@@ -44,8 +51,9 @@ def _form(board: Board, identity: Identity, delay: float, *, window: float = 1.0
                       timeout, poll_interval=0.02, expected=expected, exclude=exclude)
 
 
-def _run_all(calls: dict[Identity, dict[str, object]]) -> dict[str, Group | BaseException]:
-    board = Board()
+def _run_all(calls: dict[Identity, dict[str, object]],
+             latency: float = 0.0) -> dict[str, Group | BaseException]:
+    board = Board(latency)
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         futs = {i.peer_id: pool.submit(_form, board, i, **kw)  # type: ignore[arg-type]
                 for i, kw in calls.items()}
@@ -58,29 +66,66 @@ def _run_all(calls: dict[Identity, dict[str, object]]) -> dict[str, Group | Base
     return out
 
 
-def test_staggered_peers_and_a_joiner_all_get_one_group() -> None:
-    """4 known peers arrive over 0.3 s; an unexpected joiner arrives just after the known
-    peers are all in (when each of them would stop waiting). Every peer that is in a group
-    is in the same one (same members, addresses, weights, digest); the known peers are all in
-    it; the joiner is either in it or alone, never in a different group."""
-    known, joiner = IDS[1:5], IDS[0]  # the joiner has the smallest id: the hardest case
+def _one_group(got: dict[str, Group | BaseException], expected: frozenset[str]) -> None:
+    """Every peer that is in a group is in the same one (same members, addresses, weights,
+    digest); the expected peers are all in it; any other peer is in it or alone."""
+    groups = [g for g in got.values() if isinstance(g, Group)]
+    assert len(groups) == len(got), got
+    shared = {(g.members, g.data_addrs, g.weights, g.digest()) for g in groups if g.size > 1}
+    assert len(shared) == 1, shared
+    members = next(iter(shared))[0]
+    assert expected <= set(members)
+    for pid, g in got.items():
+        assert isinstance(g, Group)
+        assert g.members == members or g.members == (pid,), (pid, g.members)
+        assert g.members[g.my_index] == pid
+
+
+def _staggered(joiner_at: float) -> tuple[dict[Identity, dict[str, object]], frozenset[str]]:
+    """4 known peers arriving 0.1 s apart and an unexpected joiner with the smallest id (the
+    hardest case: it would lead any group it reads) arriving at `joiner_at`."""
+    known, joiner = IDS[1:5], IDS[0]
     expected = frozenset(i.peer_id for i in known)
     calls: dict[Identity, dict[str, object]] = {
         ident: {"delay": 0.1 * k, "expected": expected} for k, ident in enumerate(known)}
-    calls[joiner] = {"delay": 0.32, "expected": expected}
+    calls[joiner] = {"delay": joiner_at, "expected": expected}
+    return calls, expected
+
+
+def test_staggered_peers_and_a_joiner_all_get_one_group() -> None:
+    """The joiner arrives just after the known peers are all in (when each of them would
+    stop waiting)."""
+    calls, expected = _staggered(0.32)
     for _ in range(3):
-        got = _run_all(calls)
-        groups = [g for g in got.values() if isinstance(g, Group)]
-        assert len(groups) == len(calls), got
-        shared = {(g.members, g.data_addrs, g.weights, g.digest()) for g in groups
-                  if g.size > 1}
-        assert len(shared) == 1, shared
-        members = next(iter(shared))[0]
-        assert expected <= set(members)
-        for pid, g in got.items():
-            assert isinstance(g, Group)
-            assert g.members == members or g.members == (pid,), (pid, g.members)
-            assert g.members[g.my_index] == pid
+        _one_group(_run_all(calls), expected)
+
+
+@pytest.mark.parametrize("joiner_at", [0.32, 0.36, 0.40, 0.44])
+def test_a_joiner_racing_the_roster_over_a_slow_dht_makes_no_second_group(joiner_at) -> None:
+    """Every DHT call takes 50 ms, so what a peer reads is that stale. The smallest known
+    peer closes once all known peers are in; the joiner (smaller still) reads the key before
+    that roster lands and writes a roster of its own. Both rosters are out: every peer,
+    leader included, must derive the same group from them."""
+    calls, expected = _staggered(joiner_at)
+    _one_group(_run_all(calls, latency=0.05), expected)
+
+
+def test_of_overlapping_rosters_the_smaller_writers_stands_and_the_rest_fall() -> None:
+    """Rosters are taken from the smallest writer up; one naming a peer an earlier standing
+    roster names does not stand (its members, writer included, read no group from it)."""
+    a, b, c, d, e = (i.peer_id for i in IDS[:5])
+
+    def closing(writer: str, members: list[str]) -> GroupEntry:
+        ident = next(i for i in IDS if i.peer_id == writer)
+        return _entry(ident, roster=[RosterMember(peer_id=m, data_addr="127.0.0.1:1",
+                                                  bandwidth_mbps=1.0) for m in members])
+
+    entries = {a: closing(a, [a, b, c]), b: closing(b, [b, c, d, e]), d: closing(d, [d, e])}
+    assert [x.peer_id for x in _standing_rosters(entries)] == [a, d]
+    assert _roster_for(entries, b)[0].peer_id == a
+    assert _roster_for(entries, e)[0].peer_id == d
+    lone = {b: closing(b, [b, c, d, e]), d: _entry(IDS[3])}  # d registered, did not close
+    assert [x.peer_id for x in _standing_rosters(lone)] == [b]
 
 
 def test_a_lone_peer_waits_past_its_window_for_expected_peers() -> None:
