@@ -189,9 +189,8 @@ class DilocoConfig(_Frozen):
         1, description="tau: inner steps between starting a sync and merging its "
         "result; with pacing=time the least such delay, in reference steps of the swarm "
         "clock (a result merges when it arrives, however long that takes, without "
-        "blocking: the overlap follows the links); 'auto' (pacing=time): one step less than "
-        "the gap between two fragments' round starts (H/P - 1), the latest merge that keeps "
-        "one round in flight")
+        "blocking: the overlap follows the links); 'auto' (pacing=time): half the narrowest "
+        "gap between two fragments' round starts, rounded up (5 at H = 30, P = 3)")
     fragment_update_alpha: float = Field(
         0.5, ge=0.0, le=1.0, description="alpha: w <- alpha*w + (1-alpha)*g_new on merge")
     outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
@@ -373,7 +372,7 @@ class NetworkConfig(_Frozen):
         "With more live peers, matchmaking splits them into groups of at most this size "
         "that change every round (dilonode/algo/groups.py), so connections, bytes and "
         "DHT reads per node stay bounded as the swarm grows; with at most this many, one "
-        "group as before. 16 suits internet links")
+        "group of all. 16 suits internet links")
     mix_state_every: int = Field(
         1, ge=0, le=1000, description="grouped swarms (more than max_group_size peers): "
         "the members of a group also average their outer state (weights and momentum, "
@@ -475,7 +474,7 @@ class SuperviseConfig(_Frozen):
     afresh)."""
 
     enabled: bool = Field(True, description="supervise the node's parts (off: a dead part "
-                          "goes unnoticed, as before)")
+                          "goes unnoticed)")
     check_interval: float = Field(
         2.0, gt=0.0, description="seconds between two health checks of every part")
     check_timeout: float = Field(

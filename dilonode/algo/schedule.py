@@ -94,6 +94,6 @@ def auto_merge_delay(sync_every: int, num_fragments: int) -> int:
     merge follows the links on its own when they are slow; on fast links it waits for
     the delay. Merging about two steps in, or one step before the next fragment's round
     (H/P - 1), ended higher on the mean in the simulator; on the test bed the delay's
-    effect was inside the spread between runs (docs/autotune-results.md, measured at
-    H = 30, P = 3)."""
+    effect was inside the spread between runs (docs/reports/2026-11-27-merge-delay-sim.md and
+    docs/reports/2026-11-28-autotune-20mbit.md, at H = 30, P = 3)."""
     return max((min(SyncPlan(sync_every, num_fragments).start_gaps()) + 1) // 2, 1)
