@@ -133,6 +133,15 @@ def test_save_to_disk_folders_read_with_pyarrow_alone(tmp_path: Path) -> None:
     for a, b in zip(_take(arrow.train_batches(1, SEQ, BATCH, 0), 40),
                     _take(parquet.train_batches(1, SEQ, BATCH, 0), 40), strict=True):
         assert torch.equal(a[0], b[0])  # the same rows, the same cut: the same stream
+    # One Arrow IPC file in the file format (random access to its batches) reads alike.
+    table = pa.table({"text": docs})
+    with pa.OSFile(str(tmp_path / "one.arrow"), "wb") as sink, \
+            pa.ipc.new_file(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=25):
+            writer.write_batch(batch)
+    single = load_data(_cfg(tmp_path / "one.arrow", "arrow"))
+    assert torch.equal(next(single.train_batches(1, SEQ, BATCH, 0))[0],
+                       next(parquet.train_batches(1, SEQ, BATCH, 0))[0])
     # A folder of several splits is read at data.split.
     (tmp_path / "dd").mkdir()
     (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
