@@ -116,12 +116,35 @@ class ModelConfig(_Frozen):
 class DataConfig(_Frozen):
     """Where tokens come from and how batches are cut."""
 
-    source: Literal["builtin", "text", "bin"] = Field(
-        "builtin", description="embedded corpus, a folder of .txt/.jsonl, or token shards (.bin)")
-    path: Path | None = Field(None, description="folder or file for source=text|bin")
+    source: Literal["builtin", "text", "bin", "parquet", "arrow"] = Field(
+        "builtin", description="embedded corpus, a folder of .txt/.jsonl, token shards (.bin), "
+        "Parquet files (a .parquet file or a folder of them, searched recursively), or a "
+        "Hugging Face `datasets` folder written by save_to_disk (its data-*.arrow files; "
+        "read with pyarrow, nothing downloaded). parquet and arrow are streamed: read, "
+        "tokenized and packed as training goes, never held in memory whole")
+    path: Path | None = Field(None, description="folder or file for every source but builtin")
     bin_dtype: Literal["uint16", "uint32"] = Field("uint16", description="dtype of .bin tokens")
-    tokenizer: str = Field("bytes", description="'bytes' or a path to a local tokenizer.json")
+    tokenizer: str = Field("bytes", description="'bytes' or a path to a local tokenizer.json; "
+                           "the model's vocabulary size is the tokenizer's")
     jsonl_field: str = Field("text", description="field holding the text in .jsonl records")
+    text_column: str = Field("text", description="source=parquet|arrow: the string column "
+                             "holding each document's text")
+    split: str = Field("train", description="source=arrow, a save_to_disk folder of several "
+                       "splits (dataset_dict.json): the split to read")
+    unit_rows: int = Field(
+        4096, ge=1, description="source=parquet|arrow: rows per unit, the piece of the corpus "
+        "that workers divide, the eval split holds out and a resume returns to. Row groups "
+        "(Parquet) and record batches (Arrow) of more rows are cut into units of this many; "
+        "reaching a unit cut from inside a Parquet row group decodes the rows before it")
+    shard_index: int | None = Field(
+        None, ge=0, description="with shard_count: this node's shard. Shards split the "
+        "training data strictly: no two read the same unit in an epoch (builtin, text, bin: "
+        "draw windows from their own contiguous share of the tokens). Unset: each worker "
+        "walks the shared order from a start of its own (dilonode/train/stream.py says what "
+        "each way guarantees)")
+    shard_count: int | None = Field(
+        None, ge=1, description="with shard_index: how many shards the training data is "
+        "split into (every node of the swarm sets the same count, each its own index)")
     seq_len: int = Field(128, ge=2, description="tokens per training sequence")
     batch_size: int = Field(8, ge=1, description="sequences per inner step per worker (a "
                             "node with several ranks splits them evenly over its ranks)")
@@ -129,9 +152,11 @@ class DataConfig(_Frozen):
         None, ge=1, description="sequences per forward/backward pass: a rank's share of "
         "batch_size is cut into micro-batches whose gradients add up before the one AdamW "
         "update of the inner step (gradient accumulation); None: the whole share at once")
-    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out share of tokens")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out share of tokens "
+                                 "(parquet, arrow: of units, at least one)")
     eval_batches: int = Field(8, ge=1, description="batches per evaluation")
-    seed: int = Field(0, description="base seed; each worker's stream also mixes its identity")
+    seed: int = Field(0, description="base seed: the corpus' unit order (parquet, arrow); each "
+                      "worker's stream also mixes its identity")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -140,6 +165,14 @@ class DataConfig(_Frozen):
         if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
             raise ValueError(f"data.micro_batch_size = {self.micro_batch_size}: must divide "
                              f"data.batch_size = {self.batch_size}")
+        if (self.shard_index is None) != (self.shard_count is None):
+            unset = "shard_count" if self.shard_count is None else "shard_index"
+            raise ValueError(f"data.{unset} = None: data.shard_index and data.shard_count "
+                             "are set together or not at all")
+        if self.shard_index is not None and self.shard_count is not None \
+                and self.shard_index >= self.shard_count:
+            raise ValueError(f"data.shard_index = {self.shard_index}: must be below "
+                             f"data.shard_count = {self.shard_count}")
         return self
 
 

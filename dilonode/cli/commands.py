@@ -91,7 +91,8 @@ def prepare_data(args: argparse.Namespace) -> int:
     try:
         meta = run_prepare(Path(args.src), Path(args.out), tokenizer=args.tokenizer,
                            eval_fraction=args.eval_fraction, jsonl_field=args.jsonl_field,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, source=args.source,
+                           text_column=args.text_column, split=args.split)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None
     print(key_values([(k, str(v)) for k, v in meta.items()], indent="  "))

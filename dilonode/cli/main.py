@@ -91,8 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="memory of the card to compare with, in GiB")
     mem.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
-    prep = sub.add_parser("prepare-data", help="tokenize a folder of .txt/.jsonl into shards")
-    prep.add_argument("src", help="folder of .txt / .jsonl files")
+    prep = sub.add_parser("prepare-data", help="tokenize .txt/.jsonl, Parquet or a datasets "
+                          "save_to_disk folder into shards")
+    prep.add_argument("src", help="folder (or file) of .txt / .jsonl or .parquet files, or a "
+                      "save_to_disk folder")
+    prep.add_argument("--source", choices=("auto", "text", "parquet", "arrow"), default="auto",
+                      help="kind of input (auto: by its files)")
+    prep.add_argument("--text-column", default="text", help="text column of Parquet/Arrow rows")
+    prep.add_argument("--split", default="train", help="split of a save_to_disk DatasetDict")
     prep.add_argument("out", help="output folder (train.bin, val.bin, meta.json)")
     prep.add_argument("--tokenizer", default="bytes", help="'bytes' or a local tokenizer.json")
     prep.add_argument("--eval-fraction", type=float, default=0.1, help="held-out share")

@@ -36,7 +36,7 @@ from dilonode.net.channel import StreamOpener
 from dilonode.statesync.client import LinkHook, Recovery, RecoveryError, recover
 from dilonode.statesync.plan import Replayer
 from dilonode.statesync.server import SnapshotSource, StateServer
-from dilonode.train.checkpoint import Checkpointer, load_latest
+from dilonode.train.checkpoint import Checkpointer, data_position, load_latest, resume_data
 from dilonode.train.state import config_digest, snapshot_error
 
 __all__ = ["StateKeeper", "checkpoint_dir", "min_rounds"]
@@ -146,7 +146,7 @@ class StateKeeper:
         self.checkpointer.start_from(worker.step)
         if self.active:
             if self.recovery is not None and self.cfg.checkpoint.every_steps:
-                self.checkpointer.save_async(worker.export_state())
+                self.checkpointer.save_async(worker.export_state(), data_position(worker))
             self.source.attach(worker)
             worker.wait_hook = self.source.blocked
 
@@ -158,6 +158,7 @@ class StateKeeper:
             return
         state, path = found
         worker.import_state(state)
+        resume_data(worker, path)
         self.resumed_from = path
         self.checkpointer.note_good(path)
         log.info("resumed from checkpoint %s at step %d", path.name, state.step)

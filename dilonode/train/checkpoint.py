@@ -1,19 +1,25 @@
 """Local checkpoints of a node's outer state: crash-safe writes, verified reads, last K kept.
 
-A checkpoint is two files in one folder, named by the step:
+A checkpoint is two or three files in one folder, named by the step:
 
     ckpt-0000001200.safetensors   the `WorkerState` tensors (outer weights, outer momentum)
+    ckpt-0000001200.data.json     where the worker's data stream stood (`BatchStream.state`)
     ckpt-0000001200.json          run id, config digest, step, round counters, outer step
-                                  counters, and the sha256 + size of the .safetensors file
+                                  counters, the sha256 of the other files (and the
+                                  tensors' size)
 
-Both are written to a temp file, fsynced and renamed, tensors first; the JSON is the commit
+All are written to a temp file, fsynced and renamed, tensors first; the JSON is the commit
 record, so a checkpoint exists only once its JSON is in place, and the folder is fsynced
-after the renames. A kill at any point leaves the previous checkpoints intact and at worst a
-stray temp or tensor file, which the next save removes; a save that fails (an I/O error, a
-full disk) removes its own temp and uncommitted tensor files at once, so a full disk does
-not fill up further with every attempt. `load_latest` walks from the newest
-checkpoint down, checks the hash, run id and config digest, reports a bad one in one log line
-and falls back to the one before.
+after the renames. The data position is the worker's own (taken with the state, between two
+steps): `resume_data` hands it back to the worker on resume, so its stream goes on with the
+batch after the last one it trained on. A checkpoint without one, or with one that is torn
+or belongs to another stream, resumes with the stream from its beginning and one warning.
+
+A kill at any point leaves the previous checkpoints intact and at worst a stray temp, tensor
+or data file, which the next save removes; a save that fails (an I/O error, a full disk)
+removes its own temp and uncommitted files at once, so a full disk does not fill up further
+with every attempt. `load_latest` walks from the newest checkpoint down, checks the hash, run
+id and config digest, reports a bad one in one log line and falls back to the one before.
 
 `Checkpointer` is the training thread's handle: `maybe_save(worker)` after each step takes a
 copy of the outer state when one is due (`Worker.export_state`: the state after the rounds
@@ -42,14 +48,15 @@ from typing import Protocol
 
 from dilonode.train.state import WorkerState
 
-__all__ = ["Checkpointer", "latest_checkpoints", "load_checkpoint",
-           "load_latest", "save_checkpoint"]
+__all__ = ["Checkpointer", "data_position", "latest_checkpoints", "load_checkpoint",
+           "load_data_position", "load_latest", "resume_data", "save_checkpoint"]
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _NAME = re.compile(r"^ckpt-(\d{10})\.json$")
+_DATA_SUFFIX = ".data.json"
 # Called with the name of each point a save passes ("tensors-written", "tensors-renamed",
 # "meta-written"); tests use it to kill or fail a save at a chosen point.
 FaultHook = Callable[[str], None]
@@ -84,10 +91,18 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def data_position(worker: Any) -> dict[str, Any] | None:
+    """Where `worker`'s data stream stands (`Worker.data_position`), None if it tells none."""
+    get = getattr(worker, "data_position", None)
+    return get() if callable(get) else None
+
+
 def save_checkpoint(directory: Path, state: WorkerState, run_id: str, digest: str,
-                    keep: int, hook: FaultHook | None = None) -> Path:
-    """Write `state` as a checkpoint in `directory` and prune to the newest `keep`; returns
-    the JSON path. Runs on any thread; `state` must not be mutated meanwhile (it is a copy)."""
+                    keep: int, hook: FaultHook | None = None,
+                    position: dict[str, Any] | None = None) -> Path:
+    """Write `state` (and the data stream's `position`, when given) as a checkpoint in
+    `directory` and prune to the newest `keep`; returns the JSON path. Runs on any thread;
+    `state` and `position` must not be mutated meanwhile (they are copies)."""
     from safetensors.torch import save
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -98,6 +113,7 @@ def save_checkpoint(directory: Path, state: WorkerState, run_id: str, digest: st
     blob = save({k: v.contiguous() for k, v in state.tensors.items()},
                 metadata={"run_id": run_id, "config_digest": digest})
     tensors, path = directory / f"{stem}.safetensors", directory / f"{stem}.json"
+    data = directory / f"{stem}{_DATA_SUFFIX}"
     try:
         _write_durably(tensors, blob, hook, "tensors-written")
         if hook:
@@ -106,10 +122,15 @@ def save_checkpoint(directory: Path, state: WorkerState, run_id: str, digest: st
                 "state": state.meta(), "tensors_file": tensors.name,
                 "tensors_bytes": len(blob), "tensors_sha256": hashlib.sha256(blob).hexdigest(),
                 "created": time.time()}
+        if position is not None:
+            text = json.dumps(position).encode()
+            _write_durably(data, text, hook, "data-written")
+            meta.update(data_file=data.name, data_sha256=hashlib.sha256(text).hexdigest())
         _write_durably(path, json.dumps(meta, indent=1).encode(), hook, "meta-written")
     except BaseException:
-        if not path.exists():  # never committed: the tensors file is a stray
+        if not path.exists():  # never committed: its other files are strays
             tensors.unlink(missing_ok=True)
+            data.unlink(missing_ok=True)
         raise
     _fsync_dir(directory)
     _prune(directory, keep)
@@ -135,7 +156,9 @@ def _prune(directory: Path, keep: int) -> int:
         removed += 1
     for p in directory.iterdir():
         stray = p.name.endswith(".tmp") or (p.suffix == ".safetensors"
-                                            and p.stem not in keep_stems)
+                                            and p.stem not in keep_stems) \
+            or (p.name.endswith(_DATA_SUFFIX)
+                and p.name.removesuffix(_DATA_SUFFIX) not in keep_stems)
         if stray and p.name.startswith((".ckpt-", "ckpt-")):
             p.unlink(missing_ok=True)
             removed += 1
@@ -180,6 +203,44 @@ def load_latest(directory: Path, run_id: str,
     return None
 
 
+def load_data_position(meta_path: Path) -> dict[str, Any] | None:
+    """The data position saved with a checkpoint; None, with one warning, when there is
+    none or it is torn (the stream then starts from its beginning)."""
+    name = meta_path.stem
+    try:
+        meta = json.loads(meta_path.read_text())
+        file = meta.get("data_file")
+        if file is None:
+            log.warning("checkpoint %s holds no data position; the data stream starts from "
+                        "its beginning", name)
+            return None
+        text = (meta_path.parent / str(file)).read_bytes()
+        if hashlib.sha256(text).hexdigest() != meta.get("data_sha256"):
+            raise ValueError("sha256 does not match the checkpoint's")
+        position = json.loads(text)
+        if not isinstance(position, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("checkpoint %s: data position unreadable (%s: %s); the data stream "
+                    "starts from its beginning", name, type(exc).__name__, exc)
+        return None
+    return position
+
+
+def resume_data(worker: Any, meta_path: Path) -> bool:
+    """Continue `worker`'s data stream where it stood when the checkpoint at `meta_path`
+    was taken (`Worker.restore_data`); False, with one warning, when it cannot."""
+    position = load_data_position(meta_path)
+    if position is None:
+        return False
+    why = worker.restore_data(position)
+    if why:
+        log.warning("checkpoint %s: data position %s; the data stream starts from its "
+                    "beginning", meta_path.stem, why)
+        return False
+    return True
+
+
 class _Exportable(Protocol):
     step: int
 
@@ -214,12 +275,12 @@ class Checkpointer:
             created = meta_path.stat().st_mtime if meta_path.exists() else time.time()
         self.newest_good = max(self.newest_good or 0.0, created)
 
-    def _save(self, state: WorkerState) -> Path:
+    def _save(self, state: WorkerState, position: dict[str, Any] | None) -> Path:
         """`save_checkpoint`; on a full disk, prune to `keep - 1` (at least one) and retry
         once: the newest `keep` then still fit, the new one included."""
         try:
             return save_checkpoint(self.directory, state, self.run_id, self.digest,
-                                   self.keep, self.hook)
+                                   self.keep, self.hook, position)
         except OSError as exc:
             if exc.errno not in _DISK_FULL:
                 raise
@@ -227,7 +288,7 @@ class Checkpointer:
             log.warning("checkpoint at step %d: %s; removed %d older checkpoint file(s), "
                         "retrying once", state.step, exc.strerror or exc, removed)
         return save_checkpoint(self.directory, state, self.run_id, self.digest, self.keep,
-                               self.hook)
+                               self.hook, position)
 
     def start_from(self, step: int) -> None:
         """After a resume or a join: the next checkpoint is due a period after `step`."""
@@ -250,13 +311,14 @@ class Checkpointer:
             self.skipped += 1
             log.warning("checkpoint at step %d skipped: %s", worker.step, exc)
             return False
-        self.save_async(state)
+        self.save_async(state, data_position(worker))
         return True
 
-    def save_async(self, state: WorkerState) -> None:
-        """Write `state` (a copy nobody mutates) in the background, after any save running."""
+    def save_async(self, state: WorkerState, position: dict[str, Any] | None = None) -> None:
+        """Write `state` and the data `position` (copies nobody mutates) in the background,
+        after any save running."""
         self.wait()
-        self._thread = threading.Thread(target=self._write, args=(state,),
+        self._thread = threading.Thread(target=self._write, args=(state, position),
                                         name="dilonode-checkpoint", daemon=True)
         self._thread.start()
 
@@ -269,17 +331,17 @@ class Checkpointer:
             self.failed += 1
             log.error("exit checkpoint skipped: %s", exc)
             return None
-        self._write(state)
+        self._write(state, data_position(worker))
         return self.saved[-1] if self.saved else None
 
     def wait(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _write(self, state: WorkerState) -> None:
+    def _write(self, state: WorkerState, position: dict[str, Any] | None = None) -> None:
         t0 = time.perf_counter()
         try:
-            path = self._save(state)
+            path = self._save(state, position)
         except Exception as exc:  # a full disk must not stop training; say it and go on
             self.failed += 1
             log.error("checkpoint at step %d failed: %s: %s", state.step,

@@ -1,27 +1,32 @@
 """Token data for training and evaluation: loading, tokenizing and cutting batches.
 
-`load_data(cfg.data)` returns a `TokenData` holding a 1-D train split, a 1-D held-out eval split
-and the vocabulary size. Sources:
+`load_data(cfg.data)` returns the training and eval data of the configured source and the
+vocabulary size (`TrainData`). Sources:
 
 * ``builtin``: the English help text shipped with every CPython (`pydoc_data.topics`), so a
   run needs no download;
 * ``text``: a folder (searched recursively, sorted paths) of ``.txt`` and ``.jsonl`` files;
 * ``bin``: a nanoGPT-layout folder (``train.bin``, ``val.bin``, optional ``meta.json``) as
-  written by `dilonode.train.prepare.prepare_data`, or one ``.bin`` file.
+  written by `dilonode.train.prepare.prepare_data`, or one ``.bin`` file;
+* ``parquet`` and ``arrow``: Parquet files or a `datasets` save_to_disk folder, streamed
+  (`dilonode.train.stream`, which documents what each worker reads).
 
+The first three give a `TokenData`, 1-D train and eval token arrays in memory or memmapped.
 Tokenization is byte-level (vocab 256) unless ``cfg.tokenizer`` names a local
-``tokenizer.json`` (needs the `tokenizers` package). `list_text_files`, `load_tokenizer` and
-`iter_file_tokens` are shared with `prepare.py` so both read files identically.
+``tokenizer.json`` (`dilonode.train.tokens`). `list_text_files` and `iter_file_tokens` are
+shared with `prepare.py` so both read files identically.
 
 `TokenData.train_batches(worker, ...)` is an infinite stream of random windows whose RNG is
 seeded by `stable_seed(seed, worker)`: reproducible in any process, distinct per worker.
-`eval_batches` is a fixed list of evenly spaced windows from the eval split only.
+With ``data.shard_index``/``shard_count`` each shard draws from its own contiguous share of
+the train tokens only. `eval_batches` is a fixed list of evenly spaced windows from the eval
+split only. Every train stream (`BatchStream`) tells where it stands with `state()`, a small
+JSON-able dict the checkpoints keep, and continues from one with `restore(state)`.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -31,13 +36,26 @@ import numpy as np
 import torch
 
 from dilonode.config import DataConfig
+from dilonode.train.tokens import (
+    DOC_SEPARATOR,
+    PIECE_CHARS,
+    ByteTokenizer,
+    FileTokenizer,
+    TextTokenizer,
+    load_tokenizer,
+    stable_seed,
+    token_dtype,
+)
 
 __all__ = [
     "DOC_SEPARATOR",
+    "BatchStream",
     "ByteTokenizer",
     "FileTokenizer",
+    "RandomBatches",
     "TextTokenizer",
     "TokenData",
+    "TrainData",
     "builtin_corpus",
     "iter_file_tokens",
     "list_text_files",
@@ -48,18 +66,9 @@ __all__ = [
     "token_dtype",
 ]
 
-# Appended to every document (txt file, jsonl record) so documents do not run together.
-DOC_SEPARATOR = "\n\n"
 TEXT_SUFFIXES = (".txt", ".jsonl")
-_PIECE_CHARS = 1 << 20  # characters handed to the tokenizer at once; bounds memory per call
 _FULL_SCAN_TOKENS = 1 << 28  # larger memmaps are range-checked per batch instead of up front
 _BIN_DTYPES = ("uint16", "uint32")
-
-
-def stable_seed(*parts: object) -> int:
-    """63-bit seed from sha256 of the parts joined by ':'; unlike hash(), same in every process."""
-    digest = hashlib.sha256(":".join(str(p) for p in parts).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,68 +79,37 @@ def builtin_corpus() -> bytes:
     return "".join(topics[key] for key in sorted(topics)).encode("utf-8")
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype that stores every id below vocab_size (uint16 or uint32)."""
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+class BatchStream(Protocol):
+    """A worker's endless training batches, resumable from a JSON-able position."""
 
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
 
-class TextTokenizer(Protocol):
-    """What the loaders need from a tokenizer."""
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    name: str
-    vocab_size: int
+    def state(self) -> dict[str, Any]:
+        """Where the stream stands: the next batch is the one after this position."""
+        ...
 
-    def encode_batch(self, texts: list[str]) -> np.ndarray:
-        """Concatenated ids of all texts, 1-D."""
+    def mismatch(self, state: Any) -> str | None:
+        """Why `state` is not a position of this stream (one line), or None."""
+        ...
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from `state`; ValueError when `mismatch` says why not."""
         ...
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocab 256, nothing to download or train."""
+class TrainData(Protocol):
+    """What the workers and evaluations need from a data source."""
 
-    name = "bytes"
-    vocab_size = 256
+    vocab_size: int
+    source: str
 
-    def encode_batch(self, texts: list[str]) -> np.ndarray:
-        return np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8)
+    def train_batches(self, worker: int | str, seq_len: int, batch_size: int,
+                      seed: int) -> BatchStream: ...
 
-
-class FileTokenizer:
-    """A Hugging Face `tokenizers` tokenizer loaded from a local tokenizer.json."""
-
-    def __init__(self, path: Path, tokenizer: Any) -> None:
-        self.name = str(path)
-        self._tok = tokenizer
-        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
-        self._dtype = token_dtype(self.vocab_size)
-
-    def encode_batch(self, texts: list[str]) -> np.ndarray:
-        # Pieces are not whole documents, so BOS/EOS post-processing would be misplaced.
-        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
-        ids = [np.asarray(e.ids, dtype=self._dtype) for e in encodings]
-        return np.concatenate(ids) if ids else np.zeros(0, dtype=self._dtype)
-
-
-def load_tokenizer(spec: str) -> ByteTokenizer | FileTokenizer:
-    """'bytes' or a path to a local tokenizer.json."""
-    if spec == "bytes":
-        return ByteTokenizer()
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise ValueError(f"data.tokenizer = {spec!r}: no such file (expected 'bytes' or a "
-                         "local tokenizer.json)")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ValueError(f"data.tokenizer = {spec!r}: needs the 'tokenizers' package: "
-                         "pip install 'dilonode[tokenizers]'") from None
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust side raises plain Exception subclasses
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"data.tokenizer = {spec!r}: not a valid tokenizer.json: {first}") \
-            from None
-    return FileTokenizer(path, tok)
+    def eval_batches(self, seq_len: int, batch_size: int,
+                     n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def list_text_files(path: Path) -> list[Path]:
@@ -158,7 +136,7 @@ def _txt_pieces(path: Path) -> Iterator[str]:
         for line in f:
             buf.append(line)
             size += len(line)
-            if size >= _PIECE_CHARS:
+            if size >= PIECE_CHARS:
                 yield "".join(buf)
                 buf, size = [], 0
     buf.append(DOC_SEPARATOR)
@@ -189,7 +167,7 @@ def _group_pieces(pieces: Iterable[str]) -> Iterator[list[str]]:
     for piece in pieces:
         group.append(piece)
         size += len(piece)
-        if size >= _PIECE_CHARS:
+        if size >= PIECE_CHARS:
             yield group
             group, size = [], 0
     if group:
@@ -225,13 +203,15 @@ class TokenData:
     """Train and eval token arrays (1-D ndarray or memmap) and the vocabulary they index."""
 
     def __init__(self, train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int,
-                 source: str = "tokens", verified: bool = False) -> None:
+                 source: str = "tokens", verified: bool = False,
+                 shard: tuple[int, int] | None = None) -> None:
         if train_tokens.ndim != 1 or eval_tokens.ndim != 1:
             raise ValueError(f"data ({source}): token arrays must be 1-D")
         self.train_tokens = train_tokens
         self.eval_tokens = eval_tokens
         self.vocab_size = int(vocab_size)
         self.source = source
+        self.shard = shard  # (index, count): train windows only from that share of the tokens
         # Out-of-range ids crash embeddings (device asserts on CUDA): check once, or per batch.
         self._check_batches = not verified
         if not verified and max(len(train_tokens), len(eval_tokens)) <= _FULL_SCAN_TOKENS:
@@ -262,17 +242,25 @@ class TokenData:
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()  # x, y: [B, T]
 
     def train_batches(self, worker: int | str, seq_len: int, batch_size: int,
-                      seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                      seed: int) -> RandomBatches:
         """Endless (x, y) int64 [B, T] random windows; y is x shifted by one token.
 
         The generator is seeded by `stable_seed(seed, worker)`, so the stream depends only on
-        (seed, worker) and the data, not on the process or Python's hash randomisation."""
+        (seed, worker) and the data, not on the process or Python's hash randomisation.
+        A shard (index k of M) draws its windows from the k-th of M equal, contiguous
+        shares of the train tokens."""
         self._need(self.train_tokens, seq_len, "train")
-        rng = np.random.Generator(np.random.PCG64(stable_seed(seed, worker)))
-        high = len(self.train_tokens) - seq_len  # exclusive: last window ends at n - 1
-        while True:
-            starts = rng.integers(0, high, size=batch_size, dtype=np.int64)  # [B]
-            yield self._windows(self.train_tokens, starts, seq_len)
+        low, end = 0, len(self.train_tokens)
+        if self.shard is not None:
+            index, count = self.shard
+            low, end = index * end // count, (index + 1) * end // count
+            if end - low < seq_len + 1:
+                raise ValueError(f"data.shard_count = {count}: a shard's share of the train "
+                                 f"split ({end - low} tokens) is too short for data.seq_len "
+                                 f"= {seq_len}")
+        # exclusive high: the last window ends at the share's last token
+        return RandomBatches(self, stable_seed(seed, worker), low, end - seq_len, seq_len,
+                             batch_size)
 
     def eval_batches(self, seq_len: int, batch_size: int,
                      n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -285,11 +273,57 @@ class TokenData:
                 for i in range(0, total, batch_size)]
 
 
+class RandomBatches:
+    """`TokenData`'s random windows; its position is its random generator's state."""
+
+    def __init__(self, data: TokenData, key: int, low: int, high: int, seq_len: int,
+                 batch_size: int) -> None:
+        self._data, self.seq_len, self.batch_size = data, seq_len, batch_size
+        self.low, self.high = low, high
+        self._rng = np.random.Generator(np.random.PCG64(key))
+        self._describe = {"kind": "windows", "key": key, "low": low, "high": high}
+
+    def __iter__(self) -> RandomBatches:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = self._rng.integers(self.low, self.high, size=self.batch_size,
+                                    dtype=np.int64)  # [B]
+        return self._data._windows(self._data.train_tokens, starts, self.seq_len)
+
+    def state(self) -> dict[str, Any]:
+        return {**self._describe, "rng": self._rng.bit_generator.state}
+
+    def mismatch(self, state: Any) -> str | None:
+        if not isinstance(state, dict) or state.get("kind") != "windows":
+            return "not the position of a random-window stream"
+        for key, want in self._describe.items():
+            if state.get(key) != want:
+                return f"made for another {key} ({state.get(key)!r}, this stream {want!r})"
+        rng = state.get("rng")
+        if not isinstance(rng, dict) or rng.get("bit_generator") != "PCG64":
+            return "no PCG64 generator state"
+        try:
+            np.random.PCG64().state = rng
+        except (TypeError, ValueError, KeyError) as exc:
+            return f"bad generator state ({type(exc).__name__}: {exc})"
+        return None
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if why := self.mismatch(state):
+            raise ValueError(f"data position: {why}")
+        self._rng.bit_generator.state = state["rng"]
+
+
+def _shard(cfg: DataConfig) -> tuple[int, int] | None:
+    return None if cfg.shard_count is None else (cfg.shard_index or 0, cfg.shard_count)
+
+
 def _split(tokens: np.ndarray, cfg: DataConfig, vocab_size: int, source: str) -> TokenData:
     if len(tokens) == 0:
         raise ValueError(f"data ({source}): no tokens")
     cut = split_point(len(tokens), cfg.eval_fraction)
-    data = TokenData(tokens[:cut], tokens[cut:], vocab_size, source)
+    data = TokenData(tokens[:cut], tokens[cut:], vocab_size, source, shard=_shard(cfg))
     data._need(data.train_tokens, cfg.seq_len, "train")
     data._need(data.eval_tokens, cfg.seq_len, "eval (data.eval_fraction)")
     return data
@@ -358,18 +392,24 @@ def _load_bin(cfg: DataConfig) -> TokenData:
     if root.is_file():
         return _split(_memmap(root, dtype), cfg, vocab, str(root))
     data = TokenData(_memmap(root / "train.bin", dtype), _memmap(root / "val.bin", dtype),
-                     vocab, str(root))
+                     vocab, str(root), shard=_shard(cfg))
     data._need(data.train_tokens, cfg.seq_len, "train")
     data._need(data.eval_tokens, cfg.seq_len, "eval (val.bin)")
     return data
 
 
-def load_data(cfg: DataConfig) -> TokenData:
-    """Load and tokenize the configured source; ValueError names any bad file or field."""
+def load_data(cfg: DataConfig) -> TrainData:
+    """Load and tokenize the configured source (streamed ones: open and check it); ValueError
+    names any bad file or field."""
+    if cfg.source in ("parquet", "arrow"):
+        from dilonode.train.stream import load_stream
+
+        return load_stream(cfg)
     if cfg.source == "builtin":
         return _load_builtin(cfg)
     if cfg.source == "text":
         return _load_text(cfg)
     if cfg.source == "bin":
         return _load_bin(cfg)
-    raise ValueError(f"data.source = {cfg.source!r}: expected builtin, text or bin")
+    raise ValueError(f"data.source = {cfg.source!r}: expected builtin, text, bin, parquet or "
+                     "arrow")

@@ -49,7 +49,7 @@ from dilonode.algo.pacing import (
 from dilonode.algo.schedule import SyncPlan, SyncStart
 from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
 from dilonode.config import InnerOptConfig, RunConfig
-from dilonode.train.data import TokenData
+from dilonode.train.data import TrainData
 from dilonode.train.device import autocast, pick_device
 from dilonode.train.fragment_state import FragmentState
 from dilonode.train.model import build_model, lm_loss, loss_sum
@@ -192,7 +192,7 @@ def _values_digest(mean: torch.Tensor) -> str:
 class Worker:
     """A worker's model and optimizers; see the module docstring for the step phases."""
 
-    def __init__(self, cfg: RunConfig, data: TokenData, collective: Collective,
+    def __init__(self, cfg: RunConfig, data: TrainData, collective: Collective,
                  identity: int | str, device: torch.device | None = None,
                  pacer: Pacer | None = None, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
@@ -673,6 +673,19 @@ class Worker:
             self._rewarm_from = self.step
         if isinstance(self.pacer, TimePacer):
             self.pacer.restart()  # the fetch was no step: keep it out of the step time
+
+    def data_position(self) -> dict[str, Any]:
+        """Where the data stream stands (JSON-able; checkpoints keep it): between steps."""
+        return self.batches.state()
+
+    @node_op
+    def restore_data(self, position: dict[str, Any]) -> str | None:
+        """Continue the data stream from `position` (a `data_position`), on every rank; a
+        position of another stream is refused, the reason returned, the stream unmoved."""
+        why = self.batches.mismatch(position)
+        if why is None:
+            self.batches.restore(position)
+        return why
 
     def adopt_outer(self, other: Worker) -> None:
         """Take another in-process worker's outer state and chains, keeping our counters

@@ -127,15 +127,17 @@ def _save(w: Any, cfg: Any, directory: str) -> None:
     from dilonode.train.checkpoint import save_checkpoint
     from dilonode.train.state import config_digest
 
-    save_checkpoint(Path(directory), w.export_state(), cfg.run_id, config_digest(cfg), 2)
+    save_checkpoint(Path(directory), w.export_state(), cfg.run_id, config_digest(cfg), 2,
+                    position=w.data_position())
 
 
 def _resume(w: Any, cfg: Any, directory: str) -> None:
     from pathlib import Path
 
-    from dilonode.train.checkpoint import load_latest
+    from dilonode.train.checkpoint import load_latest, resume_data
     from dilonode.train.state import config_digest
 
     found = load_latest(Path(directory), cfg.run_id, config_digest(cfg))
     assert found is not None, "no checkpoint"
     w.import_state(found[0])
+    assert resume_data(w, found[1]), "no data position"  # every rank's stream goes on

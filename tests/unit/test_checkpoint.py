@@ -24,7 +24,9 @@ from dilonode.train.checkpoint import (
     Checkpointer,
     latest_checkpoints,
     load_checkpoint,
+    load_data_position,
     load_latest,
+    resume_data,
     save_checkpoint,
 )
 from dilonode.train.data import load_data
@@ -423,3 +425,85 @@ def test_resume_skips_a_torn_newest_checkpoint_then_publishes(tmp_path):
     keeper.prepare(worker, thread=None, dht=None, publish=lambda: published.append(True))
     assert [s.step for s in worker.imported] == [10] and _same(worker.imported[0], _state(10))
     assert keeper.resumed_from.name == "ckpt-0000000010.json" and published == [True]
+
+
+def _data_config(tmp_path: Path, source: str):
+    """The H = 4, P = 2 run of `_h4_p2_config`, checkpointing under tmp_path, on the builtin
+    corpus or on a small Parquet file written here."""
+    data: dict[str, object] = {"seq_len": 16, "batch_size": 2}
+    if source == "parquet":
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        docs = [f"document {i}: " + "the quick brown fox " * (i % 7 + 1) for i in range(400)]
+        pq.write_table(pa.table({"text": docs}), tmp_path / "c.parquet", row_group_size=20)
+        data.update(source="parquet", path=str(tmp_path / "c.parquet"), eval_batches=2)
+    return load_config(overrides={
+        "run_id": RUN, "model": {"preset": "nano"}, "device": "cpu", "data": data,
+        "diloco": {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1},
+        "codec": {"name": "float32"}, "paths": {"out_dir": str(tmp_path)},
+        "statesync": {"enabled": False}})
+
+
+@pytest.mark.parametrize("source", ["builtin", "parquet"])
+def test_a_resumed_worker_goes_on_with_the_batches_an_uninterrupted_one_would(tmp_path,
+                                                                               source):
+    from dilonode.statesync.keeper import StateKeeper
+
+    cfg = _data_config(tmp_path, source)
+    a, _ = _worker(cfg)
+    _run_to(a, 6)
+    path = Checkpointer(tmp_path / "ckpt", RUN, config_digest(cfg), 0, 3).save_now(a)
+    assert path is not None and path.with_name(f"{path.stem}.data.json").is_file()
+    b, _ = _worker(cfg)  # a restarted node: a fresh worker, resumed by its keeper
+    StateKeeper(cfg, resume=True).prepare(b, thread=None, dht=None, publish=lambda: None)
+    assert b.step == a.export_state().step
+    for _ in range(5):
+        (xa, ya), (xb, yb) = next(a.batches), next(b.batches)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+@pytest.mark.parametrize("damage", ["missing", "torn", "another stream", "old checkpoint"])
+def test_a_missing_or_torn_data_position_restarts_the_stream_with_one_warning(tmp_path,
+                                                                              caplog, damage):
+    cfg = _data_config(tmp_path, "builtin")
+    a, _ = _worker(cfg)
+    _run_to(a, 3)
+    position = a.data_position()
+    if damage == "another stream":
+        position = _worker(cfg, identity=5)[0].data_position()
+    path = save_checkpoint(tmp_path, a.export_state(), RUN, DIGEST, keep=3,
+                           position=None if damage == "old checkpoint" else position)
+    data_file = path.with_name(f"{path.stem}.data.json")
+    if damage == "missing":
+        data_file.unlink()
+    elif damage == "torn":
+        data_file.write_bytes(data_file.read_bytes()[:20])
+    b, _ = _worker(cfg)
+    state, where = load_latest(tmp_path, RUN, DIGEST)
+    b.import_state(state)
+    with caplog.at_level(logging.WARNING, logger="dilonode.train.checkpoint"):
+        assert not resume_data(b, where)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "starts from its beginning" in lines[0] and "\n" not in lines[0]
+    first = next(_worker(cfg)[0].batches)
+    assert torch.equal(next(b.batches)[0], first[0])
+
+
+def test_data_positions_are_pruned_and_a_failed_save_leaves_none(tmp_path):
+    position = {"kind": "windows", "key": 1}
+    for step in (10, 20, 30, 40):
+        save_checkpoint(tmp_path, _state(step), RUN, DIGEST, keep=2, position=position)
+    assert sorted(p.name for p in tmp_path.glob("*.data.json")) == [
+        "ckpt-0000000030.data.json", "ckpt-0000000040.data.json"]
+    assert load_data_position(tmp_path / "ckpt-0000000040.json") == position
+
+    def fail(at: str) -> None:
+        if at == "data-written":
+            raise OSError(f"injected at {at}")
+
+    with pytest.raises(OSError, match="injected"):
+        save_checkpoint(tmp_path, _state(50), RUN, DIGEST, keep=2, hook=fail, position=position)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"ckpt-00000000{s}{ext}" for s in (30, 40) for ext in (".data.json", ".json",
+                                                              ".safetensors")]

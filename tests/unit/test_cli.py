@@ -48,3 +48,22 @@ def test_prepare_data_cli(tmp_path):
     assert (tmp_path / "out" / "train.bin").exists()
     bad = run("prepare-data", str(tmp_path / "nope"), str(tmp_path / "out2"))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_prepare_data_cli_reads_parquet_and_names_a_missing_column(tmp_path):
+    import pytest
+
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "src").mkdir()
+    pq.write_table(pa.table({"content": ["hello parquet world " * 20] * 50}),
+                   tmp_path / "src" / "a.parquet", row_group_size=10)
+    proc = run("prepare-data", str(tmp_path / "src"), str(tmp_path / "out"), "--no-progress",
+               "--text-column", "content")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "train.bin").stat().st_size > 0
+    bad = run("prepare-data", str(tmp_path / "src"), str(tmp_path / "out2"), "--no-progress")
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "data.text_column = 'text': no such column" in lines[0]

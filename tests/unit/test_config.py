@@ -14,6 +14,13 @@ from dilonode.config import ConfigError, load_config, parse_overrides
     ("diloco.fragment_update_alpha=1.5", "diloco.fragment_update_alpha = 1.5"),
     ("diloco.mode='fast'", "diloco.mode = 'fast'"),
     ("data.source='text'", "data.path = None: source=text needs a path"),
+    ("data.source='parquet'", "data.path = None: source=parquet needs a path"),
+    ("data.source='arrow'", "data.path = None: source=arrow needs a path"),
+    ("data.source='csv'", "data.source = 'csv': Input should be"),
+    ("data.shard_index=1", "data.shard_count = None: data.shard_index and data.shard_count "
+                           "are set together"),
+    ("data.shard_count=2", "data.shard_index = None: data.shard_index and"),
+    ("data.unit_rows=0", "data.unit_rows = 0: Input should be greater than or equal to 1"),
     ("model.kind='factory'", "model.factory = None: kind=factory needs"),
     ("run_id='has space'", "run_id = 'has space'"),
     ("diloco.bogus=1", "diloco.bogus = 1: Extra inputs are not permitted"),
@@ -27,6 +34,19 @@ def test_each_bad_value_is_one_line_naming_it(override, expected):
     assert "\n" not in message
     assert expected in message
     assert message.startswith("config error")
+
+
+def test_data_shards_and_streamed_sources():
+    with pytest.raises(ConfigError, match="data.shard_index = 2: must be below "
+                                          "data.shard_count = 2") as info:
+        load_config(overrides={"data": {"shard_index": 2, "shard_count": 2}})
+    assert "\n" not in str(info.value)
+    cfg = load_config(overrides={"data": {"source": "parquet", "path": "/corpus",
+                                          "shard_index": 1, "shard_count": 4}})
+    assert (cfg.data.text_column, cfg.data.split, cfg.data.unit_rows) == ("text", "train", 4096)
+    # The config reference is generated from the fields' descriptions.
+    for name in ("text_column", "split", "unit_rows", "shard_index", "shard_count"):
+        assert type(cfg.data).model_fields[name].description
 
 
 def test_several_errors_one_line_each():

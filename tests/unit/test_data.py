@@ -187,3 +187,90 @@ def test_local_tokenizer_json_through_prepare_and_load(tmp_path: Path) -> None:
     assert len(_all_tokens(text)) < 100  # BPE words, far fewer than the ~250 bytes
     x, _ = next(text.train_batches(0, 4, 2, seed=0))
     assert int(x.max()) < text.vocab_size
+
+
+def test_random_windows_resume_from_their_state_and_refuse_another_streams() -> None:
+    data = load_data(DataConfig())
+    whole = data.train_batches("w", SEQ, 4, seed=2)
+    batches = [next(whole) for _ in range(12)]
+    stream = data.train_batches("w", SEQ, 4, seed=2)
+    for _ in range(7):
+        next(stream)
+    position = json.loads(json.dumps(stream.state()))  # what a checkpoint keeps
+    resumed = data.train_batches("w", SEQ, 4, seed=2)
+    resumed.restore(position)
+    assert all(torch.equal(next(resumed)[0], want) for want, _ in batches[7:])
+    other = data.train_batches("v", SEQ, 4, seed=2)
+    assert "key" in other.mismatch(position)
+    assert other.mismatch({"kind": "stream"}) == "not the position of a random-window stream"
+    with pytest.raises(ValueError, match="data position: made for another key"):
+        other.restore(position)
+
+
+def test_shards_draw_windows_from_their_own_share_of_the_tokens() -> None:
+    tokens = np.repeat(np.arange(4, dtype=np.uint16), 500)  # share k holds only token k
+    for k in range(4):
+        data = TokenData(tokens, tokens[:100], 256, shard=(k, 4))
+        x, y = next(data.train_batches("any", SEQ, 64, seed=0))
+        assert bool((x == k).all()) and bool((y == k).all())
+    cfg = _cfg(shard_index=1, shard_count=3)
+    sharded = load_data(cfg)
+    x, _ = next(sharded.train_batches(0, SEQ, 64, seed=0))
+    third = len(sharded.train_tokens) // 3
+    corpus = np.asarray(sharded.train_tokens[third:2 * third + 1])
+    assert all(bytes(row.numpy().astype(np.uint8)) in corpus.tobytes() for row in x)
+    with pytest.raises(ValueError, match="data.shard_count = 1000: a shard's share"):
+        next(TokenData(tokens, tokens[:100], 256, shard=(0, 1000)).train_batches(0, SEQ, 2, 0))
+
+
+def test_a_32k_tokenizer_gives_a_32k_embedding(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dilonode.config import ModelConfig
+    from dilonode.train.model import build_model
+
+    seen = sorted({w for w in builtin_corpus().decode().split()})
+    words = ["[UNK]"] + seen + [f"<pad-{i}>" for i in range(32_000 - 1 - len(seen))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    data = load_data(DataConfig(tokenizer=str(tmp_path / "tokenizer.json"), seq_len=SEQ))
+    assert data.vocab_size == 32_000
+    for preset in ("nano", "tiny"):
+        model = build_model(ModelConfig(preset=preset), data.vocab_size)
+        assert model.tok_emb.num_embeddings == 32_000
+        assert model.tok_emb.weight.shape[0] == 32_000
+    x, _ = next(data.train_batches(0, SEQ, 8, seed=0))
+    assert int(x.max()) < 32_000
+
+
+@pytest.mark.parametrize("layout", ["parquet", "save_to_disk"])
+def test_prepare_parquet_and_save_to_disk_inputs(tmp_path: Path, layout: str) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    docs = [f"row {i} " + "ünïcode and plain words " * (i % 5 + 1) for i in range(300)]
+    table = pa.table({"body": docs, "n": list(range(300))})
+    src = tmp_path / "src"
+    src.mkdir()
+    if layout == "parquet":
+        pq.write_table(table.slice(0, 120), src / "a.parquet", row_group_size=50)
+        (src / "b").mkdir()
+        pq.write_table(table.slice(120), src / "b" / "c.parquet", row_group_size=50)
+    else:
+        with pa.OSFile(str(src / "data-00000-of-00001.arrow"), "wb") as sink, \
+                pa.ipc.new_stream(sink, table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=64):
+                writer.write_batch(batch)
+        state = {"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}
+        (src / "state.json").write_text(json.dumps(state))
+    meta = prepare_data(src, tmp_path / "out", eval_fraction=0.2, text_column="body",
+                        progress=False)
+    expected = "".join(d + DOC_SEPARATOR for d in docs).encode()
+    binned = load_data(_cfg(source="bin", path=tmp_path / "out"))
+    assert meta["train_tokens"] + meta["val_tokens"] == len(expected)
+    assert _all_tokens(binned).astype(np.uint8).tobytes() == expected
+    with pytest.raises(ValueError, match="data.text_column = 'text': no such column"):
+        prepare_data(src, tmp_path / "out2", progress=False)
+    assert not (tmp_path / "out2").exists()
