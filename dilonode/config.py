@@ -229,6 +229,13 @@ class DilocoConfig(_Frozen):
     outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer SGD momentum")
     outer_nesterov: bool = Field(True, description="Nesterov momentum for the outer step")
+    outer_lr_schedule: Literal["constant", "cosine", "wsd"] = Field(
+        "constant", description="the outer learning rate over the run, by the reference "
+        "step each round starts at (the same on every member): constant, cosine or wsd as "
+        "inner.schedule (wsd decays over inner.decay_fraction), down to outer_min_lr_ratio")
+    outer_min_lr_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="where a decaying outer schedule ends, as a share "
+        "of outer_lr")
     outer_state_on_cpu: bool = Field(
         True, description="keep global weights and outer momentum (float32) in host memory")
     pacing: Literal["time", "steps"] = Field(

@@ -41,8 +41,9 @@ class OuterState:
         self.nesterov = nesterov
         self.steps = 0
 
-    def step(self, mean_delta: torch.Tensor) -> torch.Tensor:
-        """Apply one outer step with the averaged pseudo-gradient; returns the new g."""
+    def step(self, mean_delta: torch.Tensor, lr: float | None = None) -> torch.Tensor:
+        """Apply one outer step with the averaged pseudo-gradient at `lr` (default: the
+        state's own rate); returns the new g."""
         grad = mean_delta.to(self.weights.device, torch.float32)
         if not bool(torch.isfinite(grad).all()):
             bad = int((~torch.isfinite(grad)).sum())
@@ -53,6 +54,6 @@ class OuterState:
             self.momentum_buf.mul_(self.momentum).add_(grad)
             grad = grad.add(self.momentum_buf, alpha=self.momentum) if self.nesterov \
                 else self.momentum_buf
-        self.weights.add_(grad, alpha=-self.lr)
+        self.weights.add_(grad, alpha=-(self.lr if lr is None else lr))
         self.steps += 1
         return self.weights

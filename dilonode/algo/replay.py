@@ -13,7 +13,7 @@ different (other arithmetic, a peer lying) costs a fetch, never a wrong state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,8 @@ import torch
 from dilonode.algo.codecs import CodecMeta, get_codec
 from dilonode.algo.outer import OuterState
 
-__all__ = ["EncodedResult", "keep_replay", "kept_rounds", "replay_budget", "replay_round"]
+__all__ = ["EncodedResult", "Replayer", "keep_replay", "kept_rounds", "replay_budget",
+           "replay_round", "replayer"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,22 @@ def replay_round(weights: torch.Tensor, momentum: torch.Tensor, result: EncodedR
     state.momentum_buf = momentum.detach().to(torch.float32).clone()
     state.step(result.decode())
     return state.weights, state.momentum_buf
+
+
+# (fragment, round, weights, momentum, encoded result) -> (weights, momentum) after the round
+Replayer = Callable[[int, int, torch.Tensor, torch.Tensor, EncodedResult],
+                    tuple[torch.Tensor, torch.Tensor]]
+
+
+def replayer(lr_at: Callable[[int, int], float], momentum_coef: float,
+             nesterov: bool) -> Replayer:
+    """The run's outer step as a `Replayer`: round r of fragment p at rate `lr_at(p, r)`
+    (the rate its members stepped with, by the reference step the round started at)."""
+    def run(fragment: int, round_no: int, weights: torch.Tensor, momentum: torch.Tensor,
+            result: EncodedResult) -> tuple[torch.Tensor, torch.Tensor]:
+        return replay_round(weights, momentum, result, lr=lr_at(fragment, round_no),
+                            momentum_coef=momentum_coef, nesterov=nesterov)
+    return run
 
 
 def keep_replay(kept: Sequence[tuple[int, EncodedResult]], round_no: int,

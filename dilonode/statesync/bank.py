@@ -308,7 +308,8 @@ class Derivation:
                 result = EncodedResult.from_blob(spec.codec, spec.block_size, spec.numels,
                                                  b"".join(bank.results[d]
                                                           for d in spec.chunks))
-                got.weights, got.momentum = replayer(got.weights, got.momentum, result)
+                got.weights, got.momentum = replayer(self.fragment, spec.round, got.weights,
+                                                     got.momentum, result)
             except (ValueError, RuntimeError) as exc:  # codec errors, non-finite, sizes
                 got.error = f"{type(exc).__name__}: {exc}"
                 break

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import threading
 import time
@@ -27,16 +26,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dilonode.algo.replay import replay_round
+from dilonode.algo.replay import Replayer, replayer
 from dilonode.algo.schedule import SyncPlan
 from dilonode.config import RunConfig
 from dilonode.net.admission import Gate
 from dilonode.net.auth import Credentials
 from dilonode.net.channel import StreamOpener
 from dilonode.statesync.client import LinkHook, Recovery, RecoveryError, recover
-from dilonode.statesync.plan import Replayer
 from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.train.checkpoint import Checkpointer, data_position, load_latest, resume_data
+from dilonode.train.lr import outer_lr
 from dilonode.train.state import config_digest, snapshot_error
 
 __all__ = ["StateKeeper", "checkpoint_dir", "min_rounds"]
@@ -242,8 +241,12 @@ class StateKeeper:
     def _replayer(self) -> Replayer:
         """This run's outer step, for replaying a round on a fragment (algo/replay.py)."""
         a = self.cfg.diloco.effective()
-        return functools.partial(replay_round, lr=a.outer_lr, momentum_coef=a.outer_momentum,
-                                 nesterov=a.outer_nesterov)
+        plan = SyncPlan(a.sync_every, a.num_fragments, a.fragment_sync_delay)
+
+        def lr_at(fragment: int, round_no: int) -> float:
+            return outer_lr(self.cfg, plan.start_step(fragment, round_no))
+
+        return replayer(lr_at, a.outer_momentum, a.outer_nesterov)
 
     # -- training thread -----------------------------------------------------------------
     def resync_if_behind(self, worker: Any, thread: Any, dht: Any) -> None:

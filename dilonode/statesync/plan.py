@@ -25,7 +25,7 @@ import blake3
 import numpy as np
 import torch
 
-from dilonode.algo.replay import EncodedResult
+from dilonode.algo.replay import Replayer
 from dilonode.statesync.protocol import Manifest, RoundReplay, TensorChunks, replay_name
 from dilonode.train.state import WorkerState, tensor_names
 from dilonode.wire.errors import RemoteProtocolError
@@ -33,9 +33,6 @@ from dilonode.wire.errors import RemoteProtocolError
 __all__ = ["Assembler", "FetchPlan", "Replayer", "Target", "choose_target", "chunk_bytes_of",
            "chunk_digest", "digests_of", "fetch_order", "manifest_of"]
 
-# (weights, momentum, encoded result) -> the fragment's (weights, momentum) after the round
-Replayer = Callable[[torch.Tensor, torch.Tensor, EncodedResult],
-                    tuple[torch.Tensor, torch.Tensor]]
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:

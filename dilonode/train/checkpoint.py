@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from dilonode.train.state import WorkerState
 

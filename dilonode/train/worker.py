@@ -52,6 +52,7 @@ from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TrainData
 from dilonode.train.device import autocast, pick_device
 from dilonode.train.fragment_state import FragmentState
+from dilonode.train.lr import inner_lr, outer_lr
 from dilonode.train.model import build_model, lm_loss, loss_sum
 from dilonode.train.ranks.protocol import Ranks
 from dilonode.train.ranks.single import SingleRank
@@ -64,7 +65,7 @@ from dilonode.train.state import (
 )
 
 __all__ = ["NODE_OPS", "Interrupted", "Worker", "WorkerStats", "build_inner_optimizer",
-           "inner_lr", "node_op"]
+           "micro_batches", "node_op"]
 
 log = logging.getLogger(__name__)
 
@@ -160,27 +161,27 @@ class WorkerStats:
 
 
 def build_inner_optimizer(model: nn.Module, cfg: InnerOptConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed).
+    On CUDA the fused implementation: one kernel per step and no temporaries the size of
+    the parameters (the per-parameter loop, the CPU's, is kept there bit for bit)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    fused = all(p.device.type == "cuda" for g in groups for p in g["params"]) or None
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 
 
-def inner_lr(cfg: InnerOptConfig, step: int, since_adoption: int | None = None) -> float:
-    """Learning rate for 1-based `step`: linear warm-up, then constant. `since_adoption`:
-    own steps since this worker adopted a state with a fresh AdamW (joined, resumed), which
-    warms up again over `cfg.rewarm_steps`: zero moments make the first updates about
-    lr * sign(gradient) on every weight at once, which spiked the loss above an untrained
-    model's before."""
-    lr = cfg.lr
-    if cfg.warmup_steps and step <= cfg.warmup_steps:
-        lr = cfg.lr * step / cfg.warmup_steps
-    if since_adoption is not None and cfg.rewarm_steps and since_adoption <= cfg.rewarm_steps:
-        lr = min(lr, cfg.lr * since_adoption / cfg.rewarm_steps)
-    return lr
+def micro_batches(x: torch.Tensor, y: torch.Tensor, size: int | None
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, y) [B, T] cut into micro-batches of `size` sequences (None: the whole batch)."""
+    if size is None or size >= x.shape[0]:
+        return [(x, y)]
+    if x.shape[0] % size:
+        raise ValueError(f"data.micro_batch_size = {size}: does not divide this rank's "
+                         f"{x.shape[0]} sequences per step (data.batch_size / ranks)")
+    return list(zip(x.split(size), y.split(size), strict=True))
 
 
 def _values_digest(mean: torch.Tensor) -> str:
@@ -207,6 +208,8 @@ class Worker:
         # On our device; inside a multi-rank node wrapped in DDP or FSDP2 (which moves one
         # block at a time, so a model larger than one device still starts).
         self.train_module = self.ranks.wrap(self.model, self.device)
+        if cfg.model.compile:  # forward only: names and parameters stay the model's
+            self.train_module = torch.compile(self.train_module)  # type: ignore[assignment]
         names, params = zip(*[(n, p) for n, p in self.model.named_parameters()
                               if p.requires_grad], strict=True)
         self.param_names: list[str] = list(names)
@@ -279,10 +282,7 @@ class Worker:
         A node's batch is split over its ranks; it counts the node's tokens."""
         x, y = next(self.batches)
         tokens = x.numel()
-        x, y = self.ranks.rows(x).to(self.device), self.ranks.rows(y).to(self.device)
-        with autocast(self.device):
-            loss = lm_loss(self.train_module, x, y)
-        loss.backward()
+        loss = self._forward_backward(self.ranks.rows(x), self.ranks.rows(y))
         self.step += 1
         self.stats.steps = self.step
         self.stats.tokens += tokens
@@ -297,10 +297,38 @@ class Worker:
             self._inner_update()
         return self.stats.last_loss
 
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [b, T]: the loss and its gradients, one micro-batch at a time
+        (`data.micro_batch_size`), the gradients adding up to the whole batch's; returns
+        the batch's mean loss (detached when cut)."""
+        parts = micro_batches(x, y, self.cfg.data.micro_batch_size)
+        if len(parts) == 1:
+            with autocast(self.device):
+                loss = lm_loss(self.train_module, x.to(self.device), y.to(self.device))
+            loss.backward()
+            return loss
+        total = torch.zeros((), device=self.device)
+        for i, (xm, ym) in enumerate(parts):
+            with self.ranks.accumulating(self.train_module, last=i == len(parts) - 1), \
+                    autocast(self.device):
+                part = lm_loss(self.train_module, xm.to(self.device), ym.to(self.device))
+            (part / len(parts)).backward()  # equal parts: the mean of means is the mean
+            total += part.detach() / len(parts)
+        return total
+
+    def schedule_step(self) -> float:
+        """The 1-based reference step being trained, for the learning-rate schedule: our own
+        step when paced by steps, the swarm clock's step at the last boundary otherwise
+        (every node at the same point of the schedule, whatever its speed)."""
+        if isinstance(self.pacer, StepPacer):
+            return float(self.step)
+        return float(self.swarm_step + 1)
+
     def _inner_update(self) -> None:
         since = None if self._rewarm_from is None else self.step - self._rewarm_from
         for group in self.opt.param_groups:
-            group["lr"] = inner_lr(self.cfg.inner, self.step, since)
+            group["lr"] = inner_lr(self.cfg.inner, self.schedule_step(), self.cfg.total_steps,
+                                   since)
         if self.cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.inner.grad_clip)
         self.opt.step()
@@ -549,7 +577,8 @@ class Worker:
         if result.diverged:
             self.diverged_from = result.diverged
         try:
-            new_global = f.outer_step(r, result, self.cfg.statesync.replay_rounds)
+            lr = outer_lr(self.cfg, self.plan.start_step(p, r)) if self.plan else None
+            new_global = f.outer_step(r, result, self.cfg.statesync.replay_rounds, lr)
         except NonFiniteError as exc:
             self.stats.rejected += 1
             log.warning("fragment %d round %d: %s", p, r, exc)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from dilonode.algo.codecs import get_codec
-from dilonode.algo.replay import EncodedResult, replay_round
+from dilonode.algo.replay import EncodedResult, replay_round, replayer
 from dilonode.config import load_config
 from dilonode.statesync.client import Recovery, recover
 from dilonode.statesync.server import SnapshotSource, StateServer
@@ -49,8 +49,9 @@ def _landed(state: WorkerState, p: int) -> WorkerState:
 
 
 A = CFG.diloco.effective()
-REPLAYER = functools.partial(replay_round, lr=A.outer_lr, momentum_coef=A.outer_momentum,
-                             nesterov=A.outer_nesterov)
+STEP = functools.partial(replay_round, lr=A.outer_lr, momentum_coef=A.outer_momentum,
+                         nesterov=A.outer_nesterov)
+REPLAYER = replayer(lambda _p, _r: A.outer_lr, A.outer_momentum, A.outer_nesterov)
 
 
 def _replayed(state: WorkerState, p: int, served: int = 0, seed: int = 5) -> WorkerState:
@@ -67,8 +68,8 @@ def _replayed(state: WorkerState, p: int, served: int = 0, seed: int = 5) -> Wor
                                                         for a in range(0, x.numel(), 65536)))
 
     applied = encoded(seed)
-    w, m = REPLAYER(state.tensors[f"outer.{p}.weights"], state.tensors[f"outer.{p}.momentum"],
-                    applied)
+    w, m = STEP(state.tensors[f"outer.{p}.weights"], state.tensors[f"outer.{p}.momentum"],
+                applied)
     tensors = {**state.tensors, f"outer.{p}.weights": w, f"outer.{p}.momentum": m}
     rounds = tuple(r + (i == p) for i, r in enumerate(state.rounds))
     return WorkerState(state.step + 30, rounds, rounds, tensors,

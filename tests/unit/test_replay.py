@@ -14,11 +14,18 @@ import torch
 
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.outer import OuterState
-from dilonode.algo.replay import EncodedResult, keep_replay, kept_rounds, replay_round
+from dilonode.algo.replay import (
+    EncodedResult,
+    keep_replay,
+    kept_rounds,
+    replay_round,
+    replayer,
+)
 from dilonode.allreduce.memnet import MemNet
 from dilonode.allreduce.round import AllReduceRound, GroupSpec
 from dilonode.collective import ReduceResult
 from dilonode.statesync.bank import ChunkBank
+from dilonode.statesync.keeper import StateKeeper
 from dilonode.statesync.plan import Assembler, chunk_bytes_of, digests_of, manifest_of
 from dilonode.statesync.protocol import Manifest
 from dilonode.train.data import load_data
@@ -28,7 +35,8 @@ from dilonode.train.worker import Worker
 CB = 4096
 DIGEST = "ab" * 32
 LR, MU = 0.7, 0.9
-REPLAYER = functools.partial(replay_round, lr=LR, momentum_coef=MU, nesterov=True)
+STEP = functools.partial(replay_round, lr=LR, momentum_coef=MU, nesterov=True)
+REPLAYER = replayer(lambda _p, _r: LR, MU, True)
 
 
 def _encode(x: torch.Tensor, codec: str = "int4", piece: int = 1000) -> EncodedResult:
@@ -67,11 +75,11 @@ def test_replay_is_the_members_outer_step_and_leaves_its_inputs_alone():
     enc = _encode(torch.randn(3000, generator=gen) * 0.01)
     members.step(enc.decode())
     before = (w0.clone(), m0.clone())
-    w, m = REPLAYER(w0, m0, enc)
+    w, m = STEP(w0, m0, enc)
     assert torch.equal(w, members.weights) and torch.equal(m, members.momentum_buf)
     assert torch.equal(w0, before[0]) and torch.equal(m0, before[1])  # inputs untouched
     with pytest.raises(ValueError, match="the fragment 2999"):
-        REPLAYER(w0[:2999], m0[:2999], enc)
+        STEP(w0[:2999], m0[:2999], enc)
 
 
 def test_encoded_result_from_a_blob_checks_its_size():
@@ -280,16 +288,20 @@ class _Int4Pair:
         return _Done()
 
 
-@pytest.mark.parametrize("keep", [16, 1])
-def test_a_workers_exported_state_replays_its_last_rounds_from_the_state_before(keep):
+@pytest.mark.parametrize(("keep", "schedule"), [(16, "constant"), (1, "constant"),
+                                               (16, "cosine")])
+def test_a_workers_exported_state_replays_its_last_rounds_from_the_state_before(keep, schedule):
+    """The keeper's replayer steps each round at the outer rate its members used, the one
+    of the reference step it started at, so a replay ends on the members' exact bytes with
+    the outer rate on a schedule too."""
     from tests.unit.test_checkpoint import _h4_p2_config
 
     cfg = _h4_p2_config()
-    cfg = cfg.model_copy(update={"statesync": cfg.statesync.model_copy(
-        update={"replay_rounds": keep})})
-    a = cfg.diloco.effective()
-    replayer = functools.partial(replay_round, lr=a.outer_lr, momentum_coef=a.outer_momentum,
-                                 nesterov=a.outer_nesterov)
+    cfg = cfg.model_copy(update={
+        "statesync": cfg.statesync.model_copy(update={"replay_rounds": keep}),
+        "diloco": cfg.diloco.model_copy(update={"outer_lr_schedule": schedule}),
+        "total_steps": 12})
+    replay = StateKeeper(cfg)._replayer()
     worker = Worker(cfg, load_data(cfg.data), _Int4Pair(), identity=0)
     states = {}
     while worker.step < 11:  # fragment 0 lands at 3, 7, 11; fragment 1 at 5, 9
@@ -303,8 +315,8 @@ def test_a_workers_exported_state_replays_its_last_rounds_from_the_state_before(
                                                                   1: min(keep, 2)}
     before = next(s for s in states.values() if s.rounds[0] == 3 - len(after.replays[0]))
     w, m = before.tensors["outer.0.weights"], before.tensors["outer.0.momentum"]
-    for enc in after.replays[0]:  # oldest first
-        w, m = replayer(w, m, enc)
+    for r, enc in enumerate(after.replays[0], start=3 - len(after.replays[0])):  # oldest first
+        w, m = replay(0, r, w, m, enc)
     assert torch.equal(w, after.tensors["outer.0.weights"])
     assert torch.equal(m, after.tensors["outer.0.momentum"])
     # A state adopted from elsewhere has no round of ours to offer.
@@ -384,9 +396,9 @@ def test_rounds_replay_as_their_results_arrive_and_a_later_target_goes_on_from_t
     states = _history(rounds=4)  # fragment 1 at rounds 1 (states[0]) .. 5 (states[4])
     calls: list[int] = []
 
-    def counting(w: torch.Tensor, m: torch.Tensor, result: EncodedResult):
+    def counting(p: int, r: int, w: torch.Tensor, m: torch.Tensor, result: EncodedResult):
         calls.append(result.numel)
-        return REPLAYER(w, m, result)
+        return REPLAYER(p, r, w, m, result)
 
     bank = ChunkBank(CB)
     _banked(bank, states[0])

@@ -229,6 +229,26 @@ class NodeRanks:
         fully_shard(model)
         return model.to(device)  # what FSDP2 did not manage (none, normally)
 
+    def accumulating(self, module: nn.Module,
+                     last: bool) -> contextlib.AbstractContextManager[None]:
+        """Reduce gradients over the ranks on the `last` micro-batch of a step only."""
+        return self._accumulating(module, last)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _accumulating(module: nn.Module, last: bool) -> Iterator[None]:
+        if last:
+            yield
+        elif hasattr(module, "no_sync"):  # DDP
+            with module.no_sync():
+                yield
+        else:  # FSDP2
+            module.set_requires_gradient_sync(False)  # type: ignore[operator]
+            try:
+                yield
+            finally:
+                module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a node batch [B, ...] -> [B / N, ...]."""
         b = t.shape[0] // self.world

@@ -59,6 +59,13 @@ class Ranks(Protocol):
         [B / world, ...]."""
         ...
 
+    def accumulating(self, module: nn.Module,
+                     last: bool) -> contextlib.AbstractContextManager[None]:
+        """Around one micro-batch's forward and backward (gradient accumulation): one rank
+        does nothing. Several: the ranks' gradients are reduced only on the `last` one (DDP's
+        `no_sync`, FSDP2's `set_requires_gradient_sync`), once per inner step."""
+        ...
+
     def node_loss(self, loss: torch.Tensor) -> float:
         """The node's mean loss. One rank: `loss`. Several: the mean over the ranks."""
         ...

@@ -41,6 +41,10 @@ class SingleRank:
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def accumulating(self, module: nn.Module,
+                     last: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
     def node_loss(self, loss: torch.Tensor) -> float:
         return float(loss.detach())
 
