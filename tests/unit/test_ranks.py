@@ -147,14 +147,23 @@ def _proc(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-_LEADER = ("import signal, sys, time\n"
-           "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
-           "time.sleep(60)\n")
+def _leader(ready: Path, on_term: str) -> str:
+    """A leader that handles SIGTERM with `on_term`, then says so by creating `ready`."""
+    return (f"import pathlib, signal, sys, time\nsignal.signal(signal.SIGTERM, {on_term})\n"
+            f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(60)\n")
+
+
+def _fails_once_ready(ready: Path, status: int) -> str:
+    """A rank that exits with `status` once the leader's handler is in place (`ready`)."""
+    return (f"import pathlib, sys, time\ndeadline = time.monotonic() + 30\n"
+            f"while not pathlib.Path({str(ready)!r}).exists() and time.monotonic() < deadline:\n"
+            f"    time.sleep(0.01)\nsys.exit({status})\n")
 
 
 @pytest.mark.timeout(60)
-def test_a_dead_rank_stops_the_leader_and_the_node():
-    procs = [_proc(_LEADER), _proc("import time; time.sleep(0.5); raise SystemExit(7)")]
+def test_a_dead_rank_stops_the_leader_and_the_node(tmp_path):
+    ready = tmp_path / "ready"
+    procs = [_proc(_leader(ready, "lambda *a: sys.exit(0)")), _proc(_fails_once_ready(ready, 7))]
     t0 = time.monotonic()
     assert _Supervisor(procs, grace=10.0).wait() == EXIT_RANK_FAILED
     assert procs[0].returncode == 0  # it was asked (SIGTERM) and left on its own
@@ -162,9 +171,9 @@ def test_a_dead_rank_stops_the_leader_and_the_node():
 
 
 @pytest.mark.timeout(60)
-def test_a_leader_that_does_not_leave_is_killed_after_the_grace():
-    procs = [_proc("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                   "time.sleep(60)"), _proc("raise SystemExit(1)")]
+def test_a_leader_that_does_not_leave_is_killed_after_the_grace(tmp_path):
+    ready = tmp_path / "ready"
+    procs = [_proc(_leader(ready, "signal.SIG_IGN")), _proc(_fails_once_ready(ready, 1))]
     t0 = time.monotonic()
     assert _Supervisor(procs, grace=1.0).wait() == EXIT_RANK_FAILED
     assert procs[0].returncode == -9 and time.monotonic() - t0 < 10
