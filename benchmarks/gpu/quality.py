@@ -40,6 +40,7 @@ import blake3
 import torch
 
 from dilonode.algo.butterfly import butterfly_average
+from dilonode.algo.codec_table import CODECS
 from dilonode.algo.codecs import Codec, CodecMeta
 from dilonode.algo.robust import aggregate
 from dilonode.algo.torch_codecs import decode_torch, encode_torch
@@ -152,7 +153,7 @@ def method_config(args: argparse.Namespace, method: str) -> RunConfig:
     }.get(method, {"mode": "streaming", "sync_every": h, "num_fragments": args.fragments,
                    "fragment_pattern": "strided", "fragment_sync_delay": args.tau,
                    "fragment_update_alpha": args.alpha})
-    codec = method if method in ("int4", "fp4") else "float32"
+    codec = method if method in CODECS else "float32"
     return load_config(overrides={**common_config(args), "codec": {"name": codec},
                                   "diloco": {**algo, "pacing": "steps"}})
 

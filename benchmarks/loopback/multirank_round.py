@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from dilonode.algo.codec_table import CODEC_NAMES
+
 PHASES = ("pseudo_gradient", "encode_slices", "gather", "round", "scatter", "outer_step",
           "merge")
 
@@ -109,7 +111,7 @@ def _rank(env: Any, numel: int, codec: str, rounds: int, threads: int) -> dict[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=int, default=20_000_000)
-    ap.add_argument("--codec", default="int4")
+    ap.add_argument("--codec", default="int4", choices=CODEC_NAMES)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--json", help="write the rows here")

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness.results import save_rows
+from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.cli.local_swarm import LocalSwarm
 from dilonode.config import load_config
 
@@ -57,7 +58,7 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=30)
     ap.add_argument("--fragments", type=int, default=3)
     ap.add_argument("--taus", default="1,5", help="comma-separated overlap delays to test")
-    ap.add_argument("--codec", default="int4")
+    ap.add_argument("--codec", default="int4", choices=CODEC_NAMES)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.collective import SyncKey
 from dilonode.config import load_config
 from dilonode.sim.training import SimReport, Tamper, simulate
@@ -107,7 +108,7 @@ def main() -> None:
     ap.add_argument("--preset", default="nano")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--codec", default="int8")
+    ap.add_argument("--codec", default="int8", choices=CODEC_NAMES)
     ap.add_argument("--aggregators", default=",".join(AGGREGATORS))
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--json", type=Path)
