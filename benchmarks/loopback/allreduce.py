@@ -62,6 +62,7 @@ from benchmarks.harness.perf import PerfSampler, format_shares
 from dilonode.algo.butterfly import round_chunk_numel, wire_bytes_ideal
 from dilonode.algo.codecs import get_codec
 from dilonode.allreduce.driver import run_round
+from dilonode.allreduce.plane_limits import PlaneLimits
 from dilonode.allreduce.round import GroupSpec, RoundState, group_digest
 from dilonode.allreduce.transport import DataPlane
 from dilonode.config import DEFAULT_CHUNK_NUMEL
@@ -92,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="event loop of our peers (the daemon uses uvloop when installed)")
     p.add_argument("--no-tune-malloc", action="store_true",
-                   help="leave glibc malloc as it is (DataPlane(tune_malloc=False)); by "
+                   help="leave glibc malloc as it is (PlaneLimits(tune_malloc=False)); by "
                         "default the data plane calls tune_allocator() as the daemon's does")
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--hivemind", action="store_true", help="also DecentralizedAverager")
@@ -154,8 +155,8 @@ def _spec(args: argparse.Namespace, world: int, codec: str, fragment: int,
 
 async def _ours(rank: int, world: int, x: torch.Tensor,
                 args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    plane = DataPlane(f"bench-{rank}", RUN, socket_buffer_bytes=args.sockbuf,
-                      tune_malloc=not args.no_tune_malloc)
+    plane = DataPlane(f"bench-{rank}", RUN, limits=PlaneLimits(
+        socket_buffer_bytes=args.sockbuf, tune_malloc=not args.no_tune_malloc))
     await plane.start()
     addrs: list[Any] = [None] * world
     dist.all_gather_object(addrs, plane.address)

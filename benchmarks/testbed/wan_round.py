@@ -71,6 +71,7 @@ def _worker(rank: int, addrs: list[str], cc: str, numel: int, codec: str, rounds
 
     from dilonode.algo.butterfly import round_chunk_numel
     from dilonode.allreduce.driver import run_round
+    from dilonode.allreduce.plane_limits import PlaneLimits
     from dilonode.allreduce.round import GroupSpec, RoundState, group_digest
     from dilonode.allreduce.transport import DataPlane
     from dilonode.config import DEFAULT_CHUNK_NUMEL
@@ -82,7 +83,7 @@ def _worker(rank: int, addrs: list[str], cc: str, numel: int, codec: str, rounds
 
     async def main() -> list[dict[str, Any]]:
         async with DataPlane(members[rank], "wan-round", host=addrs[rank], port=PORT,
-                             tcp_congestion=cc) as plane:
+                             limits=PlaneLimits(tcp_congestion=cc)) as plane:
             peers = {i: f"{a}:{PORT}" for i, a in enumerate(addrs) if i != rank}
             rows = []
             before = _tcp_counters()
