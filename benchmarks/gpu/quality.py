@@ -39,6 +39,7 @@ from typing import Any
 import blake3
 import torch
 
+from benchmarks.harness.results import write_json
 from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codec_table import CODECS
 from dilonode.algo.codecs import Codec, CodecMeta
@@ -341,9 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.method}: final eval loss {result['final_eval_loss']:.4f}, sent per worker "
           f"{human_bytes(result['bytes_sent_per_worker'])}, {result['tokens_per_s']:,.0f} "
           f"tokens/s, {result['wall_s']:.0f} s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return 0
 
 

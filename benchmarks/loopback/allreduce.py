@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import cProfile
 import datetime
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -58,7 +57,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness.args import floats, names
 from benchmarks.harness.perf import PerfSampler, format_shares
+from benchmarks.harness.results import write_json
 from dilonode.algo.butterfly import round_chunk_numel, wire_bytes_ideal
 from dilonode.algo.codecs import get_codec
 from dilonode.allreduce.driver import run_round
@@ -166,7 +167,7 @@ async def _ours(rank: int, world: int, x: torch.Tensor,
     x = x.to(args.device)  # cuda: the round quantizes and reduces on the GPU
     buf = torch.empty(args.numel, device=args.device) if args.reuse_output else None
     out: dict[str, list[dict[str, Any]]] = {}
-    for fragment, codec in enumerate(args.codecs.split(",")):
+    for fragment, codec in enumerate(names(args.codecs)):
         # CPU time by default: on a shared box waiting for a core would swamp the profile.
         clock = time.perf_counter if args.profile_clock == "wall" else time.process_time
         prof = cProfile.Profile(clock) if args.profile and rank == 0 else None
@@ -423,12 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     per_rank = _run_workers(args)
     rows = [_summarize("dilonode", codec, [o["ours"][codec] for o in per_rank], args)
-            for codec in args.codecs.split(",")]
+            for codec in names(args.codecs)]
     if not args.no_gloo:
         rows.append(_summarize("gloo", "float32", [o["gloo"] for o in per_rank], args))
     if args.hivemind:
         rows.append(_summarize("hivemind", "float32", [o["hivemind"] for o in per_rank], args))
-    rates = [float(r) for r in args.link_gbit.split(",") if r]
+    rates = floats(args.link_gbit)
     for r in rows:  # ideal link seconds: the bytes one peer must send at each rate
         r["ideal_s"] = {str(g): r["ideal_bytes_per_peer"] * 8 / (g * 1e9) for g in rates}
     env = {"numel": args.numel, "procs": args.procs, "rounds": args.rounds,
@@ -451,9 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rank 0, {r['method']} {r['codec']}: where its {r['perf_cpu_s']:.3f} CPU s "
                   f"per round go (perf samples)")
             print(format_shares(r["perf_shares"], r["perf_cpu_s"]))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"env": env, "results": rows}, indent=1) + "\n")
+    write_json(args.json, {"env": env, "results": rows})
     return 0
 
 

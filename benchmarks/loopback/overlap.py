@@ -14,6 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
+from benchmarks.harness.args import ints
 from benchmarks.harness.results import save_rows
 from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.cli.local_swarm import LocalSwarm
@@ -66,7 +67,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = []
-    for tau in (int(t) for t in args.taus.split(",")):
+    for tau in ints(args.taus):
         t0 = time.perf_counter()
         rows.append(run(args, tau, args.out) | {"wall_s": round(time.perf_counter() - t0, 1)})
     print(f"{'tau':>4} {'nodes':>5} {'util min':>9} {'util mean':>9} {'step share':>10} "

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.args import ints, names
 from benchmarks.harness.results import save_rows
 from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.algo.mixing import spread
@@ -114,8 +115,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = [run(args, name, int(seed)) for seed in args.seeds.split(",")
-            for name in args.variants.split(",")]
+    rows = [run(args, name, seed) for seed in ints(args.seeds)
+            for name in names(args.variants)]
     print(table(rows))
     save_rows(args.json, args, rows)
 

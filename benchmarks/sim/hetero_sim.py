@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.args import ints
 from benchmarks.harness.results import save_rows
 from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.config import load_config
@@ -141,7 +142,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    for seed in ints(args.seeds):
         for name, cfg in configs(args, seed).items():
             t0 = time.perf_counter()
             report = simulate(load_config(overrides=cfg))
