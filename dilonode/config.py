@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -21,6 +22,13 @@ from pydantic import (
     model_validator,
 )
 
+from dilonode.algo.codec_table import (
+    BLOCK_CODEC_NAMES,
+    CODEC_NAMES,
+    CODECS,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CODEC,
+)
 from dilonode.algo.schedule import auto_merge_delay
 from dilonode.net import congestion
 from dilonode.net.auth import allowed_peer_id
@@ -295,13 +303,21 @@ class DilocoConfig(_Frozen):
         return self
 
 
+def _known_codec(value: str) -> str:
+    if value not in CODECS:
+        raise ValueError(f"must be one of {', '.join(CODEC_NAMES)}")
+    return value
+
+
 class CodecConfig(_Frozen):
     """How pseudo-gradients are quantized on the wire; sums are always float32."""
 
-    name: Literal["float32", "bfloat16", "float16", "int8", "int4", "fp4"] = Field(
-        "int4", description="wire format of pseudo-gradient parts")
+    name: Annotated[str, AfterValidator(_known_codec)] = Field(
+        DEFAULT_CODEC, description=f"wire format of pseudo-gradient parts: "
+        f"{', '.join(CODEC_NAMES)}", json_schema_extra={"enum": list(CODEC_NAMES)})
     block_size: int = Field(
-        64, ge=2, le=1 << 20, description="values per absmax scale (int8/int4/fp4); even")
+        DEFAULT_BLOCK_SIZE, ge=2, le=1 << 20,
+        description=f"values per absmax scale ({'/'.join(BLOCK_CODEC_NAMES)}); even")
 
     @model_validator(mode="after")
     def _check(self) -> CodecConfig:

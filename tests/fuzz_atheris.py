@@ -23,6 +23,8 @@ import pydantic  # noqa: F401
 import torch  # noqa: F401
 
 with atheris.instrument_imports(include=["dilonode"]):
+    from dilonode.algo.codec_table import CODEC_NAMES, FLOAT_CODEC_NAMES
+    from dilonode.algo.codec_table import CODECS as SPECS
     from dilonode.algo.codecs import CodecError, CodecMeta, get_codec
     from dilonode.net.auth import Credentials, Identity
     from dilonode.swarm.records import GroupEntry, PeerRecord, decode_record
@@ -30,8 +32,10 @@ with atheris.instrument_imports(include=["dilonode"]):
     from dilonode.wire.framing import FrameDecoder, decode_message
 
 VECTORS = Path(__file__).resolve().parents[1] / "protocol" / "vectors"
-CODECS = [("float32", 64), ("bfloat16", 64), ("float16", 64), ("int8", 16), ("int4", 8),
-          ("fp4", 8)]
+# Small blocks (16 bytes of int8 codes, 4 of 4-bit ones), so that short payloads hold
+# several.
+CODECS = [(name, 64 if name in FLOAT_CODEC_NAMES else 16 // SPECS[name].codes_per_byte)
+          for name in CODEC_NAMES]
 CREDS = Credentials(Identity.generate(), "fuzz-run")
 
 

@@ -7,39 +7,36 @@ values (the daemon's largest: 16 MB of float32), median of 20 after a warm-up:
 * int4 encode and decode of the chunk on the GPU (`torch_codecs`) and on the host (the
   compiled CPU codecs).
 
-    python3 -m benchmarks.gpu.datapath_costs     # needs CUDA; `bash benchmarks/gpu.sh codecs` runs
-    it
+    python3 -m benchmarks.gpu.datapath_costs   # needs CUDA; `bash benchmarks/gpu.sh codecs` runs it
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import time
 from collections.abc import Callable
 
 import blake3
 import numpy as np
 import torch
 
+from benchmarks.harness.timing import median_seconds
 from dilonode.algo.codecs import CodecMeta, get_codec
 from dilonode.algo.torch_codecs import decode_torch, encode_torch
 
+__all__ = ["main"]
+
 N = 4_194_304
+REPS = 20
 
 
-def median_ms(f: Callable[[], object], n: int = 20) -> float:
-    f()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[n // 2] * 1e3
+def median_ms(f: Callable[[], object]) -> float:
+    """Median ms of `f` and the GPU work it queues, over REPS calls after one."""
+    return median_seconds(f, REPS, sync=torch.cuda.synchronize) * 1e3
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     if not torch.cuda.is_available():
         print("datapath_costs: skipped, torch sees no CUDA GPU")
         return 0

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 from benchmarks.harness import ROOT, module_argv
+from benchmarks.harness.args import names
+from benchmarks.harness.results import write_json, write_text
 from dilonode.algo.fragments import assign_fragments
 from dilonode.algo.outer import OuterState
 from dilonode.config import ModelConfig, RunConfig, load_config
@@ -372,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "estimate":
         res: dict[str, Any] = {"presets": estimate(
-            args.presets.split(","), [p for p in args.measure_outer.split(",") if p])}
+            names(args.presets), names(args.measure_outer))}
         md = estimate_md(res["presets"])
     else:
         res = gpu(args)
@@ -382,10 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                             "%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
             "command": " ".join([Path(sys.executable).name, *sys.argv])}
     print(md)
-    for path, text in ((args.json, json.dumps(res, indent=2)), (args.md, md)):
-        if path:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text + "\n")
+    write_json(args.json, res)
+    write_text(args.md, md)
     return 0
 
 

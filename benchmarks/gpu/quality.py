@@ -39,7 +39,9 @@ from typing import Any
 import blake3
 import torch
 
+from benchmarks.harness.results import write_json
 from dilonode.algo.butterfly import butterfly_average
+from dilonode.algo.codec_table import CODECS
 from dilonode.algo.codecs import Codec, CodecMeta
 from dilonode.algo.robust import aggregate
 from dilonode.algo.torch_codecs import decode_torch, encode_torch
@@ -152,7 +154,7 @@ def method_config(args: argparse.Namespace, method: str) -> RunConfig:
     }.get(method, {"mode": "streaming", "sync_every": h, "num_fragments": args.fragments,
                    "fragment_pattern": "strided", "fragment_sync_delay": args.tau,
                    "fragment_update_alpha": args.alpha})
-    codec = method if method in ("int4", "fp4") else "float32"
+    codec = method if method in CODECS else "float32"
     return load_config(overrides={**common_config(args), "codec": {"name": codec},
                                   "diloco": {**algo, "pacing": "steps"}})
 
@@ -340,9 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.method}: final eval loss {result['final_eval_loss']:.4f}, sent per worker "
           f"{human_bytes(result['bytes_sent_per_worker'])}, {result['tokens_per_s']:,.0f} "
           f"tokens/s, {result['wall_s']:.0f} s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return 0
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import ROOT, module_argv
+from benchmarks.harness.results import write_json, write_text
 from testbed.hosts import pid_alive
 
 DEFAULT_DIR = Path("runs/gpu/swarm")
@@ -296,10 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         res = collect(args)
         md = collect_md(res)
         print(md)
-        for path, text in ((args.json, json.dumps(res, indent=2)), (args.md, md)):
-            if path:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text + "\n")
+        write_json(args.json, res)
+        write_text(args.md, md)
         return 0 if res["identical_outer_weights"] else 3
     return 0
 

@@ -1,5 +1,6 @@
-"""What the benchmarks share: where results go (`results`), CPU sampling (`perf`), and how a
-benchmark starts a copy of itself in another process (`module_argv`).
+"""What the benchmarks share: where results go (`results`), comma-separated options (`args`),
+the median of repeated calls (`timing`), CPU sampling (`perf`), and how a benchmark starts a
+copy of itself in another process (`module_argv`). benchmarks/README.md describes each.
 
 Benchmarks run as modules from the repository root (`python -m benchmarks.sim.quality`), so
 they import `dilonode`, `testbed` and each other without touching `sys.path`.

@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import cProfile
 import datetime
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -58,10 +57,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness.args import floats, names
 from benchmarks.harness.perf import PerfSampler, format_shares
+from benchmarks.harness.results import write_json
 from dilonode.algo.butterfly import round_chunk_numel, wire_bytes_ideal
 from dilonode.algo.codecs import get_codec
 from dilonode.allreduce.driver import run_round
+from dilonode.allreduce.plane_limits import PlaneLimits
 from dilonode.allreduce.round import GroupSpec, RoundState, group_digest
 from dilonode.allreduce.transport import DataPlane
 from dilonode.config import DEFAULT_CHUNK_NUMEL
@@ -92,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="event loop of our peers (the daemon uses uvloop when installed)")
     p.add_argument("--no-tune-malloc", action="store_true",
-                   help="leave glibc malloc as it is (DataPlane(tune_malloc=False)); by "
+                   help="leave glibc malloc as it is (PlaneLimits(tune_malloc=False)); by "
                         "default the data plane calls tune_allocator() as the daemon's does")
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--hivemind", action="store_true", help="also DecentralizedAverager")
@@ -154,8 +156,8 @@ def _spec(args: argparse.Namespace, world: int, codec: str, fragment: int,
 
 async def _ours(rank: int, world: int, x: torch.Tensor,
                 args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    plane = DataPlane(f"bench-{rank}", RUN, socket_buffer_bytes=args.sockbuf,
-                      tune_malloc=not args.no_tune_malloc)
+    plane = DataPlane(f"bench-{rank}", RUN, limits=PlaneLimits(
+        socket_buffer_bytes=args.sockbuf, tune_malloc=not args.no_tune_malloc))
     await plane.start()
     addrs: list[Any] = [None] * world
     dist.all_gather_object(addrs, plane.address)
@@ -165,7 +167,7 @@ async def _ours(rank: int, world: int, x: torch.Tensor,
     x = x.to(args.device)  # cuda: the round quantizes and reduces on the GPU
     buf = torch.empty(args.numel, device=args.device) if args.reuse_output else None
     out: dict[str, list[dict[str, Any]]] = {}
-    for fragment, codec in enumerate(args.codecs.split(",")):
+    for fragment, codec in enumerate(names(args.codecs)):
         # CPU time by default: on a shared box waiting for a core would swamp the profile.
         clock = time.perf_counter if args.profile_clock == "wall" else time.process_time
         prof = cProfile.Profile(clock) if args.profile and rank == 0 else None
@@ -422,12 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     per_rank = _run_workers(args)
     rows = [_summarize("dilonode", codec, [o["ours"][codec] for o in per_rank], args)
-            for codec in args.codecs.split(",")]
+            for codec in names(args.codecs)]
     if not args.no_gloo:
         rows.append(_summarize("gloo", "float32", [o["gloo"] for o in per_rank], args))
     if args.hivemind:
         rows.append(_summarize("hivemind", "float32", [o["hivemind"] for o in per_rank], args))
-    rates = [float(r) for r in args.link_gbit.split(",") if r]
+    rates = floats(args.link_gbit)
     for r in rows:  # ideal link seconds: the bytes one peer must send at each rate
         r["ideal_s"] = {str(g): r["ideal_bytes_per_peer"] * 8 / (g * 1e9) for g in rates}
     env = {"numel": args.numel, "procs": args.procs, "rounds": args.rounds,
@@ -450,9 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rank 0, {r['method']} {r['codec']}: where its {r['perf_cpu_s']:.3f} CPU s "
                   f"per round go (perf samples)")
             print(format_shares(r["perf_shares"], r["perf_cpu_s"]))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"env": env, "results": rows}, indent=1) + "\n")
+    write_json(args.json, {"env": env, "results": rows})
     return 0
 
 

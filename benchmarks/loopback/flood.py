@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.results import save_rows
 from dilonode.cli.local_swarm import LocalSwarm
 from dilonode.config import RunConfig, load_config
 from dilonode.net.admission import raise_nofile_limit
@@ -255,10 +256,7 @@ def main() -> None:
     print(f"node-0 log: {quiet['node0_log_lines']} -> {flooded['node0_log_lines']} lines "
           f"({extra:+d}); connection lines in the flooded run: "
           f"{flooded['node0_connection_log_lines']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": rows}, indent=1))
+    save_rows(args.json, args, rows)
     ok = all(r["nodes_finished"] == 2 for r in rows)
     sys.exit(0 if ok else 1)
 

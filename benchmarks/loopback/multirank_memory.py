@@ -19,13 +19,13 @@ Two parts (docs/multigpu-results.md):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.harness.results import write_json
 from dilonode.algo.fragments import assign_fragments
 from dilonode.config import load_config
 from dilonode.train.model import build_model
@@ -192,9 +192,7 @@ def main() -> None:
         _print_table(result["table"])
     if args.measure:
         result["measured"] = measure(args.measure)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

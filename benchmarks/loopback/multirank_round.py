@@ -18,13 +18,14 @@ weights into every rank's weights (all-gather). Times are the leader's, median o
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.harness.results import write_json
+from dilonode.algo.codec_table import CODEC_NAMES
 
 PHASES = ("pseudo_gradient", "encode_slices", "gather", "round", "scatter", "outer_step",
           "merge")
@@ -109,7 +110,7 @@ def _rank(env: Any, numel: int, codec: str, rounds: int, threads: int) -> dict[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=int, default=20_000_000)
-    ap.add_argument("--codec", default="int4")
+    ap.add_argument("--codec", default="int4", choices=CODEC_NAMES)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--json", help="write the rows here")
@@ -123,9 +124,7 @@ def main() -> None:
     for row in rows:
         print(f"{row['ranks']:>5} " + " ".join(f"{row[k]:>14.3f}s"
                                                for k in (*PHASES, "total")))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

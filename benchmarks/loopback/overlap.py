@@ -14,7 +14,9 @@ import argparse
 import time
 from pathlib import Path
 
+from benchmarks.harness.args import ints
 from benchmarks.harness.results import save_rows
+from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.cli.local_swarm import LocalSwarm
 from dilonode.config import load_config
 
@@ -57,7 +59,7 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=30)
     ap.add_argument("--fragments", type=int, default=3)
     ap.add_argument("--taus", default="1,5", help="comma-separated overlap delays to test")
-    ap.add_argument("--codec", default="int4")
+    ap.add_argument("--codec", default="int4", choices=CODEC_NAMES)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -65,7 +67,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = []
-    for tau in (int(t) for t in args.taus.split(",")):
+    for tau in ints(args.taus):
         t0 = time.perf_counter()
         rows.append(run(args, tau, args.out) | {"wall_s": round(time.perf_counter() - t0, 1)})
     print(f"{'tau':>4} {'nodes':>5} {'util min':>9} {'util mean':>9} {'step share':>10} "

@@ -1,8 +1,8 @@
 """Bulk transfer: a libp2p stream through hivemind's p2pd against a direct asyncio TCP
 connection (with and without dilonode's per-frame MAC), on 127.0.0.1, in the same run.
 
-    .venv/bin/python benchmarks/loopback/p2p_stream.py                     # 256 MiB x 3 per method
-    .venv/bin/python benchmarks/loopback/p2p_stream.py --mib 64 --repeats 5 --json out.json
+    .venv/bin/python -m benchmarks.loopback.p2p_stream                   # 256 MiB x 3 per method
+    .venv/bin/python -m benchmarks.loopback.p2p_stream --mib 64 --repeats 5 --json out.json
 
 Each transfer is --mib MiB of random bytes cut into --frame-kib KiB frames (4-byte length
 prefix + body), written by one asyncio task and read back frame by frame by another, which
@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import datetime
 import hmac
-import json
 import os
 import platform
 import statistics
@@ -42,6 +41,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.results import write_json
+from benchmarks.harness.timing import median_seconds
 from dilonode.net.auth import Credentials, Identity
 from dilonode.net.channel import TAG_BYTES, FrameSealer, InboundChannel, OutboundHandshake
 from dilonode.wire.framing import HEADER_BYTES
@@ -202,17 +203,16 @@ def _handshake_ms(repeats: int = 20) -> float:
     """Median ms for one authenticated handshake, both sides' work, in memory."""
     a = Credentials(Identity.generate(), "bench", b"s" * 32)
     b = Credentials(Identity.generate(), "bench", b"s" * 32)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+
+    def handshake() -> None:
         out = OutboundHandshake(a, "bench", a.peer_id, b.peer_id)
         inn = InboundChannel(b, "bench", b.peer_id, max_frame_bytes=1 << 20)
         list(inn.feed(out.hello_frame()))
         auth, _ = out.on_ack(inn.outgoing.pop()[HEADER_BYTES:])
         list(inn.feed(auth))
         assert inn.peer_id == a.peer_id
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+
+    return median_seconds(handshake, repeats, warmup=0) * 1e3
 
 
 # ---------------------------------------------------------------------- main
@@ -265,15 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     hs = _handshake_ms()
     print(f"\nkeyed MAC (FrameSealer) on one core: {mac:.0f} MB/s; "
           f"authenticated handshake: {hs:.1f} ms (both sides, in memory)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()} {os.cpu_count()} cpus {platform.platform()}",
-            "args": {k: str(v) for k, v in vars(args).items()}, "seconds": times,
-            "cpu_s_per_gb": cpu_per_gb,
-            "mb_per_s": rows, "ratio_vs_direct_tcp": ratios, "mac_mb_per_s": mac,
-            "handshake_ms": hs}, indent=1) + "\n")
+    write_json(args.json, {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus {platform.platform()}",
+        "args": {k: str(v) for k, v in vars(args).items()}, "seconds": times,
+        "cpu_s_per_gb": cpu_per_gb,
+        "mb_per_s": rows, "ratio_vs_direct_tcp": ratios, "mac_mb_per_s": mac,
+        "handshake_ms": hs})
     return 0
 
 

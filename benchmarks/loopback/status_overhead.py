@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.results import write_json
 from dilonode.algo.codecs import get_codec
 from dilonode.config import load_config
 from dilonode.net.loop_thread import LoopThread
@@ -120,9 +121,7 @@ def main() -> None:
            "request_ms_median": round(statistics.median(latencies), 2),
            "request_ms_max": round(max(latencies), 2), "on_step_us": round(hook_us, 2)}
     print(json.dumps(out, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

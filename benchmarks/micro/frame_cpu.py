@@ -18,30 +18,18 @@ round (`allreduce.py --perf`), they show what a cold cache adds.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from benchmarks.harness.timing import median_seconds
 from dilonode.allreduce.datapath import chunk_hash
 from dilonode.net.channel import FrameSealer
 from dilonode.wire.framing import HEADER_BYTES, decode_message, encode_frame_parts
 from dilonode.wire.messages import Contribution
 
 __all__ = ["main", "measure"]
-
-
-def _median_s(f: Callable[[], object], reps: int) -> float:
-    f()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(numel: int = 833_344, reps: int = 200) -> dict[str, float]:
@@ -61,10 +49,11 @@ def measure(numel: int = 833_344, reps: int = 200) -> dict[str, float]:
         raise AssertionError("the decoded payload differs from the one sent")
     sealer = FrameSealer(bytes(32))
     return {
-        "seal": _median_s(lambda: sealer.seal(*frame), reps),
-        "hash": _median_s(lambda: chunk_hash(values), reps),
-        "encode": _median_s(lambda: encode_frame_parts(contribution()), reps),
-        "decode": _median_s(lambda: decode_message(body, run_id="bench", share=True), reps),
+        "seal": median_seconds(lambda: sealer.seal(*frame), reps),
+        "hash": median_seconds(lambda: chunk_hash(values), reps),
+        "encode": median_seconds(lambda: encode_frame_parts(contribution()), reps),
+        "decode": median_seconds(lambda: decode_message(body, run_id="bench", share=True),
+                                 reps),
         "bytes": float(len(payload)),
     }
 

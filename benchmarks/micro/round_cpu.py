@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from benchmarks.harness.args import names
 from dilonode.algo.butterfly import round_chunk_numel
 from dilonode.allreduce.allocator import tune_allocator
 from dilonode.allreduce.memnet import MemNet
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     xs = [torch.randn(args.numel, generator=torch.Generator().manual_seed(i))
           for i in range(args.peers)]
     outs = [torch.empty(args.numel) for _ in xs] if args.reuse_output else None
-    for codec in args.codecs.split(","):
+    for codec in names(args.codecs):
         _round(xs, codec, args.chunk, 0, args.data_path, outs)
         cpu, faults = [], []
         for r in range(1, args.rounds + 1):

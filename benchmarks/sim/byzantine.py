@@ -14,7 +14,6 @@ mean.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import time
@@ -23,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.args import names
+from benchmarks.harness.results import write_json
+from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.collective import SyncKey
 from dilonode.config import load_config
 from dilonode.sim.training import SimReport, Tamper, simulate
@@ -107,14 +109,14 @@ def main() -> None:
     ap.add_argument("--preset", default="nano")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--codec", default="int8")
+    ap.add_argument("--codec", default="int8", choices=CODEC_NAMES)
     ap.add_argument("--aggregators", default=",".join(AGGREGATORS))
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    aggregators = args.aggregators.split(",")
-    attacks = args.attacks.split(",")
+    aggregators = names(args.aggregators)
+    attacks = names(args.attacks)
     if "mean" not in aggregators or "honest" not in attacks:
         ap.error("--aggregators must include mean and --attacks honest (the baseline)")
     losses: dict[str, dict[str, float]] = {}
@@ -130,12 +132,9 @@ def main() -> None:
     print(table(losses))
     print(f"total {time.perf_counter() - t0:.0f}s on {platform.machine()} "
           f"torch {torch.__version__}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        shown = {agg: {a: (x if math.isfinite(x) else None) for a, x in per.items()}
-                 for agg, per in losses.items()}  # None: diverged
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                         "eval_loss": shown}, indent=2) + "\n")
+    shown = {agg: {a: (x if math.isfinite(x) else None) for a, x in per.items()}
+             for agg, per in losses.items()}  # None: diverged
+    write_json(args.json, {"args": vars(args), "eval_loss": shown})
 
 
 if __name__ == "__main__":

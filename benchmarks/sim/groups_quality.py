@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.args import ints, names
 from benchmarks.harness.results import save_rows
+from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.algo.mixing import spread
 from dilonode.config import load_config
 from dilonode.sim.training import simulate
@@ -107,14 +109,14 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--codec", default="int4")
+    ap.add_argument("--codec", default="int4", choices=CODEC_NAMES)
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = [run(args, name, int(seed)) for seed in args.seeds.split(",")
-            for name in args.variants.split(",")]
+    rows = [run(args, name, seed) for seed in ints(args.seeds)
+            for name in names(args.variants)]
     print(table(rows))
     save_rows(args.json, args, rows)
 

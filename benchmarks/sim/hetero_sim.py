@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.args import ints
 from benchmarks.harness.results import save_rows
+from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.config import load_config
 from dilonode.sim.training import SimReport, simulate
 
@@ -127,7 +129,7 @@ def main() -> None:
     ap.add_argument("--fragments", type=int, default=3)
     ap.add_argument("--tau", type=int, default=1)
     ap.add_argument("--alpha", type=float, default=0.5)
-    ap.add_argument("--codec", default="int4")
+    ap.add_argument("--codec", default="int4", choices=CODEC_NAMES)
     ap.add_argument("--latency", type=float, default=0.5, help="virtual s per round")
     ap.add_argument("--preset", default="nano")
     ap.add_argument("--seq-len", type=int, default=64)
@@ -140,7 +142,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    for seed in ints(args.seeds):
         for name, cfg in configs(args, seed).items():
             t0 = time.perf_counter()
             report = simulate(load_config(overrides=cfg))

@@ -30,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.args import floats, ints, names
 from benchmarks.harness.results import save_rows
 
 
@@ -54,7 +55,7 @@ def config(args: argparse.Namespace, method: str, seed: int) -> dict[str, Any]:
 
 
 def _speeds(args: argparse.Namespace) -> list[float] | None:
-    return [float(v) for v in args.speeds.split(",")] if args.speeds else None
+    return floats(args.speeds) if args.speeds else None
 
 
 def one(job: tuple[argparse.Namespace, str, int]) -> dict[str, Any]:
@@ -116,9 +117,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    methods = [f"tau={t}" for t in args.taus.split(",") if t] + [
-        m for m in args.timed.split(",") if m]
-    jobs = [(args, m, int(s)) for s in args.seeds.split(",") for m in methods]
+    methods = [f"tau={t}" for t in names(args.taus)] + names(args.timed)
+    jobs = [(args, m, s) for s in ints(args.seeds) for m in methods]
     rows = []
     with ProcessPoolExecutor(args.jobs) as pool:
         for r in pool.map(one, jobs):

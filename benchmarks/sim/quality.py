@@ -39,6 +39,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.args import floats, names
+from benchmarks.harness.results import write_json
+
 # (key, label, mode, codec, alpha): alpha None for DDP and DiLoCo (which pins tau = alpha = 0).
 ROWS: list[tuple[str, str, str, str, float | None]] = [
     ("ddp", "DDP (fp32, every step)", "ddp", "float32", None),
@@ -321,12 +324,8 @@ def plot(runner: Runner, args: argparse.Namespace, lr: float, path: Path) -> Non
     plt.close(fig)
 
 
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v]
-
-
 def _rows(text: str) -> list[str]:
-    rows = [v for v in text.split(",") if v]
+    rows = names(text)
     unknown = [r for r in rows if r not in LABELS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown rows {unknown}; known: {', '.join(LABELS)}")
@@ -348,7 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-batches", type=int, default=24)
     ap.add_argument("--lr", type=float, default=3e-3, help="inner lr when there is no --sweep")
-    ap.add_argument("--sweep", type=_floats, default=None, help="inner lrs to sweep (seed 0)")
+    ap.add_argument("--sweep", type=floats, default=None, help="inner lrs to sweep (seed 0)")
     ap.add_argument("--sweep-rows", type=_rows, default=["ddp", "diloco-fp32", "s-fp32-a0.5"])
     ap.add_argument("--pick-row", default=REFERENCE, help="the sweep row whose best lr is used")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per row")
@@ -385,10 +384,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         doc["meta"]["earlier"] = [*earlier.pop("earlier", []), earlier]
 
     def save() -> None:
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            doc["runs"] = runner.runs
-            args.json.write_text(json.dumps(doc, indent=1))
+        doc["runs"] = runner.runs
+        write_json(args.json, doc)
 
     runner = Runner(args, save)
     lr = args.lr

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.args import ints, names
 from benchmarks.harness.results import save_rows
 from dilonode.sim.swarm_scale import SwarmSimConfig, run_swarm, summarize
 
@@ -122,9 +123,9 @@ def main() -> None:
     ap.add_argument("--only", default="mixing,training,churn,scale,one-group,payload")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    args.only = set(args.only.split(","))
-    rows = [_run(name, cfg, int(seed)) for name, cfg in scenarios(args)
-            for seed in args.seeds.split(",")]
+    args.only = set(names(args.only))
+    rows = [_run(name, cfg, seed) for name, cfg in scenarios(args)
+            for seed in ints(args.seeds)]
     print(table(rows))
     save_rows(args.json, args, rows)
 

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.args import floats, names
 from benchmarks.harness.results import save_rows
 from benchmarks.testbed.reeval import eval_run
 from dilonode.config import load_config
@@ -216,10 +217,9 @@ def main() -> None:
     if (reason := unavailable_reason()) is not None:
         sys.exit(f"autotune.py: {reason}")
     rows = []
-    for rate in (float(r) for r in args.rates.split(",")):
-        for name in (n.strip() for n in args.runs.split(",")):
-            if name == "auto+slow-joiner" and rate != max(float(r) for r in
-                                                          args.rates.split(",")):
+    for rate in floats(args.rates):
+        for name in names(args.runs):
+            if name == "auto+slow-joiner" and rate != max(floats(args.rates)):
                 continue  # the joiner case once, at the fastest rate
             rows.append(run(args, name, rate))
             print(json.dumps(rows[-1]), flush=True)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.args import names
 from benchmarks.harness.results import save_rows
 from dilonode.config import RunConfig, load_config
 from testbed.chaos import Fault, run_chaos
@@ -63,12 +64,12 @@ def loopback_run(args: argparse.Namespace, kind: str) -> list[dict[str, Any]]:
 
 def partition_run(args: argparse.Namespace, remerge: bool) -> list[dict[str, Any]]:
     label = "partition" if remerge else "partition-no-remerge"
-    names = ["bootstrap", *(f"node-{i}" for i in range(4))]
+    hosts = ["bootstrap", *(f"node-{i}" for i in range(4))]
     cut = Fault(0, "partition", "stop", at_step=args.partition_step, seconds=args.stop_s,
                 sides=(("bootstrap", "node-0", "node-1"), ("node-2", "node-3")))
     cfg = run_config(args, label, args.partition_step + args.after_partition,
                      network={"bandwidth_mbps": 100.0}, supervise={"remerge": remerge})
-    with Testbed(names, rate_mbit=100, rates={"bootstrap": None}) as bed:
+    with Testbed(hosts, rate_mbit=100, rates={"bootstrap": None}) as bed:
         res = run_chaos(cfg, 4, [cut], args.out / label, bed=bed, deadline_s=args.deadline)
     return rows_of(label, res)
 
@@ -124,7 +125,7 @@ def main() -> None:
     if (reason := unavailable_reason(partitions=True)) is not None:
         sys.exit(f"chaos.py: {reason}")
     rows: list[dict[str, Any]] = []
-    for run in args.runs.split(","):
+    for run in names(args.runs):
         t0 = time.perf_counter()
         if run in ("kill", "stop"):
             got = loopback_run(args, run)

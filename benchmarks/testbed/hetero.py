@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.args import names
 from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
 from testbed.hosts import swarm_on_testbed, unavailable_reason
@@ -145,7 +146,7 @@ def main() -> None:
     if (reason := unavailable_reason()) is not None:
         sys.exit(f"hetero.py: {reason}")
     rows = []
-    for name in (n.strip() for n in args.runs.split(",")):
+    for name in names(args.runs):
         for repeat in range(args.repeats if name == "mixed" else 1):
             rows.append(run(args, name, repeat))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), flush=True)

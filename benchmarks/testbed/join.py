@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.args import floats
 from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
 from testbed.hosts import swarm_on_testbed, unavailable_reason
@@ -128,7 +129,7 @@ def main() -> None:
     if (reason := unavailable_reason()) is not None:
         sys.exit(f"join.py: {reason}")
     rows = []
-    for rate in (float(r) for r in args.rates.split(",")):
+    for rate in floats(args.rates):
         rows.append(run(args, rate))
         print(json.dumps(rows[-1]), flush=True)
     print("| link | state | fetched | reused | from peers (MB each) | recovery (transfer) "

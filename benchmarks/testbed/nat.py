@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.args import names
 from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
 from testbed.hosts import swarm_on_testbed, unavailable_reason
@@ -218,7 +219,7 @@ def main() -> None:
     args = ap.parse_args()
     if (reason := unavailable_reason(nat=True)) is not None:
         sys.exit(f"nat.py: {reason}")
-    pairs = [p.strip() for p in args.pairs.split(",")]
+    pairs = names(args.pairs)
     if bad := [p for p in pairs if p not in PAIRS]:
         sys.exit(f"nat.py: --pairs {','.join(bad)}: not one of {','.join(PAIRS)}")
     rows = []

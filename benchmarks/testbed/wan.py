@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.args import floats, names
 from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
 from testbed.hosts import swarm_on_testbed, unavailable_reason
@@ -137,12 +138,12 @@ def main() -> None:
     args = ap.parse_args()
     if (reason := unavailable_reason()) is not None:
         sys.exit(f"wan.py: {reason}")
-    names = [n.strip() for n in args.runs.split(",")]
-    if bad := [n for n in names if n not in RUNS]:
+    runs = names(args.runs)
+    if bad := [n for n in runs if n not in RUNS]:
         sys.exit(f"wan.py: --runs {','.join(bad)}: not one of {','.join(RUNS)}")
     rows = []
-    for rate in (float(r) for r in args.rates.split(",")):
-        for name in names:
+    for rate in floats(args.rates):
+        for name in runs:
             rows.append(run(args, name, rate))
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))

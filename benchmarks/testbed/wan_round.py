@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import ROOT, module_argv
+from benchmarks.harness.args import floats, names
+from benchmarks.harness.results import write_json
+from dilonode.algo.codec_table import CODEC_NAMES
 from testbed.hosts import Testbed, unavailable_reason
 
 WORLD = 4
@@ -45,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="congestion controls, comma-separated ('system': the kernel's default)")
     p.add_argument("--numel", type=int, default=2_300_000,
                    help="values per round (a third of the `small` preset: one fragment)")
-    p.add_argument("--codec", default="int4")
+    p.add_argument("--codec", default="int4", choices=CODEC_NAMES)
     p.add_argument("--rounds", type=int, default=8, help="measured rounds per setting")
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--json", type=Path)
@@ -71,6 +74,7 @@ def _worker(rank: int, addrs: list[str], cc: str, numel: int, codec: str, rounds
 
     from dilonode.algo.butterfly import round_chunk_numel
     from dilonode.allreduce.driver import run_round
+    from dilonode.allreduce.plane_limits import PlaneLimits
     from dilonode.allreduce.round import GroupSpec, RoundState, group_digest
     from dilonode.allreduce.transport import DataPlane
     from dilonode.config import DEFAULT_CHUNK_NUMEL
@@ -82,7 +86,7 @@ def _worker(rank: int, addrs: list[str], cc: str, numel: int, codec: str, rounds
 
     async def main() -> list[dict[str, Any]]:
         async with DataPlane(members[rank], "wan-round", host=addrs[rank], port=PORT,
-                             tcp_congestion=cc) as plane:
+                             limits=PlaneLimits(tcp_congestion=cc)) as plane:
             peers = {i: f"{a}:{PORT}" for i, a in enumerate(addrs) if i != rank}
             rows = []
             before = _tcp_counters()
@@ -152,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if (why := unavailable_reason()) is not None:
         raise SystemExit(f"wan_round: {why}")
-    rates = [float(r) for r in args.rates.split(",")]
-    ccs = args.cc.split(",")
+    rates = floats(args.rates)
+    ccs = names(args.cc)
     kernel = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     print(f"{WORLD} hosts, {args.numel:,} values {args.codec}, {args.rounds} rounds per "
           f"setting, {args.passes} passes; the kernel's default: {kernel}", flush=True)
@@ -181,11 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             label = f"{cc} ({kernel})" if cc == "system" else cc
             print(f"| {rate:g} Mbit/s | {label} | {wall:.3f} s | {wall / mine[0]['ideal_s']:.2f}x "
                   f"| {statistics.median(r['retransmitted'] for r in mine):.1%} |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
-                                                  if k != "json"} | {"kernel_default": kernel},
-                                         "rows": rows}, indent=1, default=str))
+    write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "json"}
+                           | {"kernel_default": kernel}, "rows": rows})
     return 0
 
 

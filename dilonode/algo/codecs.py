@@ -45,6 +45,14 @@ import numpy as np
 import torch
 
 from dilonode.algo import kernels
+from dilonode.algo.codec_table import (
+    CODEC_NAMES,
+    CODECS,
+    DEFAULT_BLOCK_SIZE,
+    CodecSpec,
+    unknown_codec_message,
+)
+from dilonode.algo.codec_table import SCALE_BYTES as _SCALE_BYTES
 
 __all__ = [
     "CODEC_NAMES",
@@ -60,11 +68,8 @@ __all__ = [
     "sums_raw_values",
 ]
 
-CODEC_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "int8", "int4", "fp4")
-
 Buffer = bytes | bytearray | memoryview
 
-_SCALE_BYTES = 4
 _EXP_ALL_ONES = 0x7F800000  # sign-cleared float32 bits at or above: Inf or NaN
 _F32_OVERFLOW = 2.0**128 - 2.0**103  # smallest magnitude float32 round-to-nearest sends to inf
 
@@ -300,12 +305,15 @@ def _kernel_mode(step: str) -> int:
 class _FloatCodec:
     """Raw IEEE values; block_size is fixed at 1 (no scales)."""
 
-    def __init__(self, name: str, dtype: torch.dtype, wire: str, fast: bool = False) -> None:
-        self.name = name
-        self.block_size = 1
+    def __init__(self, spec: CodecSpec, fast: bool = False) -> None:
+        assert spec.float_dtype is not None, spec
+        self.name = spec.name
+        self.block_size = spec.default_block_size
         self.fast = fast and sys.byteorder == "little"
-        self._dtype = dtype
-        self._wire = np.dtype(wire)  # explicit little-endian numpy dtype of the bytes
+        self._dtype: torch.dtype = getattr(torch, spec.float_dtype)
+        # The explicit little-endian numpy dtype of the bytes: float32 values, or the raw
+        # bit patterns of a 16-bit type (numpy has no bfloat16).
+        self._wire = np.dtype("<f4" if spec.bits == 32 else f"<i{spec.bits // 8}")
 
     def __repr__(self) -> str:
         return f"get_codec({self.name!r})"
@@ -456,11 +464,11 @@ _FP4_MIDPOINTS = (2.0**-7, *(0.75 * 2.0**k for k in range(-5, 1)))
 class _BlockCodec:
     """Absmax-scaled block quantizer: float32 scales first, then the quantized payload."""
 
-    qmax: float = 1.0  # largest quantized magnitude; scale = absmax / qmax
-
-    def __init__(self, name: str, block_size: int, fast: bool = False) -> None:
-        self.name = name
+    def __init__(self, spec: CodecSpec, block_size: int, fast: bool = False) -> None:
+        self.name = spec.name
         self.block_size = block_size
+        self.qmax = spec.qmax  # largest quantized magnitude; scale = absmax / qmax
+        self._spec = spec
         # The compiled kernels (kernels.py) instead of the numpy/torch reference passes.
         self.fast = fast and kernels.AVAILABLE and sys.byteorder == "little"
 
@@ -468,7 +476,7 @@ class _BlockCodec:
         return f"get_codec({self.name!r}, block_size={self.block_size})"
 
     def _payload_size(self, numel: int) -> int:
-        raise NotImplementedError
+        return self._spec.payload_bytes(numel)
 
     def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: np.ndarray) -> None:
         """Write the quantized payload of x (n,) with `scale` (n_blocks,) into `out`."""
@@ -605,11 +613,6 @@ class _BlockCodec:
 
 
 class _Int8Codec(_BlockCodec):
-    qmax = 127.0
-
-    def _payload_size(self, numel: int) -> int:
-        return numel
-
     def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: np.ndarray) -> None:
         q = self._safe_divide(x, scale).round_().clamp_(-self.qmax, self.qmax)  # (n,)
         out.view(np.int8)[:] = q.to(torch.int8).numpy()
@@ -641,9 +644,6 @@ class _NibbleCodec(_BlockCodec):
     """Two 4-bit codes per byte, low nibble = even index."""
 
     _pairs: np.ndarray  # (256, 2) byte -> decoded unit values of its low/high nibble
-
-    def _payload_size(self, numel: int) -> int:
-        return (numel + 1) // 2
 
     def _codes(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x: (n,), scale: (n_blocks,) -> (n,) int8/uint8 whose low nibble is the code."""
@@ -687,7 +687,6 @@ class _NibbleCodec(_BlockCodec):
 
 
 class _Int4Codec(_NibbleCodec):
-    qmax = 7.0
     _pairs = _INT4_PAIRS
 
     def _codes(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -718,7 +717,7 @@ def _raise_int4_min() -> None:
 
 
 class _Fp4Codec(_NibbleCodec):
-    qmax = 1.0  # largest fp4 unit magnitude, so the scale is the block absmax itself
+    # qmax is 1, the largest fp4 unit magnitude: the scale is the block absmax itself.
     _pairs = _FP4_PAIRS
 
     def _codes(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -747,33 +746,40 @@ _FP4_UNITS = np.ascontiguousarray(_FP4_PAIRS[:16, 0])  # (16,) unit value of eac
 # ---------------------------------------------------------------------------- public API
 
 
-_FLOAT_CODECS = {
-    "float32": (torch.float32, "<f4"),
-    "bfloat16": (torch.bfloat16, "<i2"),
-    "float16": (torch.float16, "<i2"),
-}
-_BLOCK_CODECS: dict[str, type[_BlockCodec]] = {
-    "int8": _Int8Codec, "int4": _Int4Codec, "fp4": _Fp4Codec,
+# The arithmetic of each block layout of the table: (quantizer, bits per value) -> class.
+_BLOCK_ARITHMETIC: dict[tuple[str, int], type[_BlockCodec]] = {
+    ("int", 8): _Int8Codec, ("int", 4): _Int4Codec, ("fp4", 4): _Fp4Codec,
 }
 
 
-def get_codec(name: str, block_size: int = 64, *, reference: bool = False) -> Codec:
-    """The codec called `name`; block_size applies to int8/int4/fp4 (float codecs use 1).
+def _block_class(spec: CodecSpec) -> type[_BlockCodec]:
+    assert spec.quantizer is not None, spec
+    return _BLOCK_ARITHMETIC[(spec.quantizer, spec.bits)]
+
+
+# Every block codec of the table has its arithmetic here (a new layout needs a class).
+_BLOCK_CLASSES = {name: _block_class(spec) for name, spec in CODECS.items() if spec.is_block}
+
+
+def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *,
+              reference: bool = False) -> Codec:
+    """The codec called `name` (a row of `codec_table.CODECS`); block_size applies to the
+    block codecs (float codecs use 1).
 
     `reference=True`: the numpy/torch reference passes instead of the compiled kernels
     (the same bytes and values, slower: for tests and comparisons)."""
-    if name in _FLOAT_CODECS:
-        dtype, wire = _FLOAT_CODECS[name]
+    spec = CODECS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise CodecError(unknown_codec_message(name))
+    if not spec.is_block:
         _check_count(block_size, "block_size")  # accepted and ignored, but must be sane
-        return _FloatCodec(name, dtype, wire, fast=not reference)
-    if name not in _BLOCK_CODECS:
-        raise CodecError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}")
+        return _FloatCodec(spec, fast=not reference)
     bs = _check_count(block_size, "block_size")
     if bs < 2:
         raise CodecError(f"block_size must be >= 2 for {name}, got {bs}")
-    if name in ("int4", "fp4") and bs % 2:
+    if bs % spec.codes_per_byte:
         raise CodecError(f"block_size must be even for {name} (two values per byte), got {bs}")
-    return _BLOCK_CODECS[name](name, bs, fast=not reference)
+    return _BLOCK_CLASSES[name](spec, bs, fast=not reference)
 
 
 def max_abs_error_bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:
@@ -787,16 +793,18 @@ def max_abs_error_bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:
     if not bool(torch.isfinite(x).all()):
         _raise_non_finite(x)
     ax = x.abs().double()  # (n,)
-    if codec.name == "float32":
-        return torch.zeros_like(ax)
-    if codec.name == "bfloat16":
-        return ax * 2.0**-8 + 2.0**-134  # half ulp; bf16 subnormal half-spacing is 2^-134
-    if codec.name == "float16":
-        return ax * 2.0**-11 + 2.0**-25  # half ulp; fp16 subnormal half-spacing is 2^-25
+    if isinstance(codec, _FloatCodec):
+        if codec._dtype == torch.float32:
+            return torch.zeros_like(ax)
+        # Half an ulp, and half the subnormal spacing (smallest normal times eps) near zero:
+        # bfloat16 2^-8 and 2^-134, float16 2^-11 and 2^-25; powers of two, so exact.
+        info = torch.finfo(codec._dtype)
+        bound: torch.Tensor = ax * (info.eps / 2) + info.tiny * info.eps / 2
+        return bound
     if not isinstance(codec, _BlockCodec):
         raise CodecError(f"no error bound known for codec {codec.name!r}")
     scale = _per_element(codec.block_scales(x).double(), x.numel(), codec.block_size)
-    if codec.name == "fp4":
+    if codec._spec.quantizer == "fp4":
         return _fp4_half_gap(ax, scale) * scale * (1 + 2.0**-16) + 2.0**-149
     return scale * (0.5 + 2.0**-16) + codec.qmax * 2.0**-149
 

@@ -17,18 +17,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dilonode.algo.codec_table import CODECS, SCALE_BYTES
+
 __all__ = ["SplicedEncoding", "splice_supported"]
 
 Buffer = bytes | bytearray | memoryview
 
-_CODE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4, "fp4": 4}
-_BLOCK_CODECS = frozenset({"int8", "int4", "fp4"})
-_SCALE_BYTES = 4
-
 
 def splice_supported(codec: str) -> bool:
-    """Whether `codec`'s encodings can be spliced (every format dilonode speaks)."""
-    return codec in _CODE_BITS
+    """Whether `codec`'s encodings can be spliced (every format of `codec_table`)."""
+    return codec in CODECS
 
 
 @dataclass(frozen=True)
@@ -64,13 +62,14 @@ class SplicedEncoding:
 
     def _cut(self, part: memoryview, n: int, a: int, b: int) -> tuple[Buffer, Buffer]:
         """(scales, codes) of values [a, b) from the encoding `part` of n values."""
-        bits = _CODE_BITS[self.codec]
+        spec = CODECS[self.codec]
+        bits = spec.bits
         head = 0
         scales: Buffer = b""
-        if self.codec in _BLOCK_CODECS:
+        if spec.is_block:
             bs = self.block_size
-            head = _SCALE_BYTES * -(-n // bs)
-            scales = part[_SCALE_BYTES * (a // bs):_SCALE_BYTES * -(-b // bs)]
+            head = SCALE_BYTES * -(-n // bs)
+            scales = part[SCALE_BYTES * (a // bs):SCALE_BYTES * -(-b // bs)]
         codes = part[head + a * bits // 8:head + -(-b * bits // 8)]
         return scales, codes
 

@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from dilonode.algo.codec_table import CODECS, CodecSpec
+from dilonode.algo.codec_table import SCALE_BYTES as _SCALE_BYTES
 from dilonode.algo.codecs import (
     Codec,
     CodecError,
@@ -35,10 +37,10 @@ from dilonode.algo.codecs import (
 
 __all__ = ["decode_torch", "encode_chunks_torch", "encode_torch"]
 
-_SCALE_BYTES = 4
 _F32_OVERFLOW = 2.0**128 - 2.0**103  # as in codecs.py: float32 round-to-nearest overflow
-_QMAX = {"int8": 127.0, "int4": 7.0, "fp4": 1.0}
-_FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The torch dtype of each raw float codec, by name.
+_FLOATS = {name: getattr(torch, spec.float_dtype) for name, spec in CODECS.items()
+           if spec.float_dtype is not None}
 # Midpoints between consecutive fp4 unit magnitudes (codecs.py `_FP4_MIDPOINTS`).
 _FP4_MIDPOINTS = (2.0**-7, *(0.75 * 2.0**k for k in range(-5, 1)))
 
@@ -46,8 +48,8 @@ if sys.byteorder != "little":  # pragma: no cover - every torch device we run on
     raise ImportError("torch_codecs assumes a little-endian host (the wire is little-endian)")
 
 
-def _payload_bytes(name: str, numel: int) -> int:
-    return numel if name == "int8" else (numel + 1) // 2
+def _spec(codec: Codec) -> CodecSpec:
+    return CODECS[codec.name]
 
 
 # ---------------------------------------------------------------------------- encode
@@ -118,8 +120,8 @@ def _encode_block_rows(codec: Codec, x: torch.Tensor) -> torch.Tensor:
     scale = _scales(codec, blocks)  # (R, nb)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero block: 0/1 = 0
     ratio = blocks / safe[..., None]  # (R, nb, bs), IEEE division by a tensor
-    codes = _codes(codec.name, blocks, ratio).view(rows, nb * bs)[:, :m]  # (R, m)
-    payload = codes.view(torch.uint8) if codec.name == "int8" else _pack_nibbles(codes)
+    codes = _codes(_spec(codec), blocks, ratio).view(rows, nb * bs)[:, :m]  # (R, m)
+    payload = codes.view(torch.uint8) if _spec(codec).bits == 8 else _pack_nibbles(codes)
     return torch.cat([scale.view(torch.uint8), payload], dim=1)  # (R, 4 nb + payload)
 
 
@@ -128,7 +130,7 @@ def _scales(codec: Codec, blocks: torch.Tensor) -> torch.Tensor:
     absmax = blocks.abs().amax(dim=-1)  # (R, nb); NaN and Inf propagate
     if not bool(torch.isfinite(absmax).all()):
         _raise_reference(codec, blocks.reshape(-1))
-    qmax = _QMAX[codec.name]
+    qmax = _spec(codec).qmax
     if qmax == 1.0:
         return absmax
     # A tensor divisor, not the number: CUDA would multiply by a rounded reciprocal.
@@ -137,17 +139,17 @@ def _scales(codec: Codec, blocks: torch.Tensor) -> torch.Tensor:
     return torch.where(too_big, torch.nextafter(scale, torch.zeros_like(scale)), scale)
 
 
-def _codes(name: str, blocks: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+def _codes(spec: CodecSpec, blocks: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     """(R, nb, bs) values and values/scale -> (R, nb, bs) int8 codes (4-bit ones in the low
     nibble)."""
-    if name == "fp4":
+    if spec.quantizer == "fp4":
         r = ratio.abs_()
         code = torch.zeros(r.shape, dtype=torch.uint8, device=r.device)
         for mid in _FP4_MIDPOINTS:  # exact float32 constants: the comparison is exact
             code += r > mid
         neg = (blocks < 0) & (code > 0)  # no negative zero from the encoder
         return (code | (neg.to(torch.uint8) << 3)).view(torch.int8)
-    qmax = _QMAX[name]
+    qmax = spec.qmax
     return ratio.round_().clamp_(-qmax, qmax).to(torch.int8)
 
 
@@ -199,12 +201,13 @@ def _decode_float(codec: Codec, data: torch.Tensor, meta: CodecMeta) -> torch.Te
 
 
 def _decode_block(codec: Codec, data: torch.Tensor, meta: CodecMeta) -> torch.Tensor:
-    n, bs, qmax = meta.numel, codec.block_size, _QMAX[codec.name]
+    spec = _spec(codec)
+    n, bs, qmax = meta.numel, codec.block_size, spec.qmax
     nb = -(-n // bs)
     scale = data[:nb * _SCALE_BYTES].view(torch.float32)  # (nb,)
     payload = data[nb * _SCALE_BYTES:]  # (P,)
     bad = ~((scale >= 0) & (scale.double() * qmax < _F32_OVERFLOW)).all()  # () bool
-    if codec.name == "int8":
+    if spec.bits == 8:
         q = payload.view(torch.int8)  # (n,)
         bad |= (q == -128).any()
         unit = q.to(torch.float32)
@@ -213,9 +216,9 @@ def _decode_block(codec: Codec, data: torch.Tensor, meta: CodecMeta) -> torch.Te
         if n % 2:
             bad |= nib[-1] != 0  # padding nibble
         nib = nib[:n]  # (n,)
-        if codec.name == "int4":
+        if spec.quantizer == "int":
             bad |= (nib == 8).any()
-        unit = _nibble_values(codec.name, nib)  # (n,) float32
+        unit = _nibble_values(spec, nib)  # (n,) float32
     if bool(bad):
         _decode_reference(codec, data, meta)
     if nb * bs != n:
@@ -223,9 +226,9 @@ def _decode_block(codec: Codec, data: torch.Tensor, meta: CodecMeta) -> torch.Te
     return (unit.view(nb, bs) * scale[:, None]).view(-1)[:n]  # (n,)
 
 
-def _nibble_values(name: str, nib: torch.Tensor) -> torch.Tensor:
+def _nibble_values(spec: CodecSpec, nib: torch.Tensor) -> torch.Tensor:
     """(n,) uint8 codes 0..15 -> (n,) float32 unit values of int4 or fp4."""
-    if name == "int4":
+    if spec.quantizer == "int":
         return ((nib ^ 8).to(torch.int8) - 8).to(torch.float32)  # two's complement
     mag_code = (nib & 7).to(torch.int32)  # (n,)
     # 2^(c - 7) as float32 bits: biased exponent 120 + c, zero mantissa.

@@ -11,14 +11,14 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from dilonode.algo.robust import BanTracker
 from dilonode.algo.sliced_encoding import SplicedEncoding
 from dilonode.allreduce.driver import GRAD_FRAGMENT
+from dilonode.allreduce.plane_limits import PlaneOptions
 from dilonode.allreduce.retry import RoundPolicy, SwarmRounds
 from dilonode.allreduce.transport import DataPlane
 from dilonode.collective import FormGroup, ReduceResult, StateSource, SyncKey
@@ -63,10 +63,10 @@ class NetworkCollective:
                  policy: RoundPolicy | None = None, *, host: str = "127.0.0.1", port: int = 0,
                  use_uvloop: bool = True, offload: bool = True,
                  clock: Callable[[], float] = time.monotonic,
-                 plane_options: Mapping[str, Any] | None = None,
+                 plane_options: PlaneOptions | None = None,
                  bans: BanTracker | None = None, reuse_results: bool = False,
                  keep_encoded: bool = False) -> None:
-        self.plane = DataPlane(peer_id, run_id, host, port, **dict(plane_options or {}))
+        self.plane = DataPlane(peer_id, run_id, host, port, **(plane_options or {}))
         self.reuse_results = reuse_results
         self._results: dict[int, torch.Tensor] = {}  # fragment -> its result buffer
         self._in_flight: dict[int, concurrent.futures.Future[ReduceResult]] = {}

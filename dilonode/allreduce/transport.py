@@ -15,7 +15,7 @@ before anything is read from them.
 
 Usage (all on one asyncio event loop):
 
-    plane = DataPlane("peer-a", "run-1")
+    plane = DataPlane("peer-a", "run-1")    # or limits=PlaneLimits(...) (plane_limits.py)
     await plane.start()                      # listens; plane.address is "host:port"
     inbox = plane.register((fragment, round, attempt), members)
     fut = plane.send("peer-b", "127.0.0.1:4242", frame)   # resolves once written
@@ -30,6 +30,7 @@ to the sans-IO `AllReduceRound`. Problems become `PeerEvent`s too: a frame that 
 decode, or a bad first frame, is a peer *error* (the round fails naming the peer); a lost
 connection is the peer being *gone* (the round fails only if it still needs that peer).
 
+The plane's bounds and switches are one `PlaneLimits` (`plane_limits.py`, a field each).
 Frames for a key nobody registered yet are kept for `pending_ttl` seconds, because peers
 start a round a few ms apart; count and bytes are bounded, and whatever overflows or
 expires is dropped with a log line. Inboxes are bounded too: above `max_queued_bytes` of
@@ -69,6 +70,7 @@ from dilonode.allreduce.inbox import (
     RoundKey,
     parse_address,
 )
+from dilonode.allreduce.plane_limits import PlaneLimits
 from dilonode.net import congestion
 from dilonode.net.admission import Admission, Gate, Ticket
 from dilonode.net.aio import bounded
@@ -85,7 +87,7 @@ from dilonode.net.channel import (
 )
 from dilonode.net.listener import Acceptor, bind_listener
 from dilonode.wire.errors import RemoteProtocolError, one_line
-from dilonode.wire.framing import DEFAULT_MAX_FRAME_BYTES, FrameParts
+from dilonode.wire.framing import FrameParts
 from dilonode.wire.messages import Hello, Message
 
 __all__ = ["DataPlane"]
@@ -113,7 +115,7 @@ class _Inbound(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.channel = InboundChannel(plane.auth, plane.run_id, plane.peer_id,
-                                      max_frame_bytes=plane.max_frame_bytes)
+                                      max_frame_bytes=plane.limits.max_frame_bytes)
         self.proven = False  # the plane has been told this peer is connected
         self._scratch: memoryview | None = None
         self._direct = False  # the last get_buffer handed out a frame body, not scratch
@@ -136,12 +138,13 @@ class _Inbound(asyncio.BufferedProtocol):
         self.plane.stats["connections_in"] += 1
         if self.plane._reading_paused:
             self.transport.pause_reading()
-        asyncio.get_running_loop().call_later(self.plane.connect_timeout, self._hello_due)
+        asyncio.get_running_loop().call_later(self.plane.limits.connect_timeout,
+                                              self._hello_due)
 
     def _hello_due(self) -> None:
         if self.peer_id is None and not self.closed:
             self.plane._reject(self, f"no complete handshake within "
-                               f"{self.plane.connect_timeout:g}s", unauthorized=True,
+                               f"{self.plane.limits.connect_timeout:g}s", unauthorized=True,
                                kind="handshake_timeout")
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -296,7 +299,7 @@ class _Outbound:
             # live task.
             try:
                 host, port = parse_address(self.address)
-                async with asyncio.timeout(plane.connect_timeout):
+                async with asyncio.timeout(plane.limits.connect_timeout):
                     return await asyncio.open_connection(host, port, limit=_READ_LIMIT)
             except (OSError, TimeoutError, ValueError) as exc:
                 if plane.fallback is None:
@@ -311,7 +314,7 @@ class _Outbound:
                       self.peer_id)
         t0 = time.monotonic()
         try:
-            async with asyncio.timeout(plane.connect_timeout):
+            async with asyncio.timeout(plane.limits.connect_timeout):
                 pair = await plane.fallback(self.peer_id)
         except (OSError, TimeoutError) as exc:
             raise PeerUnreachable(f"direct: {direct}; libp2p stream: "
@@ -323,7 +326,7 @@ class _Outbound:
 
     async def _connect(self) -> None:
         reader, writer = await self._open()
-        async with asyncio.timeout(self.plane.connect_timeout):
+        async with asyncio.timeout(self.plane.limits.connect_timeout):
             try:
                 self.sealer = await self._handshake(reader, writer)
             except BaseException:
@@ -408,64 +411,38 @@ class _Outbound:
 class DataPlane:
     """TCP server and client for round frames; see the module docstring.
 
-    `max_frame_bytes` bounds one frame, `connect_timeout` one connection attempt;
-    `pending_ttl`, `max_pending_frames` (per key), `max_pending_keys` and
-    `max_pending_bytes` (all keys) bound frames waiting for their round; `max_queued_bytes`
-    bounds frames waiting in registered inboxes before reading pauses;
-    `socket_buffer_bytes` sets SO_SNDBUF/SO_RCVBUF (0 leaves the kernel's autotuning);
-    `tcp_congestion` names the congestion control of its connections (`congestion.apply`;
-    "system" leaves the kernel's default).
+    `limits` bounds frames, connection attempts, frames waiting for their round or in
+    registered inboxes, and idle connections, and sets the sockets' buffers and congestion
+    control (`PlaneLimits`, a docstring per field).
     `auth` holds this node's identity and the run's secret and allowlist; None runs the
     handshake in trust mode (made-up peer ids, tests and benchmarks only; see `channel`).
     `fallback(peer_id)`, if given, opens a stream by another path when a direct connection
     fails (`dilonode.swarm.tunnel`); the other side hands such streams to `accept_stream`.
     With a fallback, peers in `stream_only` (behind a NAT, as their records say) and peers
-    a direct dial failed to within `direct_retry` seconds get the stream without a dial
-    first, so an undialable peer costs at most one `connect_timeout` per `direct_retry`.
-    `tune_malloc` lets `start()` call `tune_allocator()` (process-wide; off for a process
-    that must return freed memory to the kernel at once). `gate` admits incoming
-    connections (the node's `Admission.gate("data")`; None: a gate of its own with the
-    default limits). `max_idle_inbound` and `idle_close_s` bound the connections kept
-    open for peers with no round here (module docstring; 0: no bound).
+    a direct dial failed to within `limits.direct_retry` seconds get the stream without a
+    dial first, so an undialable peer costs at most one `connect_timeout` per
+    `direct_retry`. `gate` admits incoming connections (the node's
+    `Admission.gate("data")`; None: a gate of its own with the default limits).
     """
 
     def __init__(self, peer_id: str, run_id: str, host: str = "127.0.0.1", port: int = 0, *,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, connect_timeout: float = 5.0,
-                 pending_ttl: float = 10.0, max_pending_frames: int = 100_000,
-                 max_pending_keys: int = 64, max_pending_bytes: int = 512 << 20,
-                 max_queued_bytes: int = 512 << 20, socket_buffer_bytes: int = 4 << 20,
-                 auth: Credentials | None = None,
-                 fallback: StreamOpener | None = None, tune_malloc: bool = True,
-                 gate: Gate | None = None, max_idle_inbound: int = 0,
-                 idle_close_s: float = 30.0, direct_retry: float = 600.0,
-                 tcp_congestion: str = congestion.SYSTEM) -> None:
+                 limits: PlaneLimits | None = None, auth: Credentials | None = None,
+                 fallback: StreamOpener | None = None, gate: Gate | None = None) -> None:
         Hello(run_id=run_id, peer_id=peer_id)  # validates both ids (ValidationError)
         if auth is not None and (auth.peer_id, auth.run_id) != (peer_id, run_id):
             raise ValueError(f"DataPlane: credentials of {auth.peer_id}@{auth.run_id} for "
                              f"{peer_id}@{run_id}")
+        self.limits = limits if limits is not None else PlaneLimits()
         self.auth = auth
         self.fallback = fallback
-        self.direct_retry = direct_retry
         # Peers to reach by the fallback only (set by the node from peer records), and
         # when a direct dial to a peer last failed (time.monotonic()).
         self.stream_only: frozenset[str] = frozenset()
         self._direct_failed: dict[str, float] = {}
-        self.tune_malloc = tune_malloc
         self.peer_id = peer_id
         self.run_id = run_id
         self.host = host
         self.port = port
-        self.max_frame_bytes = max_frame_bytes
-        self.connect_timeout = connect_timeout
-        self.pending_ttl = pending_ttl
-        self.max_pending_frames = max_pending_frames
-        self.max_pending_keys = max_pending_keys
-        self.max_pending_bytes = max_pending_bytes
-        self.max_queued_bytes = max_queued_bytes
-        self.socket_buffer_bytes = socket_buffer_bytes
-        self.tcp_congestion = tcp_congestion
-        self.max_idle_inbound = max_idle_inbound  # 0: never close idle connections
-        self.idle_close_s = idle_close_s
         self.gate = gate or Admission().gate("data")
         self.gate.log.logger = log  # its lines are this module's, as before
         self.stats: dict[str, int] = dict.fromkeys(
@@ -498,7 +475,7 @@ class DataPlane:
 
     async def start(self) -> None:
         """Bind and listen (and `tune_allocator()` unless `tune_malloc` is False)."""
-        if self.tune_malloc:
+        if self.limits.tune_malloc:
             tune_allocator()
         if self._acceptor is not None:
             raise RuntimeError("DataPlane.start: already started")
@@ -569,10 +546,11 @@ class DataPlane:
             return
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.socket_buffer_bytes:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.socket_buffer_bytes)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.socket_buffer_bytes)
-        congestion.apply(sock, self.tcp_congestion)
+        buffer = self.limits.socket_buffer_bytes
+        if buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
+        congestion.apply(sock, self.limits.tcp_congestion)
 
     # ------------------------------------------------------------------ rounds
 
@@ -600,7 +578,7 @@ class DataPlane:
         if peer_id in self.stream_only:
             return "peer is not dialable (behind a NAT)"
         failed = self._direct_failed.get(peer_id)
-        if failed is not None and time.monotonic() - failed < self.direct_retry:
+        if failed is not None and time.monotonic() - failed < self.limits.direct_retry:
             return f"direct dial failed {time.monotonic() - failed:.0f}s ago"
         return None
 
@@ -665,20 +643,22 @@ class DataPlane:
 
     def _close_idle(self) -> None:
         """Above `max_idle_inbound` open connections, close idle ones (module docstring)."""
-        if not self.max_idle_inbound or len(self._inbound) <= self.max_idle_inbound:
+        bound, idle_s = self.limits.max_idle_inbound, self.limits.idle_close_s
+        if not bound or len(self._inbound) <= bound:
             return
         busy, now = self._busy_peers(), time.monotonic()
         idle = sorted((c for c in self._inbound if c.peer_id is not None and not c.closed
-                       and c.peer_id not in busy and now - c.last_active >= self.idle_close_s),
+                       and c.peer_id not in busy and now - c.last_active >= idle_s),
                       key=lambda c: c.last_active)
-        for conn in idle[:len(self._inbound) - self.max_idle_inbound]:
+        for conn in idle[:len(self._inbound) - bound]:
             self.stats["idle_closed"] += 1
             conn.close()
 
     def _forget_closed_outbound(self) -> None:
         """Above `max_idle_inbound` peers, drop connection objects with nothing queued
         whose socket the peer closed (a later frame builds a new one)."""
-        if not self.max_idle_inbound or len(self._outbound) <= self.max_idle_inbound:
+        bound = self.limits.max_idle_inbound
+        if not bound or len(self._outbound) <= bound:
             return
         busy = self._busy_peers()
         for peer, out in list(self._outbound.items()):
@@ -707,14 +687,14 @@ class DataPlane:
     def _hold(self, key: RoundKey, event: PeerEvent) -> None:
         pending = self._pending.get(key)
         if pending is None:
-            if len(self._pending) >= self.max_pending_keys:
+            if len(self._pending) >= self.limits.max_pending_keys:
                 self._overflow(key, None, "too many rounds waiting to be registered")
                 return
             pending = self._pending[key] = PendingFrames()
             pending.expiry = asyncio.get_running_loop().call_later(
-                self.pending_ttl, self._drop_pending, key, "no round registered in time")
-        if (len(pending.events) >= self.max_pending_frames
-                or self._pending_bytes + event.frame_bytes > self.max_pending_bytes):
+                self.limits.pending_ttl, self._drop_pending, key, "no round registered in time")
+        if (len(pending.events) >= self.limits.max_pending_frames
+                or self._pending_bytes + event.frame_bytes > self.limits.max_pending_bytes):
             self._overflow(key, pending, "early-frame buffer full")
             return
         pending.events.append(event)
@@ -790,12 +770,13 @@ class DataPlane:
     def _queued(self, delta: int) -> None:
         """Pause every socket while registered inboxes hold too much, resume at half."""
         self._queued_total += delta
-        if not self._reading_paused and self._queued_total > self.max_queued_bytes:
+        bound = self.limits.max_queued_bytes
+        if not self._reading_paused and self._queued_total > bound:
             self._reading_paused = True
             for conn in self._inbound:
                 if conn.transport is not None and not conn.closed:
                     conn.transport.pause_reading()
-        elif self._reading_paused and self._queued_total <= self.max_queued_bytes // 2:
+        elif self._reading_paused and self._queued_total <= bound // 2:
             self._reading_paused = False
             for conn in self._inbound:
                 if conn.transport is not None and not conn.closed:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.cli.fast_exit import exit_without_finalizing
 
 __all__ = ["build_parser", "main"]
@@ -21,7 +22,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set diloco.sync_every=50 (repeatable)")
     p.add_argument("--steps", type=int, help="inner steps per worker (total_steps)")
     p.add_argument("--mode", choices=["ddp", "diloco", "streaming"], help="diloco.mode")
-    p.add_argument("--codec", help="codec.name: float32, bfloat16, float16, int8, int4, fp4")
+    p.add_argument("--codec", help=f"codec.name: {', '.join(CODEC_NAMES)}")
     p.add_argument("--out", help="output folder (paths.out_dir)")
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 from dilonode.algo.robust import BanTracker
 from dilonode.allreduce.network_collective import NetworkCollective
+from dilonode.allreduce.plane_limits import PlaneLimits, PlaneOptions
 from dilonode.allreduce.retry import RoundPolicy
 from dilonode.collective import FormedGroup
 from dilonode.config import RunConfig
@@ -166,11 +167,11 @@ class Node:
         agg = self.cfg.aggregator
         self.bans = (BanTracker(agg.ban_after, agg.ban_window, agg.ban_seconds)
                      if agg.ban_after else None)
-        plane_options: dict[str, Any] = {"auth": self.dht.credentials,
-                                         "gate": self.admission.gate("data"),
-                                         "tcp_congestion": net.tcp_congestion,
-                                         # rotating groups: idle peers' connections close
-                                         "max_idle_inbound": 4 * net.max_group_size}
+        # Rotating groups: idle peers' connections close (max_idle_inbound).
+        limits = PlaneLimits(tcp_congestion=net.tcp_congestion,
+                             max_idle_inbound=4 * net.max_group_size)
+        plane_options: PlaneOptions = {"limits": limits, "auth": self.dht.credentials,
+                                       "gate": self.admission.gate("data")}
         if net.p2p_fallback:
             from dilonode.swarm.tunnel import Tunnel, relay_peers
 

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from dilonode.allreduce.plane_limits import PlaneLimits
 from dilonode.allreduce.transport import DataPlane
 from dilonode.config import ConfigError, load_config
 from dilonode.net import congestion
@@ -98,8 +99,9 @@ def test_data_plane_connections_use_it_on_both_ends(loop: str) -> None:
     spec = _spec(IDS)
 
     async def main() -> tuple[str, str]:
-        async with DataPlane(IDS[0], RUN, tcp_congestion=RENO) as a, \
-                DataPlane(IDS[1], RUN, tcp_congestion=RENO) as b:
+        reno = PlaneLimits(tcp_congestion=RENO)
+        async with DataPlane(IDS[0], RUN, limits=reno) as a, \
+                DataPlane(IDS[1], RUN, limits=reno) as b:
             frame = [s for s in _frames(spec, 1) if s.to == 0][0].frame
             await b.send(IDS[0], a.address, frame)
             await _until(lambda: a.stats["frames_in"] == 1)

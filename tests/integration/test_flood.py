@@ -31,6 +31,7 @@ import pytest
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
+from dilonode.allreduce.plane_limits import PlaneLimits
 from dilonode.allreduce.transport import DataPlane
 from dilonode.config import StateSyncConfig
 from dilonode.net.admission import Admission, Limits
@@ -68,7 +69,8 @@ class Ports:
 
 async def _start() -> Ports:
     adm = Admission(LIMITS)
-    plane = DataPlane("node-a", RUN, gate=adm.gate("data"), connect_timeout=DEADLINE)
+    plane = DataPlane("node-a", RUN, gate=adm.gate("data"),
+                      limits=PlaneLimits(connect_timeout=DEADLINE))
     cfg = StateSyncConfig(request_timeout=DEADLINE, snapshot_wait=0.1)
     state = StateServer(SnapshotSource(), RUN, "d" * 64, cfg, peer_id="node-a",
                         gate=adm.gate("state"))

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from dilonode.allreduce.plane_limits import PlaneLimits
 from dilonode.allreduce.transport import DataPlane
 from tests.integration.test_tcp_allreduce import IDS, RUN, _frames, _spec, _until
 
@@ -17,8 +18,8 @@ def test_idle_connections_beyond_the_bound_close_and_reopen_on_demand() -> None:
     spec = _spec(IDS)
 
     async def main() -> tuple[dict[str, int], dict[str, float], int]:
-        async with DataPlane(IDS[0], RUN, pending_ttl=0.1, max_idle_inbound=1,
-                             idle_close_s=0.0) as a, \
+        async with DataPlane(IDS[0], RUN, limits=PlaneLimits(
+                pending_ttl=0.1, max_idle_inbound=1, idle_close_s=0.0)) as a, \
                 DataPlane(IDS[1], RUN) as b, DataPlane(IDS[2], RUN) as c:
             from_b = [s for s in _frames(spec, 1) if s.to == 0]
             from_c = [s for s in _frames(spec, 2) if s.to == 0]
@@ -42,7 +43,8 @@ def test_peers_with_a_round_here_are_never_closed() -> None:
     spec = _spec(IDS)
 
     async def main() -> int:
-        async with DataPlane(IDS[0], RUN, max_idle_inbound=1, idle_close_s=0.0) as a, \
+        async with DataPlane(IDS[0], RUN, limits=PlaneLimits(
+                max_idle_inbound=1, idle_close_s=0.0)) as a, \
                 DataPlane(IDS[1], RUN) as b, DataPlane(IDS[2], RUN) as c:
             a.register((0, 5, 0), spec.members)
             await b.send(IDS[0], a.address, [s for s in _frames(spec, 1) if s.to == 0][0].frame)

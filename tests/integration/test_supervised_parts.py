@@ -25,6 +25,7 @@ import pytest
 
 pytest.importorskip("hivemind")
 
+from dilonode.allreduce.plane_limits import PlaneLimits  # noqa: E402
 from dilonode.allreduce.transport import DataPlane  # noqa: E402
 from dilonode.net.loop_thread import LoopThread  # noqa: E402
 from dilonode.node.supervised_parts import ListenerPart, _relisten_state, _relisten_status  # noqa: E402
@@ -178,7 +179,7 @@ def _down(part: ListenerPart) -> str | None:
 
 @pytest.mark.skipif(SS_REASON is not None, reason=SS_REASON or "")
 def test_a_destroyed_data_listener_is_noticed_and_relistens_on_its_port(loop):
-    plane = DataPlane("QmPlane", RUN, HOST, 0, tune_malloc=False)
+    plane = DataPlane("QmPlane", RUN, HOST, 0, limits=PlaneLimits(tune_malloc=False))
     loop.run(plane.start(), timeout=5)
     try:
         part = ListenerPart("data", loop, lambda: plane.address, plane.relisten)
@@ -230,7 +231,7 @@ IPT_REASON = (None if shutil.which("iptables") and os.geteuid() == 0
 
 @pytest.mark.skipif(IPT_REASON is not None, reason=IPT_REASON or "")
 def test_a_filtered_listener_is_down_until_the_filter_goes(loop):
-    plane = DataPlane("QmPlane", RUN, HOST, 0, tune_malloc=False)
+    plane = DataPlane("QmPlane", RUN, HOST, 0, limits=PlaneLimits(tune_malloc=False))
     loop.run(plane.start(), timeout=5)
     rule = ["INPUT", "-i", "lo", "-p", "tcp", "--dport", str(plane.port), "-j", "DROP"]
     part = ListenerPart("data", loop, lambda: plane.address, plane.relisten)

@@ -28,6 +28,7 @@ from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import get_codec
 from dilonode.allreduce.driver import run_round
 from dilonode.allreduce.network_collective import NetworkCollective
+from dilonode.allreduce.plane_limits import PlaneLimits
 from dilonode.allreduce.retry import RoundPolicy, SwarmRounds
 from dilonode.allreduce.round import (
     AllReduceRound,
@@ -354,7 +355,8 @@ def test_early_frames_wait_for_their_round_and_expire(caplog: pytest.LogCaptureF
     spec = _spec(IDS[:2])
 
     async def main() -> tuple[int, int, dict[str, int]]:
-        async with DataPlane(IDS[0], RUN, pending_ttl=0.3) as a, DataPlane(IDS[1], RUN) as b:
+        async with DataPlane(IDS[0], RUN, limits=PlaneLimits(pending_ttl=0.3)) as a, \
+                DataPlane(IDS[1], RUN) as b:
             sends = [s for s in _frames(spec, 1) if s.to == 0]
             await asyncio.gather(*(b.send(IDS[0], a.address, s.frame) for s in sends))
             await _until(lambda: a.stats["frames_in"] == len(sends))

@@ -26,7 +26,8 @@ from dilonode.algo.butterfly import (
     reduction_steps,
     weight_coefficients,
 )
-from dilonode.algo.codecs import CODEC_NAMES, CodecError, CodecMeta, get_codec
+from dilonode.algo.codec_table import CODEC_NAMES, FLOAT_CODEC_NAMES
+from dilonode.algo.codecs import CodecError, CodecMeta, get_codec
 from dilonode.algo.torch_codecs import decode_torch, encode_chunks_torch, encode_torch
 from dilonode.allreduce.datapath import HostPath, TorchPath, chunk_hash
 from dilonode.allreduce.memnet import MemNet
@@ -56,7 +57,7 @@ def _inputs(name: str) -> st.SearchStrategy[np.ndarray]:
 
 
 def _block_size(name: str) -> st.SearchStrategy[int]:
-    if name in ("float32", "bfloat16", "float16"):
+    if name in FLOAT_CODEC_NAMES:
         return st.just(64)
     return st.sampled_from([2, 4, 64] if name != "int8" else [2, 3, 64])
 
@@ -137,7 +138,7 @@ def _corrupt(name: str) -> list[tuple[bytes, CodecMeta]]:
     x = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])
     data, meta = codec.encode(x)
     bad = []
-    if name in ("float32", "bfloat16", "float16"):
+    if name in FLOAT_CODEC_NAMES:
         nan = np.array([np.nan], dtype=np.float32 if name == "float32" else np.float16)
         if name == "bfloat16":
             nan = np.array([0x7FC0], dtype="<u2")

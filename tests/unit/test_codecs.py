@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from dilonode.algo.codec_table import BLOCK_CODEC_NAMES, CODEC_NAMES, CODECS, FLOAT_CODEC_NAMES
 from dilonode.algo.codecs import (
-    CODEC_NAMES,
     Codec,
     CodecError,
     CodecMeta,
@@ -23,8 +23,8 @@ from dilonode.algo.codecs import (
     max_abs_error_bound,
 )
 
-BLOCK_CODECS = ("int8", "int4", "fp4")
-FLOAT_CODECS = ("float32", "bfloat16", "float16")
+BLOCK_CODECS = BLOCK_CODEC_NAMES
+FLOAT_CODECS = FLOAT_CODEC_NAMES
 F32_MAX = float(np.finfo(np.float32).max)
 FP4_UNITS = [0.0] + [2.0**-k for k in range(6, -1, -1)]  # 0, 1/64, ..., 1/2, 1
 
@@ -49,12 +49,10 @@ def _block_sizes(name: str) -> st.SearchStrategy[int]:
 
 
 def _hand_size(name: str, n: int, bs: int) -> int:
-    n_blocks = math.ceil(n / bs)
-    return {
-        "float32": 4 * n, "bfloat16": 2 * n, "float16": 2 * n,
-        "int8": 4 * n_blocks + n,
-        "int4": 4 * n_blocks + math.ceil(n / 2), "fp4": 4 * n_blocks + math.ceil(n / 2),
-    }[name]
+    """A float32 scale per block (block codecs), then the codes' bits rounded up to bytes."""
+    spec = CODECS[name]
+    scales = 4 * math.ceil(n / bs) if spec.is_block else 0
+    return scales + math.ceil(n * spec.bits / 8)
 
 
 def _roundtrip(codec: Codec, x: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.config import ConfigError, load_config, parse_overrides
 
 
@@ -9,7 +10,7 @@ from dilonode.config import ConfigError, load_config, parse_overrides
     ("diloco.sync_every=0", "diloco.sync_every = 0: Input should be greater than or equal to 1"),
     ("diloco.fragment_sync_delay=30", "diloco.fragment_sync_delay = 30: must be < "
                                       "diloco.sync_every = 30"),
-    ("codec.name='int3'", "codec.name = 'int3': Input should be"),
+    ("codec.name='int3'", f"codec.name = 'int3': must be one of {', '.join(CODEC_NAMES)}"),
     ("codec.block_size=63", "codec.block_size = 63: must be even"),
     ("diloco.fragment_update_alpha=1.5", "diloco.fragment_update_alpha = 1.5"),
     ("diloco.mode='fast'", "diloco.mode = 'fast'"),

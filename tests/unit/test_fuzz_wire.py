@@ -24,6 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dilonode.algo.codec_table import CODEC_NAMES, CODECS, FLOAT_CODEC_NAMES
 from dilonode.algo.codecs import CodecError, CodecMeta, get_codec
 from dilonode.allreduce.round import AllReduceRound, GroupSpec, RoundState
 from dilonode.net.auth import Credentials, Identity, seal_record
@@ -132,8 +133,10 @@ def test_message_fields_are_validated_cleanly(body: dict[str, Any]) -> None:
         decode_message(packed)
 
 
-_CODECS = [("float32", 64), ("bfloat16", 64), ("float16", 64), ("int8", 16), ("int4", 8),
-           ("fp4", 8), ("int4", 64)]
+# Small blocks (16 bytes of int8 codes, 4 of 4-bit ones), so that short payloads hold
+# several; and int4 at the default block size.
+_CODECS = [(name, 64 if name in FLOAT_CODEC_NAMES else 16 // CODECS[name].codes_per_byte)
+           for name in CODEC_NAMES] + [("int4", 64)]
 
 
 @settings(FUZZ, max_examples=2000)

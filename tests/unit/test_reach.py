@@ -12,6 +12,7 @@ import torch
 from dilonode.algo.butterfly import butterfly_average
 from dilonode.algo.codecs import get_codec
 from dilonode.allreduce.driver import run_round
+from dilonode.allreduce.plane_limits import PlaneLimits
 from dilonode.allreduce.round import GroupSpec, RoundState, group_digest
 from dilonode.allreduce.transport import DataPlane
 from dilonode.config import NetworkConfig
@@ -116,7 +117,7 @@ def test_the_plane_streams_at_once_to_a_natted_peer_and_after_a_failed_dial():
     stream" is a loopback connection handed to b's `accept_stream`, as the tunnel does."""
 
     async def main() -> tuple[dict[str, int], dict[str, int]]:
-        b = DataPlane("node-b", RUN, connect_timeout=1.0)
+        b = DataPlane("node-b", RUN, limits=PlaneLimits(connect_timeout=1.0))
         servers = []
 
         async def handle(reader, writer):
@@ -130,7 +131,8 @@ def test_the_plane_streams_at_once_to_a_natted_peer_and_after_a_failed_dial():
             assert peer_id == "node-b"
             return await asyncio.open_connection("127.0.0.1", port)
 
-        a = DataPlane("node-a", RUN, connect_timeout=1.0, fallback=fallback)
+        a = DataPlane("node-a", RUN, limits=PlaneLimits(connect_timeout=1.0),
+                      fallback=fallback)
         await a.start()
         await b.start()
         addrs = {"node-a": a.address, "node-b": BLACKHOLE}

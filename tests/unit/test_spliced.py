@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilonode.algo.codecs import CODEC_NAMES, get_codec
+from dilonode.algo.codec_table import CODEC_NAMES
+from dilonode.algo.codecs import get_codec
 from dilonode.algo.sliced_encoding import SplicedEncoding
 from dilonode.train.ranks.slices import slice_bounds
 

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dilonode import PROTOCOL_VERSION
+from dilonode.algo.codec_table import CODEC_NAMES
 from dilonode.algo.codecs import CodecMeta, get_codec
 from dilonode.wire import framing
 from dilonode.wire.errors import LocalProtocolError, RemoteProtocolError
@@ -54,7 +55,7 @@ def _chunk_fields(draw: st.DrawFn) -> dict[str, Any]:
         "n_chunks": n_chunks,
         "offset": draw(st.integers(0, 2**63 - 1)),
         "numel": draw(st.integers(1, 2**32 - 1)),
-        "codec": draw(st.sampled_from(["float32", "int4", "int8", "fp4", "bfloat16"])),
+        "codec": draw(st.sampled_from(CODEC_NAMES)),
         "block_size": draw(st.integers(1, 1 << 20)),
         "payload": draw(st.binary(max_size=300)),
     }
