@@ -21,7 +21,7 @@ from dilonode.algo.sliced_encoding import SplicedEncoding
 from dilonode.allreduce.driver import GRAD_FRAGMENT
 from dilonode.allreduce.retry import RoundPolicy, SwarmRounds
 from dilonode.allreduce.transport import DataPlane
-from dilonode.collective import FormGroup, ReduceResult, StateSource, SyncKey
+from dilonode.collective import FormGroup, ReduceResult, RoundReport, StateSource, SyncKey
 from dilonode.net.loop_thread import LoopThread
 
 __all__ = ['NetworkCollective']
@@ -102,14 +102,13 @@ class NetworkCollective:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    takes_encoded = True  # begin() accepts a pre-encoded contribution (a node's ranks)
-
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0, *,
               encoded: SplicedEncoding | None = None,
               state: StateSource | None = None) -> _NetPending:
         """Average `flat` with the swarm in the background; `encoded`: `flat` as a node's
-        ranks already encoded it with the round's codec, slice by slice; `state`: our packed
-        outer state, for the state round of a grouped swarm."""
+        ranks already encoded it with the round's codec, slice by slice (the round sends
+        those bytes instead of encoding again; "mix" rounds travel in float32 and ignore
+        it); `state`: our packed outer state, for the state round of a grouped swarm."""
         fragment = GRAD_FRAGMENT if key.kind == "grad" else key.fragment
         mix_only = key.kind == "mix"
         t0 = self.rounds.clock()
@@ -141,15 +140,17 @@ class NetworkCollective:
         assert out.result is not None
         mixed = out if mix_only else swarm.state
         rounds = [*swarm.attempts, *([swarm.state] if swarm.state is not None else [])]
-        return ReduceResult(
-            mean=out.result, group_size=len(out.members),
+        report = RoundReport(
+            group_size=len(out.members),
             payload_bytes_sent=sum(a.payload_bytes_sent for a in rounds),
             payload_bytes_received=sum(a.payload_bytes_received for a in rounds),
-            grouped=swarm.grouped, state_mean=mixed.result if mixed is not None else None,
-            state_digest=(mixed.digest or "") if mixed is not None else "",
+            members=tuple(out.members),
             dropped=tuple(f"{peer}: {reason}" for peer, reason in swarm.excluded.items()),
-            skipped=out.skipped, members=tuple(out.members),
-            attempts=len(swarm.attempts) + sum("no group" in e for e in swarm.errors),
-            rejected=out.rejected, encoded=out.encoded, digest=out.digest or "",
-            diverged=swarm.diverged, outvoted=swarm.outvoted,
-            latency_s=self.rounds.clock() - t0, pace_s=swarm.pace_s)
+            skipped=out.skipped, attempts=swarm.tries,
+            latency_s=self.rounds.clock() - t0, pace_s=swarm.pace_s,
+            rejected=out.rejected, diverged=swarm.diverged, outvoted=swarm.outvoted,
+            grouped=swarm.grouped)
+        return ReduceResult(
+            mean=out.result, report=report, digest=out.digest or "", encoded=out.encoded,
+            state_mean=mixed.result if mixed is not None else None,
+            state_digest=(mixed.digest or "") if mixed is not None else "")

@@ -2,9 +2,10 @@
 
 It asks the injected `form_group(fragment, round, attempt, exclude)` for a group, runs the
 round (`driver.run_round`), and on failure retries with attempt+1, excluding every peer the
-failures blamed, up to `max_attempts`. If no attempt succeeds it returns the node's own
-quantized value (`decode(encode(local))`) as a group of one, flagged `skipped`; never a
-partial average. In a grouped swarm (the group is `mixing`, `algo/groups.py`) a round that
+failures blamed, up to `max_attempts`; each failed attempt is an `AttemptFailure` (no group
+formed, or the round failed) with a one-line reason. If no attempt succeeds it returns the
+node's own quantized value (`decode(encode(local))`) as a group of one, flagged `skipped`;
+never a partial average. In a grouped swarm (the group is `mixing`, `algo/groups.py`) a round that
 `algo.groups.mixes` picks is followed, in the same group, by a *state round*: the members'
 packed outer states (`algo/mixing.py`) averaged in float32 under wire fragment
 `STATE_WIRE | fragment`. A state round that fails leaves the pseudo-gradient round as it is
@@ -20,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -36,11 +38,11 @@ from dilonode.allreduce.round import (
     group_digest,
 )
 from dilonode.allreduce.transport import DataPlane
-from dilonode.collective import FormedGroup, FormGroup, StateSource
+from dilonode.collective import FormedGroup, FormGroup, GroupNotFormed, StateSource
 from dilonode.config import DEFAULT_CHUNK_NUMEL
 from dilonode.wire.errors import one_line
 
-__all__ = ['RoundPolicy', 'SwarmOutcome', 'SwarmRounds']
+__all__ = ['AttemptFailure', 'RoundPolicy', 'SwarmOutcome', 'SwarmRounds']
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +85,31 @@ class RoundPolicy:
 
 
 @dataclass(frozen=True)
+class AttemptFailure:
+    """Why one attempt of a round failed."""
+
+    attempt: int
+    """The attempt (0: the round's first)."""
+    kind: Literal["no_group", "round_failed"]
+    """"no_group": forming a group failed (no round ran); "round_failed": the round ran
+    with a group and failed."""
+    reason: str
+    """One line saying what went wrong."""
+
+    def line(self) -> str:
+        """The failure as the log says it: "attempt 1: no group: <reason>"."""
+        what = "no group: " if self.kind == "no_group" else ""
+        return one_line(f"attempt {self.attempt}: {what}{self.reason}")
+
+
+@dataclass(frozen=True)
 class SwarmOutcome:
     """The final outcome (DONE, or a skipped group of one) and how we got there."""
 
     outcome: RoundOutcome
-    attempts: tuple[RoundOutcome, ...]
+    attempts: tuple[RoundOutcome, ...]  # the rounds run, failed ones included
     excluded: Mapping[str, str] = field(default_factory=dict)  # peer id -> reason
-    errors: tuple[str, ...] = ()  # one line per failed attempt
+    failures: tuple[AttemptFailure, ...] = ()  # one per failed attempt, in order
     diverged: tuple[str, ...] = ()  # see FormedGroup (the last group formed)
     outvoted: tuple[str, ...] = ()
     grouped: bool = False  # the group was one of a grouped swarm (FormedGroup.mixing)
@@ -100,6 +120,11 @@ class SwarmOutcome:
     @property
     def skipped(self) -> bool:
         return self.outcome.skipped
+
+    @property
+    def tries(self) -> int:
+        """Group formations tried: the rounds run and the attempts that formed no group."""
+        return len(self.attempts) + sum(f.kind == "no_group" for f in self.failures)
 
 
 class SwarmRounds:
@@ -131,7 +156,7 @@ class SwarmRounds:
         is such a state and the round averages it alone (float32, plain mean)."""
         excluded: dict[str, str] = {}
         attempts: list[RoundOutcome] = []
-        errors: list[str] = []
+        failures: list[AttemptFailure] = []
         for attempt in range(self.policy.max_attempts):
             t_attempt = self.clock()
             try:
@@ -139,11 +164,11 @@ class SwarmRounds:
                                                                     attempt, set(excluded),
                                                                     local, mix_only)
             except Exception as exc:  # a matchmaking failure must not kill the daemon
-                errors.append(one_line(f"attempt {attempt}: no group: {exc}"))
-                log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
+                failures.append(AttemptFailure(attempt, "no_group", one_line(str(exc))))
+                log.warning("fragment %d round %d: %s", fragment, round_no, failures[-1].line())
                 # A leader that never closed its group is left out of the next attempt.
-                blame = getattr(exc, "blame", None)
-                if isinstance(blame, str) and blame != self.plane.peer_id:
+                blame = exc.blame if isinstance(exc, GroupNotFormed) else None
+                if blame is not None and blame != self.plane.peer_id:
                     excluded.setdefault(blame, one_line(str(exc)))
                 continue
             got = await run_round(self.plane, spec, my_index, local, peers,
@@ -161,17 +186,18 @@ class SwarmRounds:
                     mixed = await self._state_round(spec, my_index, peers, state)
                 # Only a whole group's attempt paces the clock (`SwarmOutcome.pace_s`).
                 pace = None if formed.missing else self.clock() - t_attempt
-                return SwarmOutcome(got, tuple(attempts), excluded, tuple(errors),
+                return SwarmOutcome(got, tuple(attempts), excluded, tuple(failures),
                                     tuple(formed.diverged), tuple(formed.outvoted),
                                     grouped=formed.mixing, state=mixed, pace_s=pace)
             assert got.failure is not None
-            errors.append(one_line(f"attempt {attempt}: {got.failure.reason}"))
-            log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
+            failures.append(AttemptFailure(attempt, "round_failed",
+                                           one_line(got.failure.reason)))
+            log.warning("fragment %d round %d: %s", fragment, round_no, failures[-1].line())
             for peer_id in got.excluded_peers:
                 if peer_id != self.plane.peer_id:
                     excluded.setdefault(peer_id, got.failure.reason)
         alone = self._alone(fragment, round_no, self.policy.max_attempts, local, mix_only)
-        return SwarmOutcome(alone, tuple(attempts), excluded, tuple(errors))
+        return SwarmOutcome(alone, tuple(attempts), excluded, tuple(failures))
 
     async def _state_round(self, spec: GroupSpec, my_index: int, peers: dict[int, str],
                            state: StateSource) -> RoundOutcome | None:

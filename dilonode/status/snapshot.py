@@ -32,7 +32,14 @@ from dilonode.status.isolation import AloneWatch
 if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no torch
     import torch
 
-    from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
+    from dilonode.collective import (
+        Collective,
+        PendingReduce,
+        ReduceResult,
+        SplicedEncoding,
+        StateSource,
+        SyncKey,
+    )
 
 __all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "device_summary",
            "finite_or_none", "p90", "state_chain"]
@@ -142,18 +149,18 @@ class NodeStatus:
     def on_sync(self, key: SyncKey, result: ReduceResult, step: int) -> None:
         """Record a landed sync (called by `ObservedCollective`)."""
         label = str(key.fragment) if key.kind == "fragment" else "grad"
-        rec = _SyncRecord(round=key.round, at_step=step, group_size=result.group_size,
-                          peers=tuple(result.members), dropped=tuple(result.dropped),
-                          attempts=result.attempts, skipped=result.skipped,
-                          bytes_sent=result.payload_bytes_sent,
-                          bytes_received=result.payload_bytes_received)
+        rep = result.report
+        rec = _SyncRecord(round=key.round, at_step=step, group_size=rep.group_size,
+                          peers=rep.members, dropped=rep.dropped, attempts=rep.attempts,
+                          skipped=rep.skipped, bytes_sent=rep.payload_bytes_sent,
+                          bytes_received=rep.payload_bytes_received)
         with self._lock:
             self._syncs[label] = rec
             self._rounds[label] = self._rounds.get(label, 0) + 1
-            self._skipped += int(result.skipped)
-            self._retried += int(result.attempts > 1)
+            self._skipped += int(rep.skipped)
+            self._retried += int(rep.attempts > 1)
         if self.alone is not None:
-            self.alone.on_round(result.group_size, self._live_others())
+            self.alone.on_round(rep.group_size, self._live_others())
 
     def set_state(self, state: str) -> None:
         with self._lock:
@@ -290,10 +297,10 @@ class ObservedCollective:
 
     def __init__(self, inner: Collective, status: NodeStatus, step: Callable[[], int]) -> None:
         self.inner, self.status, self.step = inner, status, step
-        # Whether the inner collective takes a pre-encoded contribution (a node's ranks).
-        self.takes_encoded = bool(getattr(inner, "takes_encoded", False))
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
-              **kw: Any) -> PendingReduce:
-        return _ObservedPending(self.inner.begin(key, flat, weight, **kw), key, self.status,
-                                self.step)
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0, *,
+              encoded: SplicedEncoding | None = None,
+              state: StateSource | None = None) -> PendingReduce:
+        """The inner collective's `begin`, everything passed on as given."""
+        pending = self.inner.begin(key, flat, weight, encoded=encoded, state=state)
+        return _ObservedPending(pending, key, self.status, self.step)

@@ -46,7 +46,7 @@ from dilonode.algo.pacing import (
 )
 from dilonode.algo.replay import EncodedResult, keep_replay, replay_budget
 from dilonode.algo.schedule import SyncPlan, SyncStart
-from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
+from dilonode.collective import Collective, PendingReduce, ReduceResult, RoundReport, SyncKey
 from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TokenData
 from dilonode.train.device import autocast, pick_device
@@ -111,7 +111,7 @@ class WorkerStats:
     late: int = 0  # rounds whose result was not there when the fragment's next was due
     # fragment (-1: DDP gradients) -> (rounds, total s, max s) from begin to result
     latency: dict[int, tuple[int, float, float]] = field(default_factory=dict)
-    # The last fragment rounds' times as the clock should see them (`ReduceResult.pace_s`:
+    # The last fragment rounds' times as the clock should see them (`RoundReport.pace_s`:
     # faults of other peers left out); the swarm's clock is retuned so that rounds land
     # well inside a period (`node.py`, `swarm/clock.py`).
     recent_latency: deque[float] = field(default_factory=lambda: deque(maxlen=30))
@@ -121,29 +121,29 @@ class WorkerStats:
 
     _MAX_DROPPED = 50
 
-    def record(self, fragment: int, result: ReduceResult) -> None:
-        self.bytes_sent += result.payload_bytes_sent
-        self.bytes_received += result.payload_bytes_received
-        self.peak_sync_bytes = max(self.peak_sync_bytes, result.payload_bytes_sent)
+    def record(self, fragment: int, rep: RoundReport) -> None:
+        self.bytes_sent += rep.payload_bytes_sent
+        self.bytes_received += rep.payload_bytes_received
+        self.peak_sync_bytes = max(self.peak_sync_bytes, rep.payload_bytes_sent)
         self.syncs += 1
-        self.skipped += int(result.skipped)
+        self.skipped += int(rep.skipped)
         # Alone with others around, except when they were left out for holding another
         # state than ours (ours stands; they adopt it).
-        self.alone += int(fragment >= 0 and result.group_size < 2 and not result.outvoted)
-        self.diverged += int(bool(result.diverged))
-        self.grouped += int(fragment >= 0 and result.group_size >= 2)
+        self.alone += int(fragment >= 0 and rep.group_size < 2 and not rep.outvoted)
+        self.diverged += int(bool(rep.diverged))
+        self.grouped += int(fragment >= 0 and rep.group_size >= 2)
         if fragment >= 0:
-            self.largest_group = max(self.largest_group, result.group_size)
-        self.retried += int(result.attempts > 1)
-        self.dropped = (self.dropped + list(result.dropped))[-self._MAX_DROPPED:]
-        if fragment >= 0 and result.pace_s is not None and result.pace_s > 0:
-            self.recent_latency.append(result.pace_s)
+            self.largest_group = max(self.largest_group, rep.group_size)
+        self.retried += int(rep.attempts > 1)
+        self.dropped = (self.dropped + list(rep.dropped))[-self._MAX_DROPPED:]
+        if fragment >= 0 and rep.pace_s is not None and rep.pace_s > 0:
+            self.recent_latency.append(rep.pace_s)
         n, total, worst = self.latency.get(fragment, (0, 0.0, 0.0))
-        self.latency[fragment] = (n + 1, total + result.latency_s, max(worst, result.latency_s))
+        self.latency[fragment] = (n + 1, total + rep.latency_s, max(worst, rep.latency_s))
         if fragment >= 0:
             self.rounds[fragment] = self.rounds.get(fragment, 0) + 1
-            if result.members:
-                self.members[fragment] = tuple(result.members)
+            if rep.members:
+                self.members[fragment] = rep.members
 
 
 def build_inner_optimizer(model: nn.Module, cfg: InnerOptConfig) -> torch.optim.AdamW:
@@ -503,7 +503,7 @@ class Worker:
         return result
 
     def _land_grads(self, result: ReduceResult) -> None:
-        self.stats.record(-1, result)
+        self.stats.record(-1, result.report)
         if not bool(torch.isfinite(result.mean).all()):
             self.stats.rejected += 1
             log.warning("step %d: averaged gradient is non-finite; update skipped", self.step)
@@ -531,14 +531,15 @@ class Worker:
         if p in self._mixing:
             self._land_mix(p, r, result)
             return
-        if result.group_size > 1:  # a round alone says nothing about the swarm
-            self.grouped = result.grouped
-        self.stats.record(p, result)
+        rep = result.report
+        if rep.group_size > 1:  # a round alone says nothing about the swarm
+            self.grouped = rep.grouped
+        self.stats.record(p, rep)
         if self.trace is not None:
             self.trace.append({"step": self.step, "event": "land", "fragment": p, "round": r,
-                               "group": result.group_size, "members": list(result.members)})
-        if result.diverged:
-            self.diverged_from = result.diverged
+                               "group": rep.group_size, "members": list(rep.members)})
+        if rep.diverged:
+            self.diverged_from = rep.diverged
         params = self._frag_params(self.fragments[p])
         kept = self.replays.pop(p, [])  # back only if this round can be replayed after them
         digest = result.digest
@@ -553,7 +554,7 @@ class Worker:
             log.warning("fragment %d round %d: %s", p, r, exc)
             return
         self.chains[p] = chain_next(self.chains[p], r, digest, applied=True)
-        if result.encoded is not None and result.group_size > 1 and result.state_mean is None:
+        if result.encoded is not None and rep.group_size > 1 and result.state_mean is None:
             self.replays[p] = keep_replay(kept, r, result.encoded,
                                           self.cfg.statesync.replay_rounds,
                                           replay_budget(result.encoded.numel))
@@ -568,11 +569,11 @@ class Worker:
         """An end-of-run mixing round landed: adopt the group's mean state and merge it
         into the local weights as a round's new global weights are."""
         self._mixing.discard(p)
-        self.stats.bytes_sent += result.payload_bytes_sent
-        self.stats.bytes_received += result.payload_bytes_received
+        self.stats.bytes_sent += result.report.payload_bytes_sent
+        self.stats.bytes_received += result.report.payload_bytes_received
         if self.trace is not None:
             self.trace.append({"step": self.step, "event": "mix", "fragment": p, "round": r,
-                               "group": result.group_size})
+                               "group": result.report.group_size})
         self._load_packed(p, result.mean)
         self.chains[p] = mixed_chain(result.digest or _values_digest(result.mean))
         params = self._frag_params(self.fragments[p])

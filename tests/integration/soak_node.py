@@ -52,9 +52,10 @@ def main(argv: list[str]) -> None:
                 res = handle.wait(120)
                 digest = hashlib.sha256(res.mean.numpy().tobytes()).hexdigest()
                 print(json.dumps({"event": "round", "fragment": p, "round": r,
-                                  "members": list(res.members), "skipped": res.skipped,
-                                  "digest": digest, "dropped": list(res.dropped),
-                                  "attempts": res.attempts}),
+                                  "members": list(res.report.members),
+                                  "skipped": res.report.skipped, "digest": digest,
+                                  "dropped": list(res.report.dropped),
+                                  "attempts": res.report.attempts}),
                       file=out, flush=True)
     finally:
         member.close()

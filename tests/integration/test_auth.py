@@ -207,7 +207,7 @@ def test_intruders_cannot_join_or_change_weights(caplog: pytest.LogCaptureFixtur
     pair = tuple(sorted((A.peer_id, B.peer_id)))
     for name in "ab":
         out = outs[name].outcome
-        assert out.state is RoundState.DONE and not out.skipped, outs[name].errors
+        assert out.state is RoundState.DONE and not out.skipped, outs[name].failures
         assert out.members == pair
     expected = butterfly_average([got["xs"][p] for p in pair], (1.0, 1.0),
                                  get_codec("float32", 64))[0]

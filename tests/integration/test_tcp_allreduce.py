@@ -277,8 +277,9 @@ def test_network_collective_in_threads_returns_identical_means(reuse: bool) -> N
         for i in range(3):
             res = results[(i, r)]
             assert torch.equal(res.mean, expected)
-            assert res.group_size == 3 and res.dropped == () and not res.skipped
-            assert res.payload_bytes_sent > 0
+            rep = res.report
+            assert rep.group_size == 3 and rep.dropped == () and not rep.skipped
+            assert rep.payload_bytes_sent > 0
             if reuse:  # decoded again, the kept bytes are the result, the same on everyone
                 assert res.encoded is not None and torch.equal(res.encoded.decode(), expected)
                 assert res.encoded.blob() == results[(0, r)].encoded.blob()
@@ -422,7 +423,7 @@ def test_all_attempts_failing_keeps_the_own_quantized_value() -> None:
     assert [a.state.value for a in out.attempts] == ["failed", "failed"]
     assert all(a.duration < 5.0 for a in out.attempts)  # refused connections, no timeouts
     assert torch.equal(out.outcome.result, codec.decode(*codec.encode(_inputs(0))))
-    assert list(out.excluded) == [IDS[1]] and len(out.errors) == 2
+    assert list(out.excluded) == [IDS[1]] and len(out.failures) == 2
 
 
 @pytest.mark.timeout(30)

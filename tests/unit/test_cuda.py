@@ -253,8 +253,8 @@ class _Recorder:
         self.got: dict[SyncKey, ReduceResult] = {}
         self.devices: set[str] = set()
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
-              state: object = None) -> PendingReduce:
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0, *,
+              encoded: object = None, state: object = None) -> PendingReduce:
         self.devices.add(flat.device.type)
         self.sent[key] = flat.detach().to("cpu", copy=True)
         return _RecordingPending(self, key, self.inner.begin(key, flat, weight))
@@ -330,6 +330,6 @@ def test_cuda_workers_sync_over_the_network_collective(data: TokenData) -> None:
                                            codec, chunk_numel=4096, align=64)
         means = (res.mean, recs[1].got[key].mean)  # on the GPU, where the round reduced
         assert all(m.is_cuda and torch.equal(m.cpu(), expected) for m in means)
-        assert res.group_size == 2 and not res.skipped
+        assert res.report.group_size == 2 and not res.report.skipped
     assert torch.equal(workers[0].outer_flat(), workers[1].outer_flat())
     assert all(s.weights.is_cuda for w in workers for s in w.outer)

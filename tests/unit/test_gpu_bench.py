@@ -91,8 +91,8 @@ def test_device_group_matches_local_group(codec: str) -> None:
         results.append([h.wait() for h in handles])
     for a, b in zip(*results, strict=True):
         assert torch.equal(a.mean, b.mean.cpu())
-        assert (a.payload_bytes_sent, a.payload_bytes_received, a.digest) == \
-            (b.payload_bytes_sent, b.payload_bytes_received, b.digest)
+        assert (a.report.payload_bytes_sent, a.report.payload_bytes_received, a.digest) == \
+            (b.report.payload_bytes_sent, b.report.payload_bytes_received, b.digest)
 
 
 @pytest.mark.parametrize("method", ["ddp", "int4"])

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dilonode.collective import RoundReport
 from dilonode.config import SuperviseConfig
 from dilonode.node.remerge import Remerger
 from dilonode.node.supervised_parts import DHTPart
@@ -168,8 +169,7 @@ def test_the_status_snapshot_carries_the_warning_and_the_parts():
     st = NodeStatus("r", 10, alone=w, live_others=lambda: 3,
                     health=lambda: {"parts": {"dht": {"state": "ok"}}, "failure": None})
     key = SimpleNamespace(kind="fragment", fragment=0, round=1)
-    result = SimpleNamespace(group_size=1, members=("me",), dropped=(), attempts=1,
-                             skipped=False, payload_bytes_sent=0, payload_bytes_received=0)
+    result = SimpleNamespace(report=RoundReport(1, 0, 0, members=("me",)))
     for r in range(3):
         key.round = r
         st.on_sync(key, result, step=r)
@@ -226,9 +226,7 @@ def test_the_status_table_shows_the_warning_and_parts_down():
                                                        "last_outage_s": None}},
                                     "failure": None})
     key = SimpleNamespace(kind="fragment", fragment=0, round=0)
-    st.on_sync(key, SimpleNamespace(group_size=1, members=("me",), dropped=(), attempts=1,
-                                    skipped=False, payload_bytes_sent=0,
-                                    payload_bytes_received=0), step=1)
+    st.on_sync(key, SimpleNamespace(report=RoundReport(1, 0, 0, members=("me",))), step=1)
     text = format_node(st.snapshot())
     assert "WARNING     alone for 1 rounds while 2 peers are live" in text
     assert "data for 4.0 s: refused" in text

@@ -62,7 +62,7 @@ def test_members_agree_with_each_other_and_the_simulator(codec: str, agg: Aggreg
     assert all(torch.equal(r.result, s.mean) for r, s in zip(rounds, sim, strict=True))
     expected = (3,) if agg.norm_bound else ()
     assert all(r.rejected == expected and r.convicted == expected for r in rounds)
-    assert all(s.rejected == tuple(str(i) for i in expected) for s in sim)
+    assert all(s.report.rejected == tuple(str(i) for i in expected) for s in sim)
     honest = torch.stack(xs[:3]).mean(dim=0)
     assert float((rounds[0].result - honest).abs().max()) < 0.5  # the mean is ~25 away
     assert float((torch.stack(xs).mean(dim=0) - honest).abs().max()) > 5

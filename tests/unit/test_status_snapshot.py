@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dilonode.collective import ReduceResult, SyncKey
+from dilonode.collective import ReduceResult, RoundReport, SyncKey
 from dilonode.status.snapshot import NodeStatus, ObservedCollective
 from dilonode.status.swarm import SwarmView, node_rows
 from dilonode.swarm.records import PeerRecord
@@ -76,9 +76,11 @@ def test_non_finite_loss_is_null_and_snapshot_is_strict_json():
 
 
 def test_observed_collective_records_each_landed_sync_once():
-    result = ReduceResult(mean=torch.zeros(4), group_size=3, payload_bytes_sent=40,
-                          payload_bytes_received=80, dropped=("QmBad: timeout",),
-                          members=("a", "b", "c"), attempts=2)
+    result = ReduceResult(mean=torch.zeros(4),
+                          report=RoundReport(group_size=3, payload_bytes_sent=40,
+                                             payload_bytes_received=80,
+                                             dropped=("QmBad: timeout",),
+                                             members=("a", "b", "c"), attempts=2))
 
     class Pending:
         def done(self) -> bool:
@@ -88,7 +90,7 @@ def test_observed_collective_records_each_landed_sync_once():
             return result
 
     class Inner:
-        def begin(self, key, flat, weight=1.0, state=None):
+        def begin(self, key, flat, weight=1.0, *, encoded=None, state=None):
             return Pending()
 
     st = NodeStatus("run", clock=Clock())

@@ -46,6 +46,7 @@ from torch import nn
 from dilonode.algo.fragments import flatten, unflatten_into
 from dilonode.algo.outer import OuterState, merge
 from dilonode.algo.sliced_encoding import SplicedEncoding, splice_supported
+from dilonode.collective import Collective, PendingReduce, ReduceResult, StateSource, SyncKey
 from dilonode.config import RunConfig
 from dilonode.train.device import device_info
 from dilonode.train.ranks.slices import (
@@ -118,7 +119,6 @@ class _Layout:
 def _portable(arg: Any) -> Any:
     """What an op's argument looks like to the other ranks: results and states without
     their tensors (those travel by collectives)."""
-    from dilonode.collective import ReduceResult
     from dilonode.train.state import WorkerState
 
     if isinstance(arg, ReduceResult):
@@ -308,11 +308,12 @@ class NodeRanks:
         self.apply(p, params, weights, 0.0)
 
     # -- the swarm's round ---------------------------------------------------------------
-    def begin(self, collective: Any, key: Any, delta: torch.Tensor, weight: float,
-              state: Any = None) -> Any:
+    def begin(self, collective: Collective, key: SyncKey, delta: torch.Tensor, weight: float,
+              state: StateSource | None = None) -> PendingReduce:
         """Gather the slices into the node's contribution; the leader hands it on, with
-        the ranks' encodings of their slices when they share the codec work. (`state`, a
-        grouped swarm's state round, is for one-rank nodes: ours is sharded.)"""
+        the ranks' encodings of their slices when they share the codec work (collectives
+        that encode themselves ignore them). `state`, a grouped swarm's state round, is
+        for one-rank nodes (ours is sharded): the worker passes None."""
         p = key.fragment
         encoded = self._gather_encoded(p, delta) if self._shares_codec() else None
         full = self.gather(p, delta)
@@ -321,9 +322,7 @@ class NodeRanks:
         assert full is not None
         if self.device.type == "cuda":  # the round's codecs then run on our GPU, as a
             full = full.to(self.device)  # 1-rank CUDA node's do (allreduce/datapath.py)
-        if encoded is not None and getattr(collective, "takes_encoded", False):
-            return collective.begin(key, full, weight, encoded=encoded)
-        return collective.begin(key, full, weight)  # (in-process groups encode alike)
+        return collective.begin(key, full, weight, encoded=encoded, state=state)
 
     def _shares_codec(self) -> bool:
         """Every rank decides alike, from the config: sharing on, a CPU node, a codec
@@ -517,5 +516,7 @@ def follow(cfg: RunConfig, ranks: NodeRanks) -> None:
 class _NoCollective:
     """A follower's collective: the leader alone talks to the swarm."""
 
-    def begin(self, key: Any, flat: torch.Tensor, weight: float = 1.0) -> Any:
+    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0, *,
+              encoded: SplicedEncoding | None = None,
+              state: StateSource | None = None) -> PendingReduce:
         raise AssertionError("followers hand their slices to the leader (NodeRanks.begin)")

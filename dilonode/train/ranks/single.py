@@ -12,6 +12,7 @@ from torch import nn
 
 from dilonode.algo.fragments import flatten, unflatten_into
 from dilonode.algo.outer import OuterState, merge
+from dilonode.collective import Collective, PendingReduce, StateSource, SyncKey
 from dilonode.train.device import device_info
 
 __all__ = ["SingleRank"]
@@ -60,10 +61,8 @@ class SingleRank:
     def local_tensors(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.data for t in params]
 
-    def begin(self, collective: Any, key: Any, delta: torch.Tensor, weight: float,
-              state: Any = None) -> Any:
-        if state is None:
-            return collective.begin(key, delta, weight)
+    def begin(self, collective: Collective, key: SyncKey, delta: torch.Tensor, weight: float,
+              state: StateSource | None = None) -> PendingReduce:
         return collective.begin(key, delta, weight, state=state)
 
     def localize(self, p: int, result: Any) -> Any:
