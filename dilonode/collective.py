@@ -1,12 +1,16 @@
 """The `Collective` seam: "average this flat tensor with the live members", as seen by one
-worker, and what a networked implementation gets from its matchmaker for one attempt
-(`FormedGroup`). The in-process implementation is `dilonode.sim.local_group.LocalGroup`;
-the networked one `dilonode.allreduce.network_collective.NetworkCollective`.
+worker, and what a networked implementation asks its matchmaker for one attempt
+(`GroupRequest` in, `FormedGroup` out). The in-process implementation is
+`dilonode.sim.local_group.LocalGroup`; the networked one
+`dilonode.allreduce.network_collective.NetworkCollective`.
 
-A worker calls `begin(key, flat)` when its schedule says a sync starts and `wait()` on the
-returned handle when the result is due; between the two, training goes on. Every
-implementation satisfies the same protocol, so the worker code is the same in the
-simulator and in the daemon.
+A worker calls `begin(request, flat)` when its schedule says a sync starts and `wait()` on
+the returned handle when the result is due; between the two, training goes on. The
+`RoundRequest` carries what the round needs beyond the values: the key, the token weight,
+and what matchmaking compares (the fragment's chain, the tokens trained, where the round
+starts on the swarm clock), down to the group former: nothing below the worker asks the
+worker back. Every implementation satisfies the same protocol, so the worker code is the
+same in the simulator and in the daemon.
 
 `wait()` gives a `ReduceResult`: what the worker applies (the mean, its digest, the encoded
 result joiners replay, a mixing round's mean state) and a `RoundReport` of how the round
@@ -32,8 +36,9 @@ from dilonode.algo.sliced_encoding import SplicedEncoding
 
 # SplicedEncoding is named here too: `begin` takes one, and packages that may not import
 # algo (status) wrap `begin`.
-__all__ = ["Collective", "FormGroup", "FormedGroup", "GroupNotFormed", "PendingReduce",
-           "ReduceResult", "RoundReport", "SplicedEncoding", "StateSource", "SyncKey"]
+__all__ = ["Collective", "FormGroup", "FormedGroup", "GroupNotFormed", "GroupRequest",
+           "PendingReduce", "ReduceResult", "RoundReport", "RoundRequest", "SplicedEncoding",
+           "StateSource", "SyncKey"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,26 @@ class SyncKey:
     kind: Literal["fragment", "grad", "mix"]
     fragment: int
     round: int
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """One round a worker asks for: which, its weight, and what matchmaking compares."""
+
+    key: SyncKey
+    """The round: a fragment's, DDP gradients', or an end-of-run mixing round."""
+    weight: float = 1.0
+    """Tokens the contribution was trained on: the mean is token-weighted."""
+    chain: str = ""
+    """The chain of the fragment's outer state (`algo/chain.py`), which cannot move while
+    the round is in flight: matchmaking groups only nodes holding the same state. Empty
+    when there is none (DDP gradients)."""
+    tokens: int = 0
+    """Tokens the worker had trained in all when the round began: who stands when nodes
+    hold different states (most holders, then most tokens)."""
+    start: float | None = None
+    """Where the round starts on the swarm clock (reference steps), or None when rounds
+    are not paced by it: compared with joiners' first rounds (`PeerRecord.joins_from`)."""
 
 
 @dataclass(frozen=True)
@@ -116,16 +141,36 @@ StateSource = Callable[[], torch.Tensor]
 
 
 class Collective(Protocol):
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0, *,
+    def begin(self, request: RoundRequest, flat: torch.Tensor, *,
               encoded: SplicedEncoding | None = None,
               state: StateSource | None = None) -> PendingReduce:
-        """Start averaging `flat` (1-D), trained on `weight` tokens (the mean is
+        """Start averaging `flat` (1-D), trained on `request.weight` tokens (the mean is
         token-weighted). `encoded`: `flat` as a node's ranks already encoded it with the
         round's codec, slice by slice (the same values; an implementation that encodes
         itself ignores it and says so). `state` is asked only when the round also mixes
         outer states (grouped swarms); the fragment's outer state does not change while
         its round is in flight."""
         ...
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """What one attempt of a networked round asks the group former (`FormGroup`)."""
+
+    fragment: int
+    """The fragment index on the wire (DDP gradients: the reserved `GRAD_FRAGMENT`)."""
+    round: int
+    """The round number."""
+    attempt: int
+    """0 for a round's first attempt, then 1, 2, ... for its retries."""
+    exclude: frozenset[str] = frozenset()
+    """Peers this attempt must leave out: blamed by earlier attempts, or banned."""
+    chain: str = ""
+    """As `RoundRequest.chain`."""
+    tokens: int = 0
+    """As `RoundRequest.tokens`."""
+    start: float | None = None
+    """As `RoundRequest.start`."""
 
 
 class GroupNotFormed(RuntimeError):
@@ -160,6 +205,6 @@ class FormedGroup(NamedTuple):
     missing: tuple[str, ...] = ()
 
 
-FormGroup = Callable[[int, int, int, set[str]], FormedGroup | Awaitable[FormedGroup]]
-"""Forms a group for (fragment, round, attempt, exclude); raises when it finds none
-(`GroupNotFormed` to blame a peer)."""
+FormGroup = Callable[[GroupRequest], FormedGroup | Awaitable[FormedGroup]]
+"""Forms a group for one attempt; raises when it finds none (`GroupNotFormed` to blame a
+peer)."""

@@ -40,7 +40,7 @@ from typing import Any
 from dilonode.algo.robust import BanTracker
 from dilonode.allreduce.network_collective import NetworkCollective
 from dilonode.allreduce.retry import RoundPolicy
-from dilonode.collective import FormedGroup
+from dilonode.collective import FormedGroup, GroupRequest
 from dilonode.config import RunConfig
 from dilonode.net.admission import Admission
 from dilonode.statesync.keeper import StateKeeper
@@ -199,9 +199,7 @@ class Node:
         self._build_worker()
         plane = self.collective.plane
         self.membership = Membership(self.dht, self.cfg.run_id, net, address, self._status,
-                                     settings=policy.settings(), gone=plane.gone.copy,
-                                     local_state=self._local_state,
-                                     round_start=self._round_start)
+                                     settings=policy.settings(), gone=plane.gone.copy)
         self.keeper.source.counts = self.membership.counts
         self.membership.reachable = self.reachability == "public"
         self.membership.state_addr = self.keeper.start_server(
@@ -287,25 +285,6 @@ class Node:
             return 0
         me = self.dht.peer_id
         return sum(r.peer_id != me for r in self.membership.live_peers(max_age=math.inf))
-
-    def _local_state(self, fragment: int) -> tuple[str, int]:
-        """(chain of the fragment's outer state, tokens trained) for matchmaking; the chain
-        cannot move while the round being formed is in flight."""
-        w = self.worker
-        if w is None or w.plan is None:
-            return "", 0
-        return w.chains[fragment], w.stats.tokens
-
-    def _round_start(self, fragment: int, round_no: int) -> float | None:
-        """Where round `round_no` of `fragment` starts on the swarm clock (reference steps),
-        or None when rounds are not paced by it: matchmaking compares it with joiners'
-        first rounds (`PeerRecord.joins_from`)."""
-        from dilonode.algo.pacing import TimePacer
-
-        w = self.worker
-        if w is None or w.plan is None or not isinstance(w.pacer, TimePacer):
-            return None
-        return float(w.plan.start_step(fragment, round_no))
 
     def _first_round(self, view_s: float) -> int | None:
         """We are about to publish our record after recovering a running swarm's state:
@@ -430,11 +409,11 @@ class Node:
                                    a.min_round_seconds, a.max_round_seconds, link_busy,
                                    behind)
 
-    async def _form(self, fragment: int, round_no: int, attempt: int,
-                    exclude: set[str]) -> FormedGroup:
+    async def _form(self, request: GroupRequest) -> FormedGroup:
         # The collective is created before membership (membership needs its address).
         assert self.membership is not None and self.collective is not None
-        if self._away() is not None and (away := await self._wait_back(attempt)) is not None:
+        if self._away() is not None and (away := await self._wait_back(request.attempt)) \
+                is not None:
             raise ConnectionError(f"sitting this round out: {away}")  # do not register
         if self.tunnel is not None and self.tunnel.private:
             # Before we register: the public peers' streams to us must find a direct
@@ -442,7 +421,7 @@ class Node:
             seen = self.membership.live_peers(max_age=math.inf)  # the last read
             await self.tunnel.reach_out(r.peer_id for r in seen
                                         if r.reachable and r.peer_id != self.peer_id)
-        group = await self.membership.form(fragment, round_no, attempt, exclude)
+        group = await self.membership.form(request)
         # Peers behind a NAT, as of the records just read: stream to them, no dial first.
         self.collective.plane.stream_only = self._private_peers()
         return group

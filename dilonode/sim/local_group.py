@@ -14,7 +14,7 @@ from dilonode.algo.codecs import Codec, get_codec
 from dilonode.algo.groups import grouped, mixes, num_keys, partition
 from dilonode.algo.robust import AggregatorSpec, aggregate
 from dilonode.algo.sliced_encoding import SplicedEncoding
-from dilonode.collective import ReduceResult, RoundReport, StateSource, SyncKey
+from dilonode.collective import ReduceResult, RoundReport, RoundRequest, StateSource, SyncKey
 
 __all__ = ["LocalGroup"]
 
@@ -230,13 +230,16 @@ class _LocalView:
         self.group = group
         self.worker = worker
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0, *,
+    def begin(self, request: RoundRequest, flat: torch.Tensor, *,
               encoded: SplicedEncoding | None = None,
               state: StateSource | None = None) -> _LocalPending:
-        """Contribute `flat` to round `key`. `encoded` is ignored: the group encodes every
-        contribution itself, part by part, as the butterfly cuts it (a node's ranks encode
-        the same values, so the mean is the same)."""
-        slot = self.group._contribute(key, self.worker, flat, weight, state)
+        """Contribute `flat` to round `request.key`, weighted by `request.weight`; the rest
+        of the request is for matchmaking, which an in-process group has none of.
+        `encoded` is ignored: the group encodes every contribution itself, part by part, as
+        the butterfly cuts it (a node's ranks encode the same values, so the mean is the
+        same)."""
+        key = request.key
+        slot = self.group._contribute(key, self.worker, flat, request.weight, state)
         return _LocalPending(self.group, slot, key, self.worker)
 
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no t
         Collective,
         PendingReduce,
         ReduceResult,
+        RoundRequest,
         SplicedEncoding,
         StateSource,
         SyncKey,
@@ -298,9 +299,9 @@ class ObservedCollective:
     def __init__(self, inner: Collective, status: NodeStatus, step: Callable[[], int]) -> None:
         self.inner, self.status, self.step = inner, status, step
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0, *,
+    def begin(self, request: RoundRequest, flat: torch.Tensor, *,
               encoded: SplicedEncoding | None = None,
               state: StateSource | None = None) -> PendingReduce:
         """The inner collective's `begin`, everything passed on as given."""
-        pending = self.inner.begin(key, flat, weight, encoded=encoded, state=state)
-        return _ObservedPending(pending, key, self.status, self.step)
+        pending = self.inner.begin(request, flat, encoded=encoded, state=state)
+        return _ObservedPending(pending, request.key, self.status, self.step)

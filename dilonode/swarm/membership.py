@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from dilonode.algo.groups import grouped, key_index, num_keys
-from dilonode.collective import FormedGroup
+from dilonode.collective import FormedGroup, GroupRequest
 from dilonode.config import NetworkConfig
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.matchmaking import form_group
@@ -33,7 +33,7 @@ class _Round(NamedTuple):
     """A fragment's latest round on this node."""
 
     round: int
-    start: float | None  # on the swarm clock (`Membership.round_start`)
+    start: float | None  # on the swarm clock (`GroupRequest.start`)
     expected: frozenset[str]  # peers it waited for when it started
     members: frozenset[str] | None  # once grouped
 
@@ -52,22 +52,13 @@ class Membership:
     def __init__(self, dht: SwarmDHT, run_id: str, net: NetworkConfig, data_addr: str,
                  status: Callable[[], dict[str, Any]] | None = None, *,
                  settings: Mapping[str, str | int | float] | None = None,
-                 gone: Callable[[], Mapping[str, float]] | None = None,
-                 local_state: Callable[[int], tuple[str, int]] | None = None,
-                 round_start: Callable[[int, int], float | None] | None = None) -> None:
+                 gone: Callable[[], Mapping[str, float]] | None = None) -> None:
         self.dht, self.run_id, self.net, self.data_addr = dht, run_id, net, data_addr
         # Peers that hung up on our data plane, and when (`DataPlane.gone`).
         self.gone = gone or dict
         self.status = status or (lambda: {})
         # Round settings every group member must share (`RoundPolicy.settings()`).
         self.settings = dict(settings or {})
-        # fragment -> (chain of its outer state, tokens this node trained), for matchmaking
-        # to group only nodes holding the same state (algo/chain.py).
-        self.local_state = local_state or (lambda _fragment: ("", 0))
-        # (fragment, round) -> the reference step on the swarm clock at which that round
-        # starts, or None when rounds are not paced by the clock: compared with joiners'
-        # `PeerRecord.joins_from`.
-        self.round_start = round_start or (lambda _fragment, _round: None)
         # Ours, when we join a running swarm (`PeerRecord.joins_from`), kept in every
         # record we publish.
         self.joins_from: float | None = None
@@ -174,13 +165,16 @@ class Membership:
             stop.wait(0.2)
         return seen
 
-    async def form(self, fragment: int, round_no: int, attempt: int,
-                   exclude: set[str]) -> FormedGroup:
+    async def form(self, request: GroupRequest) -> FormedGroup:
         """`FormGroup` for the all-reduce driver; the DHT calls run in a worker thread."""
-        return await asyncio.to_thread(self.form_blocking, fragment, round_no, attempt, exclude)
+        return await asyncio.to_thread(self.form_blocking, request)
 
-    def form_blocking(self, fragment: int, round_no: int, attempt: int,
-                      exclude: set[str]) -> FormedGroup:
+    def form_blocking(self, request: GroupRequest) -> FormedGroup:
+        """A group for one attempt: registered with what `request` says of our state (its
+        chain and tokens), waiting for the peers a round starting at `request.start` on
+        the swarm clock counts."""
+        fragment, round_no, attempt = request.fragment, request.round, request.attempt
+        exclude = set(request.exclude)
         with self._lock:
             now = time.monotonic()
             self._suspect.update({p: now for p in exclude})
@@ -190,7 +184,7 @@ class Membership:
         # joiners that name their first round (`joins_from`): each round that starts at or
         # after it waits for them, whenever their record is read, and no round before it
         # does. A peer found dead meanwhile stops being waited for at the next poll.
-        start = self.round_start(fragment, round_no)
+        start = request.start
         waits_for = frozenset(self._expected(exclude, start))
         nobody_else = self._nobody_else(waits_for)
         everyone = len(waits_for | {self.dht.peer_id})
@@ -208,11 +202,10 @@ class Membership:
                            if key_index(self.run_id, fragment, round_no, p, keys) == index}
             return (waits_for | joining) - self._suspects()
 
-        chain, tokens = self.local_state(fragment)
         me = GroupEntry(peer_id=self.dht.peer_id, run_id=self.run_id, data_addr=self.data_addr,
                         fragment=fragment, round=round_no, attempt=attempt,
                         bandwidth_mbps=self.bandwidth_mbps, settings=self.settings,
-                        chain=chain, tokens=tokens, grouped=is_grouped)
+                        chain=request.chain, tokens=request.tokens, grouped=is_grouped)
         group = form_group(self.dht, self.run_id, fragment, round_no, attempt, me,
                            self.net.matchmaking_window, self.net.matchmaking_timeout,
                            poll_interval=0.05, expected=expected, exclude=exclude,

@@ -46,7 +46,14 @@ from dilonode.algo.pacing import (
 )
 from dilonode.algo.replay import EncodedResult, keep_replay, replay_budget
 from dilonode.algo.schedule import SyncPlan, SyncStart
-from dilonode.collective import Collective, PendingReduce, ReduceResult, RoundReport, SyncKey
+from dilonode.collective import (
+    Collective,
+    PendingReduce,
+    ReduceResult,
+    RoundReport,
+    RoundRequest,
+    SyncKey,
+)
 from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TokenData
 from dilonode.train.device import autocast, pick_device
@@ -279,8 +286,8 @@ class Worker:
         self.stats.last_loss = self.ranks.node_loss(loss)
         if self.algo.mode == "ddp":
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            self._grad_pending = self.collective.begin(SyncKey("grad", 0, self.step),
-                                                       flatten(grads))
+            self._grad_pending = self.collective.begin(
+                RoundRequest(SyncKey("grad", 0, self.step)), flatten(grads))
         else:
             self._inner_update()
         return self.stats.last_loss
@@ -366,8 +373,18 @@ class Worker:
         # packed outer state, for the state round of a grouped swarm (one-rank nodes only:
         # a multi-rank node's outer state is sharded over its ranks).
         state = (lambda p=p: self._packed(p)) if self.ranks.world == 1 else None
-        self.pending[p] = (r, self.ranks.begin(self.collective, SyncKey("fragment", p, r),
-                                               delta, float(tokens), state=state))
+        request = self._request(SyncKey("fragment", p, r), float(tokens))
+        self.pending[p] = (r, self.ranks.begin(self.collective, request, delta, state=state))
+
+    def _request(self, key: SyncKey, weight: float = 1.0) -> RoundRequest:
+        """Round `key` of a fragment, with what matchmaking compares: the fragment's chain
+        (it cannot move while the round is in flight), the tokens trained so far and,
+        paced by the swarm clock, where the round starts on it."""
+        assert self.plan is not None
+        p, start = key.fragment, None
+        if isinstance(self.pacer, TimePacer):
+            start = float(self.plan.start_step(p, key.round))
+        return RoundRequest(key, weight, self.chains[p], self.stats.tokens, start)
 
     def _packed(self, p: int) -> torch.Tensor:
         """Fragment p's outer state as one flat vector (mixing rounds, algo/mixing.py)."""
@@ -432,7 +449,8 @@ class Worker:
             r = self.next_round[p] + self._mixes_done
             self._launched_at[p] = self.step
             self._mixing.add(p)
-            self.pending[p] = (r, self.collective.begin(SyncKey("mix", p, r), self._packed(p)))
+            self.pending[p] = (r, self.collective.begin(self._request(SyncKey("mix", p, r)),
+                                                        self._packed(p)))
         self._mixes_done += 1
 
     def start_round(self, p: int, r: int) -> None:

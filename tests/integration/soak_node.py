@@ -14,7 +14,7 @@ import torch
 
 from dilonode.allreduce.network_collective import NetworkCollective
 from dilonode.allreduce.retry import RoundPolicy
-from dilonode.collective import SyncKey
+from dilonode.collective import RoundRequest, SyncKey
 from dilonode.config import NetworkConfig
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
@@ -46,7 +46,8 @@ def main(argv: list[str]) -> None:
         print(json.dumps({"event": "ready", "index": index, "peer_id": dht.peer_id}),
               file=out, flush=True)
         for r in range(rounds):
-            pending = [(p, coll.begin(SyncKey("fragment", p, r), tensor_for(index, p, r, numel)))
+            pending = [(p, coll.begin(RoundRequest(SyncKey("fragment", p, r)),
+                                      tensor_for(index, p, r, numel)))
                        for p in range(fragments)]
             for p, handle in pending:
                 res = handle.wait(120)

@@ -37,7 +37,7 @@ from dilonode.allreduce.round import (
     result_digest,
 )
 from dilonode.allreduce.transport import DataPlane
-from dilonode.collective import FormedGroup, SyncKey
+from dilonode.collective import FormedGroup, GroupRequest, RoundRequest, SyncKey
 from dilonode.net.channel import InboundChannel
 from dilonode.wire.framing import encode_frame
 from dilonode.wire.messages import Hello
@@ -55,8 +55,8 @@ def _inputs(index: int) -> torch.Tensor:
 
 def _static_group(me: str, addrs: dict[str, str]) -> Any:
     """form_group over a fixed peer list: everyone not excluded, in a fixed order."""
-    def form(fragment: int, round_no: int, attempt: int, exclude: set[str]) -> FormedGroup:
-        members = [p for p in sorted(addrs) if p not in exclude or p == me]
+    def form(req: GroupRequest) -> FormedGroup:
+        members = [p for p in sorted(addrs) if p not in req.exclude or p == me]
         return FormedGroup(members, {p: addrs[p] for p in members}, [1.0] * len(members),
                            members.index(me), group_digest(members))
     return form
@@ -107,7 +107,7 @@ async def _swarm(plane: DataPlane, index: int, addrs: dict[str, str],
                  timeout: float) -> dict[str, Any]:
     policy = RoundPolicy(codec=CODEC, block_size=64, chunk_numel=4096, timeout=timeout)
     swarm = SwarmRounds(plane, _static_group(IDS[index], addrs), policy)
-    result = await swarm.reduce(0, 5, _inputs(index))
+    result = await swarm.reduce(RoundRequest(SyncKey("fragment", 0, 5)), _inputs(index))
     return {"attempts": [(a.state.value, a.excluded_peers, a.duration, a.members)
                          for a in result.attempts],
             "state": result.outcome.state.value, "digest": result.outcome.digest,
@@ -258,7 +258,8 @@ def test_network_collective_in_threads_returns_identical_means(reuse: bool) -> N
         def train(i: int) -> None:
             for r in range(2):  # two syncs reuse the same connections
                 fragment = 0 if reuse else r
-                pending = nodes[i].begin(SyncKey("fragment", fragment, r), flats[(i, r)])
+                pending = nodes[i].begin(RoundRequest(SyncKey("fragment", fragment, r)),
+                                         flats[(i, r)])
                 got = pending.wait(timeout=WAIT)
                 buffers[(i, r)] = got.mean.data_ptr()
                 results[(i, r)] = dataclasses.replace(got, mean=got.mean.clone())
@@ -409,13 +410,13 @@ def test_all_attempts_failing_keeps_the_own_quantized_value() -> None:
             await dead.start()
             await dead.aclose()  # nothing listens there any more
 
-            def form(fragment: int, round_no: int, attempt: int,
-                     exclude: set[str]) -> FormedGroup:  # ignores exclude on purpose
+            def form(req: GroupRequest) -> FormedGroup:  # ignores exclude on purpose
                 return FormedGroup(IDS[:2], [plane.address, dead.address], [1.0, 1.0], 0,
                                    group_digest(IDS[:2]))
 
             policy = RoundPolicy(codec="int4", chunk_numel=4096, timeout=5.0, max_attempts=2)
-            return await SwarmRounds(plane, form, policy).reduce(0, 5, _inputs(0))
+            return await SwarmRounds(plane, form, policy).reduce(
+                RoundRequest(SyncKey("fragment", 0, 5)), _inputs(0))
 
     out = asyncio.run(main())
     codec = get_codec("int4", 64)

@@ -15,18 +15,19 @@ from dilonode.allreduce import retry
 from dilonode.allreduce.driver import RoundOutcome
 from dilonode.allreduce.retry import AttemptFailure, RoundPolicy, SwarmRounds
 from dilonode.allreduce.round import RoundFailure, RoundState, group_digest
-from dilonode.collective import FormedGroup, GroupNotFormed
+from dilonode.collective import FormedGroup, GroupNotFormed, GroupRequest, RoundRequest, SyncKey
 
 ME, LEADER, OTHER = "peer-a", "peer-l", "peer-b"
+ROUND = RoundRequest(SyncKey("fragment", 0, 3))
 
 
 def _rounds(monkeypatch: Any, asked: list[set[str]], fail_rounds: set[int]) -> SwarmRounds:
     """Attempt 0 forms no group (its leader never closed it); the attempts in `fail_rounds`
     form one whose round fails; the others succeed."""
 
-    def form(fragment: int, round_no: int, attempt: int, exclude: set[str]) -> FormedGroup:
-        asked.append(set(exclude))
-        if attempt == 0:
+    def form(req: GroupRequest) -> FormedGroup:
+        asked.append(set(req.exclude))
+        if req.attempt == 0:
             raise GroupNotFormed(f"no roster from leader {LEADER}\nwithin 2.0s", blame=LEADER)
         members = [ME, OTHER]
         return FormedGroup(members, {p: f"127.0.0.1:{9000 + i}" for i, p in enumerate(members)},
@@ -48,7 +49,7 @@ def _rounds(monkeypatch: Any, asked: list[set[str]], fail_rounds: set[int]) -> S
 
 def test_failed_attempts_are_typed_and_counted(monkeypatch):
     asked: list[set[str]] = []
-    got = asyncio.run(_rounds(monkeypatch, asked, {1}).reduce(0, 3, torch.ones(8)))
+    got = asyncio.run(_rounds(monkeypatch, asked, {1}).reduce(ROUND, torch.ones(8)))
     assert got.outcome.state is RoundState.DONE and not got.skipped
     assert got.failures == (
         AttemptFailure(0, "no_group", f"no roster from leader {LEADER} within 2.0s"),
@@ -63,6 +64,6 @@ def test_failed_attempts_are_typed_and_counted(monkeypatch):
 
 
 def test_a_round_with_no_successful_attempt_counts_every_one(monkeypatch):
-    got = asyncio.run(_rounds(monkeypatch, [], {1, 2}).reduce(0, 3, torch.ones(8)))
+    got = asyncio.run(_rounds(monkeypatch, [], {1, 2}).reduce(ROUND, torch.ones(8)))
     assert got.skipped and got.tries == 3
     assert [f.kind for f in got.failures] == ["no_group", "round_failed", "round_failed"]

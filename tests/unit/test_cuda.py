@@ -27,7 +27,14 @@ from dilonode.allreduce.memnet import MemNet
 from dilonode.allreduce.network_collective import NetworkCollective
 from dilonode.allreduce.retry import RoundPolicy
 from dilonode.allreduce.round import AllReduceRound, Done, GroupSpec, group_digest
-from dilonode.collective import FormedGroup, PendingReduce, ReduceResult, SyncKey
+from dilonode.collective import (
+    FormedGroup,
+    GroupRequest,
+    PendingReduce,
+    ReduceResult,
+    RoundRequest,
+    SyncKey,
+)
 from dilonode.config import RunConfig
 from dilonode.sim.local_group import LocalGroup
 from dilonode.sim.training import simulate
@@ -253,11 +260,11 @@ class _Recorder:
         self.got: dict[SyncKey, ReduceResult] = {}
         self.devices: set[str] = set()
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0, *,
+    def begin(self, request: RoundRequest, flat: torch.Tensor, *,
               encoded: object = None, state: object = None) -> PendingReduce:
         self.devices.add(flat.device.type)
-        self.sent[key] = flat.detach().to("cpu", copy=True)
-        return _RecordingPending(self, key, self.inner.begin(key, flat, weight))
+        self.sent[request.key] = flat.detach().to("cpu", copy=True)
+        return _RecordingPending(self, request.key, self.inner.begin(request, flat))
 
 
 class _RecordingPending:
@@ -278,7 +285,7 @@ def _network(ids: list[str], policy: RoundPolicy) -> Iterator[list[NetworkCollec
     addrs: dict[str, str] = {}
 
     def static_group(me: str) -> Any:
-        def form(fragment: int, round_no: int, attempt: int, exclude: set[str]) -> FormedGroup:
+        def form(req: GroupRequest) -> FormedGroup:
             members = sorted(addrs)
             return FormedGroup(members, addrs, [1.0] * len(members), members.index(me),
                                group_digest(members))

@@ -9,7 +9,7 @@ import torch
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.groups import partition
 from dilonode.algo.mixing import pack_state
-from dilonode.collective import SyncKey
+from dilonode.collective import RoundRequest, SyncKey
 from dilonode.config import load_config
 from dilonode.sim.local_group import LocalGroup
 from dilonode.sim.training import simulate
@@ -47,7 +47,7 @@ def test_a_grouped_run_mixes_and_ends_in_agreement() -> None:
 def _round(group: LocalGroup, n: int, key: SyncKey, numel: int = 256):
     torch.manual_seed(key.round)
     states = [pack_state(torch.randn(numel), torch.randn(numel)) for _ in range(n)]
-    pending = [group.view(i).begin(key, torch.randn(numel) * 0.01, 1.0,
+    pending = [group.view(i).begin(RoundRequest(key), torch.randn(numel) * 0.01,
                                    state=lambda i=i: states[i]) for i in range(n)]
     return states, [h.wait() for h in pending]
 

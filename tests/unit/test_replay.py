@@ -267,7 +267,7 @@ class _Int4Pair:
     """A collective whose "group" averages our value with itself through int4, and keeps
     the encoded result as the network collective does."""
 
-    def begin(self, key, flat, weight=1.0, *, encoded=None, state=None):
+    def begin(self, request, flat, *, encoded=None, state=None):
         enc = _encode(flat.detach().clone())
         result = ReduceResult(enc.decode(), RoundReport(2, 0, 0), encoded=enc)
 

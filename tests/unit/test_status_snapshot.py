@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dilonode.collective import ReduceResult, RoundReport, SyncKey
+from dilonode.collective import ReduceResult, RoundReport, RoundRequest, SyncKey
 from dilonode.status.snapshot import NodeStatus, ObservedCollective
 from dilonode.status.swarm import SwarmView, node_rows
 from dilonode.swarm.records import PeerRecord
@@ -90,15 +90,15 @@ def test_observed_collective_records_each_landed_sync_once():
             return result
 
     class Inner:
-        def begin(self, key, flat, weight=1.0, *, encoded=None, state=None):
+        def begin(self, request, flat, *, encoded=None, state=None):
             return Pending()
 
     st = NodeStatus("run", clock=Clock())
     coll = ObservedCollective(Inner(), st, step=lambda: 31)
-    handle = coll.begin(SyncKey("fragment", 1, 4), torch.zeros(4))
+    handle = coll.begin(RoundRequest(SyncKey("fragment", 1, 4)), torch.zeros(4))
     assert handle.wait() is result
     handle.wait()  # a second wait must not count the round twice
-    coll.begin(SyncKey("grad", 0, 7), torch.zeros(4)).wait()
+    coll.begin(RoundRequest(SyncKey("grad", 0, 7)), torch.zeros(4)).wait()
     snap = st.snapshot()
     assert [x["fragment"] for x in snap["syncs"]] == ["1", "grad"]
     frag = snap["syncs"][0]

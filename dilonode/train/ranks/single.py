@@ -12,7 +12,7 @@ from torch import nn
 
 from dilonode.algo.fragments import flatten, unflatten_into
 from dilonode.algo.outer import OuterState, merge
-from dilonode.collective import Collective, PendingReduce, StateSource, SyncKey
+from dilonode.collective import Collective, PendingReduce, RoundRequest, StateSource
 from dilonode.train.device import device_info
 
 __all__ = ["SingleRank"]
@@ -61,9 +61,9 @@ class SingleRank:
     def local_tensors(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.data for t in params]
 
-    def begin(self, collective: Collective, key: SyncKey, delta: torch.Tensor, weight: float,
+    def begin(self, collective: Collective, request: RoundRequest, delta: torch.Tensor,
               state: StateSource | None = None) -> PendingReduce:
-        return collective.begin(key, delta, weight, state=state)
+        return collective.begin(request, delta, state=state)
 
     def localize(self, p: int, result: Any) -> Any:
         return result
