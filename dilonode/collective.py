@@ -203,6 +203,9 @@ class FormedGroup(NamedTuple):
     # Peers expected when the round started that are not in the group (dead, or late past
     # the window): forming it waited on them, so its time says nothing of the links.
     missing: tuple[str, ...] = ()
+    # Peers whose records, as read for this group, say they cannot be dialled (behind a
+    # NAT): the data plane streams to them from now on. None: the former does not say.
+    stream_only: frozenset[str] | None = None
 
 
 FormGroup = Callable[[GroupRequest], FormedGroup | Awaitable[FormedGroup]]

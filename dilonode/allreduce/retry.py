@@ -266,6 +266,10 @@ class SwarmRounds:
             ask = dataclasses.replace(ask, exclude=ask.exclude | banned)
         formed = self.form_group(ask)
         group = await formed if inspect.isawaitable(formed) else formed
+        if not isinstance(group, FormedGroup):  # a bare tuple from a test's matchmaker
+            group = FormedGroup(*group)
+        if group.stream_only is not None:  # as the records just read say
+            self.plane.stream_only = group.stream_only
         members = tuple(group.members)
         p = self.policy
         spec = GroupSpec(run_id=self.plane.run_id,
@@ -283,8 +287,6 @@ class SwarmRounds:
         if not isinstance(addrs, Mapping):
             addrs = dict(zip(members, addrs, strict=True))
         peers = {i: addrs[pid] for i, pid in enumerate(members) if i != group.my_index}
-        if not isinstance(group, FormedGroup):  # a bare tuple from a test's matchmaker
-            group = FormedGroup(*group)
         return spec, group.my_index, peers, group
 
     def _alone(self, fragment: int, round_no: int, attempt: int,

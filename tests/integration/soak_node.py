@@ -34,12 +34,11 @@ def main(argv: list[str]) -> None:
     net = NetworkConfig(matchmaking_window=3.0, matchmaking_timeout=10.0,
                         allreduce_timeout=10.0, max_attempts=3)
     dht = SwarmDHT(RUN_ID, argv[6:]).start()
-    coll = NetworkCollective(dht.peer_id, RUN_ID, None,  # type: ignore[arg-type]
-                             RoundPolicy(codec="int4", timeout=net.allreduce_timeout,
-                                         max_attempts=net.max_attempts))
-    member = Membership(dht, RUN_ID, net, coll.start(), settings=coll.rounds.policy.settings(),
-                        gone=coll.plane.gone.copy)
-    coll.rounds.form_group = member.form
+    policy = RoundPolicy(codec="int4", timeout=net.allreduce_timeout,
+                         max_attempts=net.max_attempts)
+    member = Membership(dht, RUN_ID, net, settings=policy.settings())
+    coll = NetworkCollective(dht.peer_id, RUN_ID, member.form, policy)
+    member.attach_data_plane(coll.start(), coll.plane.gone.copy)
     member.start()
     try:
         member.wait_for_peers(min_peers, 120)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from dilonode.collective import ReduceResult, RoundReport, RoundRequest, SyncKey
-from dilonode.status.snapshot import NodeStatus, ObservedCollective
+from dilonode.status.snapshot import NodeStatus, ObservedCollective, QuietFacts
 from dilonode.status.swarm import SwarmView, node_rows
 from dilonode.swarm.records import PeerRecord
 
@@ -24,6 +24,16 @@ class Clock:
         return self.t
 
 
+class Peers(QuietFacts):
+    """A node that sees `n` live peers (itself included)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def peers_seen(self) -> int:
+        return self.n
+
+
 def _worker(step: int, tokens: int, sent: int, loss: float = 2.0) -> SimpleNamespace:
     stats = SimpleNamespace(tokens=tokens, last_loss=loss, bytes_sent=sent,
                             bytes_received=sent // 2)
@@ -36,7 +46,7 @@ def _report(evals: list[tuple[int, float]] | None = None) -> SimpleNamespace:
 
 def test_samples_at_most_every_interval_with_rates_from_deltas():
     clock = Clock()
-    st = NodeStatus("run", 100, sample_every=1.0, clock=clock, peers=lambda: 3)
+    st = NodeStatus("run", 100, sample_every=1.0, clock=clock, facts=Peers(3))
     st.on_step(_worker(1, 100, 0), _report())
     clock.t += 0.5
     st.on_step(_worker(2, 200, 0), _report())  # too soon: no new point
