@@ -254,7 +254,7 @@ def time_device_average(n: int, codec: str, workers: int = 4) -> float:
     """Seconds for one `DeviceGroup` average of `workers` x n values on the GPU."""
     from benchmarks.gpu.quality import DeviceGroup
     from dilonode.algo.codecs import get_codec
-    from dilonode.collective import SyncKey
+    from dilonode.collective import RoundRequest, SyncKey
 
     xs = [torch.randn(n, device="cuda") * 1e-3 for _ in range(workers)]
     best = float("inf")
@@ -263,7 +263,8 @@ def time_device_average(n: int, codec: str, workers: int = 4) -> float:
                             device="cuda")
         torch.cuda.synchronize()
         t = time.perf_counter()
-        handles = [group.view(i).begin(SyncKey("grad", 0, r), xs[i]) for i in range(workers)]
+        handles = [group.view(i).begin(RoundRequest(SyncKey("grad", 0, r)), xs[i])
+                   for i in range(workers)]
         handles[0].wait()
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)

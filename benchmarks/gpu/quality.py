@@ -45,7 +45,7 @@ from dilonode.algo.codec_table import CODECS
 from dilonode.algo.codecs import Codec, CodecMeta
 from dilonode.algo.robust import aggregate
 from dilonode.algo.torch_codecs import decode_torch, encode_torch
-from dilonode.collective import ReduceResult
+from dilonode.collective import ReduceResult, RoundReport
 from dilonode.config import RunConfig, load_config
 from dilonode.fmt import human_bytes
 from dilonode.sim.local_group import LocalGroup, _Slot
@@ -119,9 +119,10 @@ class DeviceGroup(LocalGroup):
             cpu = mean.to("cpu").numpy().tobytes()
             digest = blake3.blake3(cpu, max_threads=blake3.blake3.AUTO).hexdigest()
         names = tuple(str(w) for w in sorted(rejected))
-        slot.results = {w: ReduceResult(mean, len(order), sent[i], recv[i], rejected=names,
-                                        digest=digest) for i, w in enumerate(order)}
-        slot.results.update({w: ReduceResult(mean, len(order), 0, 0, rejected=names,
+        slot.results = {w: ReduceResult(mean, RoundReport(len(order), sent[i], recv[i],
+                                                          rejected=names), digest=digest)
+                        for i, w in enumerate(order)}
+        slot.results.update({w: ReduceResult(mean, RoundReport(len(order), 0, 0, rejected=names),
                                              digest=digest) for w in refused})
         slot.contributions.clear()
         slot.tokens.clear()

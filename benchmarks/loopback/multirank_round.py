@@ -49,7 +49,7 @@ def _rank(env: Any, numel: int, codec: str, rounds: int, threads: int) -> dict[s
     import torch.distributed as dist
 
     from dilonode.algo.outer import OuterState, pseudo_gradient
-    from dilonode.collective import ReduceResult
+    from dilonode.collective import ReduceResult, RoundReport
     from dilonode.config import load_config
     from dilonode.train.ranks.node_ranks import init_node_ranks
     from dilonode.train.ranks.single import SingleRank
@@ -86,7 +86,7 @@ def _rank(env: Any, numel: int, codec: str, rounds: int, threads: int) -> dict[s
         mean = _round(full, codec, r, encoded) if ranks.leader else None
         sync()
         marks.append(time.perf_counter())
-        result = ReduceResult(mean, 1, 0, 0)  # type: ignore[arg-type]
+        result = ReduceResult(mean, RoundReport(1, 0, 0))  # type: ignore[arg-type]
         if env:
             result = ranks.localize(0, result)
         sync()

@@ -2,7 +2,7 @@
 
 It runs a `DataPlane` and `SwarmRounds` (`allreduce/retry.py`) on an event loop in a
 background thread (`net.loop_thread.LoopThread`, uvloop when installed) and implements
-`Collective.begin(key, flat)`; the training thread blocks only in `PendingReduce.wait()`.
+`Collective.begin(request, flat)`; the training thread blocks only in `PendingReduce.wait()`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import torch
 
 from dilonode.algo.robust import BanTracker
 from dilonode.algo.sliced_encoding import SplicedEncoding
-from dilonode.allreduce.driver import GRAD_FRAGMENT
 from dilonode.allreduce.plane_limits import PlaneOptions
-from dilonode.allreduce.retry import RoundPolicy, SwarmRounds
+from dilonode.allreduce.retry import RoundPolicy, SwarmRounds, wire_fragment
 from dilonode.allreduce.transport import DataPlane
-from dilonode.collective import FormGroup, ReduceResult, StateSource, SyncKey
+from dilonode.collective import FormGroup, ReduceResult, RoundReport, RoundRequest, StateSource
 from dilonode.net.loop_thread import LoopThread
 
 __all__ = ['NetworkCollective']
@@ -47,9 +46,9 @@ class NetworkCollective:
     """`Collective` over the network: a `DataPlane` and `SwarmRounds` in a loop thread.
 
     `start()` brings up the thread and the plane and returns the plane's address; `close()`
-    tears both down. `begin(key, flat)` copies `flat`, so the caller may reuse its buffer.
-    SyncKey kind "fragment" uses its fragment index on the wire, kind "grad" the reserved
-    index `GRAD_FRAGMENT`.
+    tears both down. `begin(request, flat)` copies `flat`, so the caller may reuse its
+    buffer. SyncKey kind "fragment" uses its fragment index on the wire, kind "grad" the
+    reserved index `GRAD_FRAGMENT` (`retry.wire_fragment`).
 
     `reuse_results=True`: the rounds of one fragment write their results into one buffer,
     so a result is valid only until the next `begin` of the same fragment (the trainer
@@ -102,16 +101,16 @@ class NetworkCollective:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    takes_encoded = True  # begin() accepts a pre-encoded contribution (a node's ranks)
-
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+    def begin(self, request: RoundRequest, flat: torch.Tensor, *,
               encoded: SplicedEncoding | None = None,
               state: StateSource | None = None) -> _NetPending:
-        """Average `flat` with the swarm in the background; `encoded`: `flat` as a node's
-        ranks already encoded it with the round's codec, slice by slice; `state`: our packed
-        outer state, for the state round of a grouped swarm."""
-        fragment = GRAD_FRAGMENT if key.kind == "grad" else key.fragment
-        mix_only = key.kind == "mix"
+        """Average `flat` with the swarm in the background; `request` goes down to the
+        group former with every attempt. `encoded`: `flat` as a node's ranks already
+        encoded it with the round's codec, slice by slice (the round sends those bytes
+        instead of encoding again; "mix" rounds travel in float32 and ignore it); `state`:
+        our packed outer state, for the state round of a grouped swarm."""
+        fragment = wire_fragment(request.key)
+        mix_only = request.key.kind == "mix"
         t0 = self.rounds.clock()
         # A copy on flat's own device: on a GPU the round quantizes and reduces there
         # (AllReduceRound's torch data path) and only encoded bytes cross to the host.
@@ -124,32 +123,32 @@ class NetworkCollective:
                 out = None
             elif out is None or out.numel() != local.numel():
                 out = self._results[fragment] = torch.empty_like(local)
-        fut = self.thread.submit(self._reduce(fragment, key.round, local, t0, out, weight,
-                                              encoded, state, mix_only))
+        fut = self.thread.submit(self._reduce(request, local, t0, out, encoded, state))
         if not mix_only:
             self._in_flight[fragment] = fut
         return _NetPending(fut)
 
-    async def _reduce(self, fragment: int, round_no: int, local: torch.Tensor,
-                      t0: float, out_buf: torch.Tensor | None = None,
-                      weight: float = 1.0, encoded: SplicedEncoding | None = None,
-                      state: StateSource | None = None,
-                      mix_only: bool = False) -> ReduceResult:
-        swarm = await self.rounds.reduce(fragment, round_no, local, out_buf, weight,
-                                         encoded, state=state, mix_only=mix_only)
+    async def _reduce(self, request: RoundRequest, local: torch.Tensor, t0: float,
+                      out_buf: torch.Tensor | None, encoded: SplicedEncoding | None,
+                      state: StateSource | None) -> ReduceResult:
+        swarm = await self.rounds.reduce(request, local, out_buf, encoded=encoded,
+                                         state=state)
+        mix_only = request.key.kind == "mix"
         out = swarm.outcome
         assert out.result is not None
         mixed = out if mix_only else swarm.state
         rounds = [*swarm.attempts, *([swarm.state] if swarm.state is not None else [])]
-        return ReduceResult(
-            mean=out.result, group_size=len(out.members),
+        report = RoundReport(
+            group_size=len(out.members),
             payload_bytes_sent=sum(a.payload_bytes_sent for a in rounds),
             payload_bytes_received=sum(a.payload_bytes_received for a in rounds),
-            grouped=swarm.grouped, state_mean=mixed.result if mixed is not None else None,
-            state_digest=(mixed.digest or "") if mixed is not None else "",
+            members=tuple(out.members),
             dropped=tuple(f"{peer}: {reason}" for peer, reason in swarm.excluded.items()),
-            skipped=out.skipped, members=tuple(out.members),
-            attempts=len(swarm.attempts) + sum("no group" in e for e in swarm.errors),
-            rejected=out.rejected, encoded=out.encoded, digest=out.digest or "",
-            diverged=swarm.diverged, outvoted=swarm.outvoted,
-            latency_s=self.rounds.clock() - t0, pace_s=swarm.pace_s)
+            skipped=out.skipped, attempts=swarm.tries,
+            latency_s=self.rounds.clock() - t0, pace_s=swarm.pace_s,
+            rejected=out.rejected, diverged=swarm.diverged, outvoted=swarm.outvoted,
+            grouped=swarm.grouped)
+        return ReduceResult(
+            mean=out.result, report=report, digest=out.digest or "", encoded=out.encoded,
+            state_mean=mixed.result if mixed is not None else None,
+            state_digest=(mixed.digest or "") if mixed is not None else "")

@@ -1,14 +1,17 @@
-"""The retry policy over all-reduce rounds: `SwarmRounds.reduce(fragment, round, local)`.
+"""The retry policy over all-reduce rounds: `SwarmRounds.reduce(request, local)`.
 
-It asks the injected `form_group(fragment, round, attempt, exclude)` for a group, runs the
-round (`driver.run_round`), and on failure retries with attempt+1, excluding every peer the
-failures blamed, up to `max_attempts`. If no attempt succeeds it returns the node's own
-quantized value (`decode(encode(local))`) as a group of one, flagged `skipped`; never a
-partial average. In a grouped swarm (the group is `mixing`, `algo/groups.py`) a round that
-`algo.groups.mixes` picks is followed, in the same group, by a *state round*: the members'
-packed outer states (`algo/mixing.py`) averaged in float32 under wire fragment
-`STATE_WIRE | fragment`. A state round that fails leaves the pseudo-gradient round as it is
-(the node steps its own state); `reduce(mix_only=True)` runs state rounds alone.
+It asks the injected `form_group(GroupRequest(fragment, round, attempt, exclude, ...))` for
+a group (the request also carries what the worker's `RoundRequest` says matchmaking
+compares), runs the round (`driver.run_round`), and on failure retries with attempt+1,
+excluding every peer the failures blamed, up to `max_attempts`; each failed attempt is an
+`AttemptFailure` (no group formed, or the round failed) with a one-line reason. If no
+attempt succeeds it returns the node's own quantized value (`decode(encode(local))`) as a
+group of one, flagged `skipped`; never a partial average. In a grouped swarm (the group is
+`mixing`, `algo/groups.py`) a round that `algo.groups.mixes` picks is followed, in the
+same group, by a *state round*: the members' packed outer states (`algo/mixing.py`)
+averaged in float32 under wire fragment `STATE_WIRE | fragment`. A state round that fails
+leaves the pseudo-gradient round as it is (the node steps its own state); a "mix" key's
+round is a state round alone.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -27,7 +31,7 @@ from dilonode.algo.butterfly import CHUNKING, round_chunk_numel
 from dilonode.algo.groups import mixes
 from dilonode.algo.robust import AggregatorSpec, BanTracker
 from dilonode.algo.sliced_encoding import SplicedEncoding
-from dilonode.allreduce.driver import STATE_WIRE, RoundOutcome, run_round
+from dilonode.allreduce.driver import GRAD_FRAGMENT, STATE_WIRE, RoundOutcome, run_round
 from dilonode.allreduce.round import (
     AllReduceRound,
     Failed,
@@ -36,11 +40,19 @@ from dilonode.allreduce.round import (
     group_digest,
 )
 from dilonode.allreduce.transport import DataPlane
-from dilonode.collective import FormedGroup, FormGroup, StateSource
+from dilonode.collective import (
+    FormedGroup,
+    FormGroup,
+    GroupNotFormed,
+    GroupRequest,
+    RoundRequest,
+    StateSource,
+    SyncKey,
+)
 from dilonode.config import DEFAULT_CHUNK_NUMEL
 from dilonode.wire.errors import one_line
 
-__all__ = ['RoundPolicy', 'SwarmOutcome', 'SwarmRounds']
+__all__ = ['AttemptFailure', 'RoundPolicy', 'SwarmOutcome', 'SwarmRounds', 'wire_fragment']
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +94,39 @@ class RoundPolicy:
                 "max_group_size": self.max_group_size, "mix_state_every": self.mix_every}
 
 
+def wire_fragment(key: SyncKey) -> int:
+    """The fragment index rounds of `key` use on the wire and in matchmaking: DDP gradients
+    the reserved `GRAD_FRAGMENT`, the others their fragment's (a state round adds
+    `STATE_WIRE` on the wire only)."""
+    return GRAD_FRAGMENT if key.kind == "grad" else key.fragment
+
+
+@dataclass(frozen=True)
+class AttemptFailure:
+    """Why one attempt of a round failed."""
+
+    attempt: int
+    """The attempt (0: the round's first)."""
+    kind: Literal["no_group", "round_failed"]
+    """"no_group": forming a group failed (no round ran); "round_failed": the round ran
+    with a group and failed."""
+    reason: str
+    """One line saying what went wrong."""
+
+    def line(self) -> str:
+        """The failure as the log says it: "attempt 1: no group: <reason>"."""
+        what = "no group: " if self.kind == "no_group" else ""
+        return one_line(f"attempt {self.attempt}: {what}{self.reason}")
+
+
 @dataclass(frozen=True)
 class SwarmOutcome:
     """The final outcome (DONE, or a skipped group of one) and how we got there."""
 
     outcome: RoundOutcome
-    attempts: tuple[RoundOutcome, ...]
+    attempts: tuple[RoundOutcome, ...]  # the rounds run, failed ones included
     excluded: Mapping[str, str] = field(default_factory=dict)  # peer id -> reason
-    errors: tuple[str, ...] = ()  # one line per failed attempt
+    failures: tuple[AttemptFailure, ...] = ()  # one per failed attempt, in order
     diverged: tuple[str, ...] = ()  # see FormedGroup (the last group formed)
     outvoted: tuple[str, ...] = ()
     grouped: bool = False  # the group was one of a grouped swarm (FormedGroup.mixing)
@@ -100,6 +137,11 @@ class SwarmOutcome:
     @property
     def skipped(self) -> bool:
         return self.outcome.skipped
+
+    @property
+    def tries(self) -> int:
+        """Group formations tried: the rounds run and the attempts that formed no group."""
+        return len(self.attempts) + sum(f.kind == "no_group" for f in self.failures)
 
 
 class SwarmRounds:
@@ -119,38 +161,41 @@ class SwarmRounds:
         # every FormGroup honours) until their ban ends.
         self.bans = bans
 
-    async def reduce(self, fragment: int, round_no: int, local: torch.Tensor,
-                     out: torch.Tensor | None = None, weight: float = 1.0,
+    async def reduce(self, request: RoundRequest, local: torch.Tensor,
+                     out: torch.Tensor | None = None, *,
                      encoded: SplicedEncoding | None = None,
-                     state: StateSource | None = None,
-                     mix_only: bool = False) -> SwarmOutcome:
-        """Average `local` (1-D float32, trained on `weight` tokens) with a group, retrying
-        without the culprits. `out` (optional) receives a completed round's result (every
-        attempt writes there). `state` (called on a worker thread, only when a grouped
-        round mixes) gives our packed outer state for the state round; `mix_only`: `local`
-        is such a state and the round averages it alone (float32, plain mean)."""
+                     state: StateSource | None = None) -> SwarmOutcome:
+        """Average `local` (1-D float32, trained on `request.weight` tokens) with a group,
+        retrying without the culprits; every attempt hands the group former what
+        `request` says of our state (`GroupRequest`). `out` (optional) receives a
+        completed round's result (every attempt writes there). `encoded`: `local` as a
+        node's ranks encoded it. `state` (called on a worker thread, only when a grouped
+        round mixes) gives our packed outer state for the state round. A "mix" key's
+        `local` is such a state, and the round averages it alone (float32, plain mean)."""
+        fragment, round_no = wire_fragment(request.key), request.key.round
+        mix_only = request.key.kind == "mix"
         excluded: dict[str, str] = {}
         attempts: list[RoundOutcome] = []
-        errors: list[str] = []
+        failures: list[AttemptFailure] = []
         for attempt in range(self.policy.max_attempts):
             t_attempt = self.clock()
+            ask = GroupRequest(fragment, round_no, attempt, frozenset(excluded), request.chain,
+                               request.tokens, request.start)
             try:
-                spec, my_index, peers, formed = await self._prepare(fragment, round_no,
-                                                                    attempt, set(excluded),
-                                                                    local, mix_only)
+                spec, my_index, peers, formed = await self._prepare(ask, local, mix_only)
             except Exception as exc:  # a matchmaking failure must not kill the daemon
-                errors.append(one_line(f"attempt {attempt}: no group: {exc}"))
-                log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
+                failures.append(AttemptFailure(attempt, "no_group", one_line(str(exc))))
+                log.warning("fragment %d round %d: %s", fragment, round_no, failures[-1].line())
                 # A leader that never closed its group is left out of the next attempt.
-                blame = getattr(exc, "blame", None)
-                if isinstance(blame, str) and blame != self.plane.peer_id:
+                blame = exc.blame if isinstance(exc, GroupNotFormed) else None
+                if blame is not None and blame != self.plane.peer_id:
                     excluded.setdefault(blame, one_line(str(exc)))
                 continue
             got = await run_round(self.plane, spec, my_index, local, peers,
                                   self.policy.timeout, self.clock, offload=self.offload,
                                   aggregator=None if mix_only else self.policy.aggregator,
                                   out=out, keep_encoded=self.keep_encoded and not mix_only,
-                                  weight=1.0 if mix_only else weight,
+                                  weight=1.0 if mix_only else request.weight,
                                   encoded=None if mix_only else encoded)
             attempts.append(got)
             if got.state is RoundState.DONE:
@@ -161,17 +206,23 @@ class SwarmRounds:
                     mixed = await self._state_round(spec, my_index, peers, state)
                 # Only a whole group's attempt paces the clock (`SwarmOutcome.pace_s`).
                 pace = None if formed.missing else self.clock() - t_attempt
-                return SwarmOutcome(got, tuple(attempts), excluded, tuple(errors),
+                return SwarmOutcome(got, tuple(attempts), excluded, tuple(failures),
                                     tuple(formed.diverged), tuple(formed.outvoted),
                                     grouped=formed.mixing, state=mixed, pace_s=pace)
-            assert got.failure is not None
-            errors.append(one_line(f"attempt {attempt}: {got.failure.reason}"))
-            log.warning("fragment %d round %d: %s", fragment, round_no, errors[-1])
-            for peer_id in got.excluded_peers:
-                if peer_id != self.plane.peer_id:
-                    excluded.setdefault(peer_id, got.failure.reason)
+            failures.append(self._round_failed(ask, got, excluded))
         alone = self._alone(fragment, round_no, self.policy.max_attempts, local, mix_only)
-        return SwarmOutcome(alone, tuple(attempts), excluded, tuple(errors))
+        return SwarmOutcome(alone, tuple(attempts), excluded, tuple(failures))
+
+    def _round_failed(self, ask: GroupRequest, got: RoundOutcome,
+                      excluded: dict[str, str]) -> AttemptFailure:
+        """Log a failed round and exclude the peers it blamed from the next attempts."""
+        assert got.failure is not None
+        failure = AttemptFailure(ask.attempt, "round_failed", one_line(got.failure.reason))
+        log.warning("fragment %d round %d: %s", ask.fragment, ask.round, failure.line())
+        for peer_id in got.excluded_peers:
+            if peer_id != self.plane.peer_id:
+                excluded.setdefault(peer_id, got.failure.reason)
+        return failure
 
     async def _state_round(self, spec: GroupSpec, my_index: int, peers: dict[int, str],
                            state: StateSource) -> RoundOutcome | None:
@@ -208,22 +259,26 @@ class SwarmRounds:
                             self.bans.ban_seconds, self.bans.max_rejections,
                             self.bans.window)
 
-    async def _prepare(self, fragment: int, round_no: int, attempt: int, exclude: set[str],
-                       local: torch.Tensor, mix_only: bool = False
+    async def _prepare(self, ask: GroupRequest, local: torch.Tensor, mix_only: bool
                        ) -> tuple[GroupSpec, int, dict[int, str], FormedGroup]:
         if self.bans is not None:
-            exclude = exclude | (self.bans.banned(self.clock()) - {self.plane.peer_id})
-        formed = self.form_group(fragment, round_no, attempt, exclude)
+            banned = self.bans.banned(self.clock()) - {self.plane.peer_id}
+            ask = dataclasses.replace(ask, exclude=ask.exclude | banned)
+        formed = self.form_group(ask)
         group = await formed if inspect.isawaitable(formed) else formed
+        if not isinstance(group, FormedGroup):  # a bare tuple from a test's matchmaker
+            group = FormedGroup(*group)
+        if group.stream_only is not None:  # as the records just read say
+            self.plane.stream_only = group.stream_only
         members = tuple(group.members)
         p = self.policy
         spec = GroupSpec(run_id=self.plane.run_id,
-                         fragment=STATE_WIRE | fragment if mix_only else fragment,
-                         round=round_no, members=members, weights=tuple(group.weights),
+                         fragment=STATE_WIRE | ask.fragment if mix_only else ask.fragment,
+                         round=ask.round, members=members, weights=tuple(group.weights),
                          numel=local.numel(), codec="float32" if mix_only else p.codec,
                          block_size=p.block_size,
                          chunk_numel=p.round_chunk(local.numel(), len(members)),
-                         attempt=attempt, group_digest=group.digest)
+                         attempt=ask.attempt, group_digest=group.digest)
         me = group.my_index
         if not 0 <= me < len(members) or members[me] != self.plane.peer_id:
             raise ValueError(f"group {list(members)} does not hold us "
@@ -232,8 +287,6 @@ class SwarmRounds:
         if not isinstance(addrs, Mapping):
             addrs = dict(zip(members, addrs, strict=True))
         peers = {i: addrs[pid] for i, pid in enumerate(members) if i != group.my_index}
-        if not isinstance(group, FormedGroup):  # a bare tuple from a test's matchmaker
-            group = FormedGroup(*group)
         return spec, group.my_index, peers, group
 
     def _alone(self, fragment: int, round_no: int, attempt: int,

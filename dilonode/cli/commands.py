@@ -206,7 +206,8 @@ def _run_leader(args: argparse.Namespace, cfg: Any, env: Any) -> int:
     fmt = setup_logging(args.log_format)
     stop = _stop_on_signals()
     from dilonode.cli.launch_ranks import EXIT_RANK_FAILED
-    from dilonode.node.daemon import Node, summary_json
+    from dilonode.node.daemon import Node
+    from dilonode.node.summary import summary_json
     from dilonode.statesync.client import RecoveryError
     from dilonode.train.ranks.node_ranks import RankFailure, init_node_ranks
 

@@ -13,7 +13,8 @@ from dilonode.algo.butterfly import butterfly_average, round_chunk_numel
 from dilonode.algo.codecs import Codec, get_codec
 from dilonode.algo.groups import grouped, mixes, num_keys, partition
 from dilonode.algo.robust import AggregatorSpec, aggregate
-from dilonode.collective import ReduceResult, StateSource, SyncKey
+from dilonode.algo.sliced_encoding import SplicedEncoding
+from dilonode.collective import ReduceResult, RoundReport, RoundRequest, StateSource, SyncKey
 
 __all__ = ["LocalGroup"]
 
@@ -173,12 +174,13 @@ class LocalGroup:
             state_digest = _digest(state)
             sent = [a + b for a, b in zip(sent, s_sent, strict=True)]
             recv = [a + b for a, b in zip(recv, s_recv, strict=True)]
-        results = {w: ReduceResult(mean, len(order), sent[i], recv[i], rejected=names,
-                                   digest=digest, grouped=grouped_round, state_mean=state,
-                                   state_digest=state_digest)
+        results = {w: ReduceResult(mean, RoundReport(len(order), sent[i], recv[i],
+                                                     rejected=names, grouped=grouped_round),
+                                   digest=digest, state_mean=state, state_digest=state_digest)
                    for i, w in enumerate(order)}
-        results.update({w: ReduceResult(mean, len(order), 0, 0, rejected=names, digest=digest,
-                                        grouped=grouped_round)
+        results.update({w: ReduceResult(mean, RoundReport(len(order), 0, 0, rejected=names,
+                                                          grouped=grouped_round),
+                                        digest=digest)
                         for w in refused})
         return results
 
@@ -201,9 +203,9 @@ class LocalGroup:
         """A `mix` round: the contributions are packed states; every member gets the mean."""
         mean, sent, recv = self._mean_state(order, [slot.contributions[w] for w in order])
         digest = _digest(mean)
-        return {w: ReduceResult(mean, len(order), sent[i], recv[i], digest=digest,
-                                grouped=grouped_round, state_mean=mean,
-                                state_digest=digest)
+        return {w: ReduceResult(mean, RoundReport(len(order), sent[i], recv[i],
+                                                  grouped=grouped_round),
+                                digest=digest, state_mean=mean, state_digest=digest)
                 for i, w in enumerate(order)}
 
     def _collect(self, key: SyncKey, worker: int) -> ReduceResult:
@@ -222,13 +224,22 @@ def _digest(values: torch.Tensor) -> str:
 
 
 class _LocalView:
+    """Worker `worker`'s `Collective` on a `LocalGroup`."""
+
     def __init__(self, group: LocalGroup, worker: int) -> None:
         self.group = group
         self.worker = worker
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+    def begin(self, request: RoundRequest, flat: torch.Tensor, *,
+              encoded: SplicedEncoding | None = None,
               state: StateSource | None = None) -> _LocalPending:
-        slot = self.group._contribute(key, self.worker, flat, weight, state)
+        """Contribute `flat` to round `request.key`, weighted by `request.weight`; the rest
+        of the request is for matchmaking, which an in-process group has none of.
+        `encoded` is ignored: the group encodes every contribution itself, part by part, as
+        the butterfly cuts it (a node's ranks encode the same values, so the mean is the
+        same)."""
+        key = request.key
+        slot = self.group._contribute(key, self.worker, flat, request.weight, state)
         return _LocalPending(self.group, slot, key, self.worker)
 
 

@@ -29,7 +29,8 @@ import torch
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.mixing import spread
 from dilonode.algo.pacing import Pacer, StepPacer, SwarmClock, TimePacer
-from dilonode.collective import Collective, PendingReduce, StateSource, SyncKey
+from dilonode.algo.sliced_encoding import SplicedEncoding
+from dilonode.collective import Collective, PendingReduce, RoundRequest, StateSource, SyncKey
 from dilonode.config import RunConfig
 from dilonode.sim.local_group import LocalGroup
 from dilonode.train.data import load_data
@@ -93,9 +94,13 @@ class _Tampered:
     def __init__(self, inner: Collective, worker: int, tamper: Tamper) -> None:
         self.inner, self.worker, self.tamper = inner, worker, tamper
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
+    def begin(self, request: RoundRequest, flat: torch.Tensor, *,
+              encoded: SplicedEncoding | None = None,
               state: StateSource | None = None) -> PendingReduce:
-        return self.inner.begin(key, self.tamper(self.worker, key, flat), weight, state=state)
+        """The inner `begin` on the tampered values; `encoded` (the untampered values'
+        encoding) is dropped, so the tampered values are what gets averaged."""
+        tampered = self.tamper(self.worker, request.key, flat)
+        return self.inner.begin(request, tampered, state=state)
 
 
 class _Clock:

@@ -1,9 +1,9 @@
 """`StateKeeper`: everything a node does to keep its outer state across arrivals, crashes and
 restarts, behind four calls the node makes.
 
-    keeper = StateKeeper(cfg, resume=True)
+    keeper = StateKeeper(cfg, resume=True, opener=..., on_link=...)
     addr = keeper.start_server(loop_thread, creds)    # advertise it in the peer record
-    keeper.prepare(worker, loop_thread, dht, publish) # resume, recover from peers, serve
+    keeper.prepare(worker, loop_thread, dht, publish, counts=...)  # resume, recover, serve
     ... keeper.on_step(worker) after every step (snapshots for joiners, checkpoints) ...
     keeper.finish(worker)                             # checkpoint on a clean stop
     keeper.close(loop_thread)
@@ -38,7 +38,7 @@ from dilonode.train.checkpoint import Checkpointer, data_position, load_latest, 
 from dilonode.train.lr import outer_lr
 from dilonode.train.state import config_digest, snapshot_error
 
-__all__ = ["StateKeeper", "checkpoint_dir", "min_rounds"]
+__all__ = ["StateKeeper", "check_config", "checkpoint_dir", "min_rounds"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,16 @@ _PEER_VIEW_S = 2.0
 
 def checkpoint_dir(cfg: RunConfig) -> Path:
     return cfg.checkpoint.dir or cfg.paths.checkpoint_dir or Path(cfg.paths.out_dir) / "ckpt"
+
+
+def check_config(cfg: RunConfig) -> None:
+    """ValueError for a schedule whose state cannot be snapshotted (checkpoints, joiners):
+    found when the node is built, not when the first checkpoint fails."""
+    if cfg.diloco.mode != "ddp":
+        a = cfg.diloco.effective()
+        if why := snapshot_error(SyncPlan(a.sync_every, a.num_fragments,
+                                          a.fragment_sync_delay)):
+            raise ValueError(why)
 
 
 def min_rounds(ours: Sequence[int], same_rounds: bool, prefer: Sequence[str]) -> int:
@@ -62,16 +72,18 @@ def min_rounds(ours: Sequence[int], same_rounds: bool, prefer: Sequence[str]) ->
 
 
 class StateKeeper:
-    """Checkpoints, resume, state serving and recovery of one node (see module docstring)."""
+    """Checkpoints, resume, state serving and recovery of one node (see module docstring).
 
-    def __init__(self, cfg: RunConfig, resume: bool = False) -> None:
+    `opener`: streams to the state servers of peers behind a NAT (the node's libp2p
+    tunnel; without one those peers are left out). `on_link`: called once per recovery
+    whose transfer ran long enough to measure our link, with (bytes/s, each fragment's
+    round result bytes, peers counting us) (`recover`)."""
+
+    def __init__(self, cfg: RunConfig, resume: bool = False, *,
+                 opener: StreamOpener | None = None, on_link: LinkHook | None = None) -> None:
+        check_config(cfg)
         self.cfg, self.resume = cfg, resume
         self.active = cfg.diloco.mode != "ddp"
-        if self.active:
-            a = cfg.diloco.effective()
-            if why := snapshot_error(SyncPlan(a.sync_every, a.num_fragments,
-                                              a.fragment_sync_delay)):
-                raise ValueError(why)  # found at start, not when the first checkpoint fails
         self.digest = config_digest(cfg)
         ck = cfg.checkpoint
         self.checkpointer = Checkpointer(checkpoint_dir(cfg), cfg.run_id, self.digest,
@@ -82,13 +94,8 @@ class StateKeeper:
         self.resumed_from: Path | None = None
         self._alone_seen = 0
         self._refused = 0  # peers our recoveries refused (impostor, tampered frame)
-        # Streams to the state servers of peers behind a NAT (the node's libp2p tunnel),
-        # and which peers of the last read those are.
-        self.opener: StreamOpener | None = None
-        self._streamed: frozenset[str] = frozenset()
-        # Called once per recovery whose transfer ran long enough to measure our link:
-        # (bytes/s, each fragment's round result bytes, peers counting us) (`recover`).
-        self.on_link: LinkHook | None = None
+        self.opener, self.on_link = opener, on_link
+        self._streamed: frozenset[str] = frozenset()  # the peers of the last read `opener` reaches
 
     # -- start -------------------------------------------------------------------------
     @property
@@ -112,14 +119,17 @@ class StateKeeper:
 
     def prepare(self, worker: Any, thread: Any, dht: Any,
                 publish: Callable[[], None], stop: threading.Event | None = None, *,
-                first_round: Callable[[float], int | None] | None = None) -> None:
+                first_round: Callable[[float], int | None] | None = None,
+                counts: Callable[[int, int, str], bool] | None = None) -> None:
         """Resume and/or recover into `worker`, calling `publish()` (our peer record) once:
         just before the last recovery pass, or at the end when there is nothing to recover.
         Then serve the state. `stop` set (the node was told to stop) abandons a recovery
         in progress: a fetch over a slow link can take minutes. `first_round(view_s)`,
         called before publishing when recovering: names our first round in the record
         (`PeerRecord.joins_from`), at least `view_s` from now, and returns the step the
-        state adopted must reach (every round before it), or None (no swarm clock)."""
+        state adopted must reach (every round before it), or None (no swarm clock).
+        `counts(fragment, round, joiner)`: whether a round in flight here counts a joiner
+        (`Membership.counts`), for the floors we serve (`SnapshotSource.step_now`)."""
         published = False
 
         async def before_final() -> int | None:
@@ -146,7 +156,7 @@ class StateKeeper:
         if self.active:
             if self.recovery is not None and self.cfg.checkpoint.every_steps:
                 self.checkpointer.save_async(worker.export_state(), data_position(worker))
-            self.source.attach(worker)
+            self.source.attach(worker, counts)
             worker.wait_hook = self.source.blocked
 
     def _resume(self, worker: Any) -> None:

@@ -85,13 +85,15 @@ class SnapshotSource:
         self._unservable = ""
         self.taken = 0
         self._polled_at = time.monotonic()  # the trainer's last pass between steps
-        # (fragment, round, joiner) -> whether that round, in flight here, counts the
-        # joiner (it expected it in matchmaking or grouped it): `Membership.counts`.
-        self.counts: Callable[[int, int, str], bool] | None = None
+        self._counts: Callable[[int, int, str], bool] | None = None  # see `attach`
 
-    def attach(self, worker: _Exportable) -> None:
+    def attach(self, worker: _Exportable,
+               counts: Callable[[int, int, str], bool] | None = None) -> None:
+        """Serve `worker`'s state from now on. `counts(fragment, round, joiner)`: whether
+        that round, in flight here, counts the joiner (it expected it in matchmaking or
+        grouped it: `Membership.counts`); None: none does."""
         with self._cond:
-            self._worker, self._latest = worker, None
+            self._worker, self._latest, self._counts = worker, None, counts
 
     def training(self, on: bool) -> None:
         with self._cond:
@@ -141,7 +143,7 @@ class SnapshotSource:
         None when there is nothing to serve. Our current step, except that rounds in flight
         that count `joiner` are left out: it takes part in them, and asking it to wait for
         them to land would make it and them wait on each other."""
-        worker, counts = self._worker, self.counts
+        worker, counts = self._worker, self._counts
         if worker is None:
             return None
         if joiner is None or counts is None:

@@ -1,16 +1,17 @@
 """`NodeStatus`: what a training node is doing, recorded from the training thread and read as
 JSON-ready snapshots by the status server, the DHT heartbeat and the CLI.
 
-The training thread calls `on_step(worker, report)` after every step (`dilonode.node.daemon` hooks
-it
-into the train loop) and every landed sync passes through `ObservedCollective`, which records
-the group that averaged it. Readers on other threads call `snapshot()`, `history()` and
-`summary()`; each takes the lock only long enough to copy plain values, so a reader never
-stalls training and never sees a half-updated step. Nothing here does I/O.
+The training thread calls `on_step(worker, report)` after every step (`dilonode.node.daemon`
+hooks it into the train loop) and every landed sync passes through `ObservedCollective`,
+which records the group that averaged it. Readers on other threads call `snapshot()`,
+`history()` and `summary()`; each takes the lock only long enough to copy plain values, so
+a reader never stalls training and never sees a half-updated step. Nothing here does I/O.
 
-An `AloneWatch` (status/alone.py) sees every landed round with the number of other live
-peers, and the node's supervisor (dilonode/node/supervisor.py) reports its parts: both show in
-`snapshot()` as `alone` and `supervision`.
+What the status reads of the node's other parts (peers seen, refusals, admission counters,
+the newest checkpoint's age, the supervisor's view of its parts) comes from one `NodeFacts`
+provider; `QuietFacts` is a node with nothing to tell. An `AloneWatch` (status/isolation.py)
+sees every landed round with the number of other live peers; it and the supervisor's view
+show in `snapshot()` as `alone` and `supervision`.
 
 The history is a ring buffer of samples taken at most every `sample_every` seconds (not every
 step: a fast model would fill it in seconds), columnar so the dashboard can draw it directly.
@@ -24,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dilonode import PROTOCOL_VERSION, __version__
 from dilonode.status.isolation import AloneWatch
@@ -32,10 +33,18 @@ from dilonode.status.isolation import AloneWatch
 if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no torch
     import torch
 
-    from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
+    from dilonode.collective import (
+        Collective,
+        PendingReduce,
+        ReduceResult,
+        RoundRequest,
+        SplicedEncoding,
+        StateSource,
+        SyncKey,
+    )
 
-__all__ = ["HISTORY_SERIES", "NodeStatus", "ObservedCollective", "device_summary",
-           "finite_or_none", "p90", "state_chain"]
+__all__ = ["HISTORY_SERIES", "NodeFacts", "NodeStatus", "ObservedCollective", "QuietFacts",
+           "device_summary", "finite_or_none", "p90", "state_chain"]
 
 # Columns of `history()["series"]`, drawn by the dashboard (same names for the swarm view).
 HISTORY_SERIES = ("step", "train_loss", "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps",
@@ -47,6 +56,59 @@ def finite_or_none(x: float | None, digits: int = 6) -> float | None:
     if x is None or not math.isfinite(x):
         return None
     return round(float(x), digits)
+
+
+class NodeFacts(Protocol):
+    """What a node's status reads from the node's other parts when it samples or is read,
+    on the caller's thread: every call returns at once (no DHT call, no I/O)."""
+
+    def peers_seen(self) -> int:
+        """Peers with a live record in membership's last read, this node included."""
+        ...
+
+    def live_others(self) -> int:
+        """Other peers with a live record (what an isolated node is alone among)."""
+        ...
+
+    def trust(self) -> dict[str, int]:
+        """Counters of refused peers, records and contributions."""
+        ...
+
+    def admission(self) -> dict[str, Any]:
+        """Refused and closed connections per port and reason (`net.admission`)."""
+        ...
+
+    def checkpoint_age(self) -> float | None:
+        """Seconds since the newest good checkpoint, None without one."""
+        ...
+
+    def health(self) -> dict[str, Any] | None:
+        """The supervisor's view of the node's parts; None: not supervised (no
+        "supervision" in the snapshot)."""
+        ...
+
+
+class QuietFacts:
+    """`NodeFacts` of a node with nothing to tell: no peers, nothing refused, no
+    checkpoint, not supervised. Tests and tools override what they need."""
+
+    def peers_seen(self) -> int:
+        return 0
+
+    def live_others(self) -> int:
+        return max(self.peers_seen() - 1, 0)
+
+    def trust(self) -> dict[str, int]:
+        return {}
+
+    def admission(self) -> dict[str, Any]:
+        return {}
+
+    def checkpoint_age(self) -> float | None:
+        return None
+
+    def health(self) -> dict[str, Any] | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -68,13 +130,9 @@ class NodeStatus:
     """Thread-safe record of one node's progress; see the module docstring."""
 
     def __init__(self, run_id: str, total_steps: int | None = None, *, history: int = 600,
-                 sample_every: float = 1.0, peers: Callable[[], int] | None = None,
-                 trust: Callable[[], dict[str, int]] | None = None,
-                 admission: Callable[[], dict[str, Any]] | None = None,
-                 checkpoint_age: Callable[[], float | None] | None = None,
-                 clock: Callable[[], float] = time.time, alone: AloneWatch | None = None,
-                 live_others: Callable[[], int] | None = None,
-                 health: Callable[[], dict[str, Any]] | None = None) -> None:
+                 sample_every: float = 1.0, facts: NodeFacts | None = None,
+                 clock: Callable[[], float] = time.time,
+                 alone: AloneWatch | None = None) -> None:
         self.run_id = run_id
         self.total_steps = total_steps
         self.peer_id = ""
@@ -84,14 +142,9 @@ class NodeStatus:
         # The node's devices, one per rank (dilonode/train/ranks/node_ranks.py: kind, name, memory).
         self.devices: list[dict[str, Any]] = []
         self.sample_every = sample_every
-        self._peers = peers or (lambda: 0)
-        self._trust = trust or dict  # counters of refused peers, records and contributions
-        self._admission = admission or dict  # refused/closed connections per port and reason
-        self._checkpoint_age = checkpoint_age or (lambda: None)
+        self._facts: NodeFacts = facts if facts is not None else QuietFacts()
         self._clock = clock
         self.alone = alone  # rounds alone while peers are live (None: not watched)
-        self._live_others = live_others or (lambda: max(self._peers() - 1, 0))
-        self._health = health  # the supervisor's view of the node's parts
         self._lock = threading.Lock()
         self._started = clock()
         self._cur: dict[str, Any] = {"step": 0, "tokens": 0, "train_loss": None,
@@ -142,18 +195,18 @@ class NodeStatus:
     def on_sync(self, key: SyncKey, result: ReduceResult, step: int) -> None:
         """Record a landed sync (called by `ObservedCollective`)."""
         label = str(key.fragment) if key.kind == "fragment" else "grad"
-        rec = _SyncRecord(round=key.round, at_step=step, group_size=result.group_size,
-                          peers=tuple(result.members), dropped=tuple(result.dropped),
-                          attempts=result.attempts, skipped=result.skipped,
-                          bytes_sent=result.payload_bytes_sent,
-                          bytes_received=result.payload_bytes_received)
+        rep = result.report
+        rec = _SyncRecord(round=key.round, at_step=step, group_size=rep.group_size,
+                          peers=rep.members, dropped=rep.dropped, attempts=rep.attempts,
+                          skipped=rep.skipped, bytes_sent=rep.payload_bytes_sent,
+                          bytes_received=rep.payload_bytes_received)
         with self._lock:
             self._syncs[label] = rec
             self._rounds[label] = self._rounds.get(label, 0) + 1
-            self._skipped += int(result.skipped)
-            self._retried += int(result.attempts > 1)
+            self._skipped += int(rep.skipped)
+            self._retried += int(rep.attempts > 1)
         if self.alone is not None:
-            self.alone.on_round(result.group_size, self._live_others())
+            self.alone.on_round(rep.group_size, self._facts.live_others())
 
     def set_state(self, state: str) -> None:
         with self._lock:
@@ -171,7 +224,7 @@ class NodeStatus:
                            "sent_Bps": round((cur["bytes_sent"] - last[2]) / dt, 1),
                            "recv_Bps": round((cur["bytes_received"] - last[3]) / dt, 1)}
         self._last_sample = (now, cur["tokens"], cur["bytes_sent"], cur["bytes_received"])
-        row = {**cur, **self._rates, "peers": self._peers()}
+        row = {**cur, **self._rates, "peers": self._facts.peers_seen()}
         self._hist_t.append(round(now, 3))
         for name, col in self._hist.items():
             col.append(row[name])
@@ -179,8 +232,10 @@ class NodeStatus:
     # -- readers (any thread) --------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """Everything the status page shows, as plain JSON-ready values."""
-        peers, trust, admission = self._peers(), self._trust(), self._admission()
-        ckpt_age = finite_or_none(self._checkpoint_age(), 1)
+        facts = self._facts
+        peers, trust, admission = facts.peers_seen(), facts.trust(), facts.admission()
+        ckpt_age = finite_or_none(facts.checkpoint_age(), 1)
+        health = facts.health()
         with self._lock:
             syncs = dict(self._syncs)
             rounds = dict(self._rounds)
@@ -206,8 +261,8 @@ class NodeStatus:
                         for label, r in sorted(syncs.items(), key=lambda kv: _label_order(kv[0]))]
         if self.alone is not None:
             out["alone"] = self.alone.snapshot()
-        if self._health is not None:
-            out["supervision"] = self._health()
+        if health is not None:
+            out["supervision"] = health
         return out
 
     def history(self) -> dict[str, Any]:
@@ -289,10 +344,10 @@ class ObservedCollective:
 
     def __init__(self, inner: Collective, status: NodeStatus, step: Callable[[], int]) -> None:
         self.inner, self.status, self.step = inner, status, step
-        # Whether the inner collective takes a pre-encoded contribution (a node's ranks).
-        self.takes_encoded = bool(getattr(inner, "takes_encoded", False))
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
-              **kw: Any) -> PendingReduce:
-        return _ObservedPending(self.inner.begin(key, flat, weight, **kw), key, self.status,
-                                self.step)
+    def begin(self, request: RoundRequest, flat: torch.Tensor, *,
+              encoded: SplicedEncoding | None = None,
+              state: StateSource | None = None) -> PendingReduce:
+        """The inner collective's `begin`, everything passed on as given."""
+        pending = self.inner.begin(request, flat, encoded=encoded, state=state)
+        return _ObservedPending(pending, request.key, self.status, self.step)

@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dilonode.algo.groups import group_of
+from dilonode.collective import GroupNotFormed
 from dilonode.net.auth import Credentials
 from dilonode.swarm.dht import RawEntry, decode_entries
 from dilonode.swarm.records import (
@@ -96,15 +97,11 @@ _READ_RESERVE_S = 0.5
 _ROSTER_SLACK_S = 1.0
 
 
-class MatchmakingError(RuntimeError):
+class MatchmakingError(GroupNotFormed):
     """The attempt could not register, read its group or get a roster within the timeout.
 
     `blame` names the peer that should have closed the group and did not, if any.
     """
-
-    def __init__(self, message: str, blame: str | None = None) -> None:
-        super().__init__(message)
-        self.blame = blame
 
 
 class GroupBoard(Protocol):

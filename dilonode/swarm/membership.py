@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from dilonode.algo.groups import grouped, key_index, num_keys
-from dilonode.collective import FormedGroup
+from dilonode.collective import FormedGroup, GroupRequest
 from dilonode.config import NetworkConfig
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.matchmaking import form_group
@@ -33,7 +34,7 @@ class _Round(NamedTuple):
     """A fragment's latest round on this node."""
 
     round: int
-    start: float | None  # on the swarm clock (`Membership.round_start`)
+    start: float | None  # on the swarm clock (`GroupRequest.start`)
     expected: frozenset[str]  # peers it waited for when it started
     members: frozenset[str] | None  # once grouped
 
@@ -47,32 +48,31 @@ def _counted_from(record: PeerRecord, start: float | None) -> bool | None:
 
 
 class Membership:
-    """Peer record, heartbeat and matchmaking for one node on a started `SwarmDHT`."""
+    """Peer record, heartbeat and matchmaking for one node on a started `SwarmDHT`.
 
-    def __init__(self, dht: SwarmDHT, run_id: str, net: NetworkConfig, data_addr: str,
+    `data_addr` is our data plane's address as peers dial it and `gone` its peers that hung
+    up (`DataPlane.gone`); a node that builds its membership before its data plane (the
+    group former needs one, the plane's collective needs the former) attaches them with
+    `attach_data_plane`, and its state server with `attach_state_server`, before the
+    first record is published. `status()` is the status our record carries; `settings`
+    the round settings every group member must share (`RoundPolicy.settings()`);
+    `reachable=False`: we are behind a NAT, peers dial us by libp2p stream (swarm/reach).
+    """
+
+    def __init__(self, dht: SwarmDHT, run_id: str, net: NetworkConfig, data_addr: str = "",
                  status: Callable[[], dict[str, Any]] | None = None, *,
                  settings: Mapping[str, str | int | float] | None = None,
                  gone: Callable[[], Mapping[str, float]] | None = None,
-                 local_state: Callable[[int], tuple[str, int]] | None = None,
-                 round_start: Callable[[int, int], float | None] | None = None) -> None:
+                 reachable: bool = True) -> None:
         self.dht, self.run_id, self.net, self.data_addr = dht, run_id, net, data_addr
-        # Peers that hung up on our data plane, and when (`DataPlane.gone`).
         self.gone = gone or dict
         self.status = status or (lambda: {})
-        # Round settings every group member must share (`RoundPolicy.settings()`).
         self.settings = dict(settings or {})
-        # fragment -> (chain of its outer state, tokens this node trained), for matchmaking
-        # to group only nodes holding the same state (algo/chain.py).
-        self.local_state = local_state or (lambda _fragment: ("", 0))
-        # (fragment, round) -> the reference step on the swarm clock at which that round
-        # starts, or None when rounds are not paced by the clock: compared with joiners'
-        # `PeerRecord.joins_from`.
-        self.round_start = round_start or (lambda _fragment, _round: None)
         # Ours, when we join a running swarm (`PeerRecord.joins_from`), kept in every
         # record we publish.
         self.joins_from: float | None = None
         self.state_addr: str | None = None  # advertised state-sync listener, if any
-        self.reachable = True  # False: behind a NAT, dial us by libp2p stream (swarm/reach)
+        self.reachable = reachable
         # Our weight in a round's split (butterfly part sizes): the configured bandwidth,
         # lowered to what our link measured (`advertise_bandwidth`).
         self.bandwidth_mbps = net.bandwidth_mbps
@@ -90,6 +90,20 @@ class Membership:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def attach_data_plane(self, data_addr: str,
+                          gone: Callable[[], Mapping[str, float]]) -> None:
+        """Our data plane, once it listens: the address our records and group entries
+        advertise, and its peers that hung up."""
+        self.data_addr, self.gone = data_addr, gone
+
+    def attach_state_server(self, state_addr: str | None) -> None:
+        """The state-sync listener our records advertise (None: we serve no state)."""
+        self.state_addr = state_addr
+
+    def join_from(self, joins_from: float) -> None:
+        """Name our first round (`PeerRecord.joins_from`) in every record from now on."""
+        self.joins_from = joins_from
 
     def start(self) -> None:
         """Publish our record now and keep it fresh in a background thread."""
@@ -174,13 +188,26 @@ class Membership:
             stop.wait(0.2)
         return seen
 
-    async def form(self, fragment: int, round_no: int, attempt: int,
-                   exclude: set[str]) -> FormedGroup:
-        """`FormGroup` for the all-reduce driver; the DHT calls run in a worker thread."""
-        return await asyncio.to_thread(self.form_blocking, fragment, round_no, attempt, exclude)
+    def private_peers(self) -> frozenset[str]:
+        """Peers whose last read record says they cannot be dialled (behind a NAT); no DHT
+        call."""
+        return frozenset(r.peer_id for r in self.live_peers(max_age=math.inf)
+                         if not r.reachable)
 
-    def form_blocking(self, fragment: int, round_no: int, attempt: int,
-                      exclude: set[str]) -> FormedGroup:
+    def is_live(self, peer_id: str) -> bool:
+        """Whether `peer_id` has a live record in the last read (no DHT call)."""
+        return any(r.peer_id == peer_id for r in self.live_peers(max_age=math.inf))
+
+    async def form(self, request: GroupRequest) -> FormedGroup:
+        """`FormGroup` for the all-reduce driver; the DHT calls run in a worker thread."""
+        return await asyncio.to_thread(self.form_blocking, request)
+
+    def form_blocking(self, request: GroupRequest) -> FormedGroup:
+        """A group for one attempt: registered with what `request` says of our state (its
+        chain and tokens), waiting for the peers a round starting at `request.start` on
+        the swarm clock counts."""
+        fragment, round_no, attempt = request.fragment, request.round, request.attempt
+        exclude = set(request.exclude)
         with self._lock:
             now = time.monotonic()
             self._suspect.update({p: now for p in exclude})
@@ -190,7 +217,7 @@ class Membership:
         # joiners that name their first round (`joins_from`): each round that starts at or
         # after it waits for them, whenever their record is read, and no round before it
         # does. A peer found dead meanwhile stops being waited for at the next poll.
-        start = self.round_start(fragment, round_no)
+        start = request.start
         waits_for = frozenset(self._expected(exclude, start))
         nobody_else = self._nobody_else(waits_for)
         everyone = len(waits_for | {self.dht.peer_id})
@@ -208,11 +235,10 @@ class Membership:
                            if key_index(self.run_id, fragment, round_no, p, keys) == index}
             return (waits_for | joining) - self._suspects()
 
-        chain, tokens = self.local_state(fragment)
         me = GroupEntry(peer_id=self.dht.peer_id, run_id=self.run_id, data_addr=self.data_addr,
                         fragment=fragment, round=round_no, attempt=attempt,
                         bandwidth_mbps=self.bandwidth_mbps, settings=self.settings,
-                        chain=chain, tokens=tokens, grouped=is_grouped)
+                        chain=request.chain, tokens=request.tokens, grouped=is_grouped)
         group = form_group(self.dht, self.run_id, fragment, round_no, attempt, me,
                            self.net.matchmaking_window, self.net.matchmaking_timeout,
                            poll_interval=0.05, expected=expected, exclude=exclude,
@@ -230,7 +256,7 @@ class Membership:
                      len(missing), ", ".join(missing))
         return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
                            group.digest(), group.diverged, group.outvoted, group.mixing,
-                           missing)
+                           missing, stream_only=self.private_peers())
 
     def _nobody_else(self, waits_for: frozenset[str]) -> bool:
         """Whether this round can only be ours alone: nobody expected, and the record read
@@ -267,7 +293,7 @@ class Membership:
         the group is forming, the round starts at or after the first round its record names
         (`joins_from`; we wait for it to register), or, with no such record read, it was
         expected when the round started (a peer found dead since is not, but then it is no
-        joiner asking). For joiners' floors (`SnapshotSource.counts`): a joiner takes part
+        joiner asking). For joiners' floors (`SnapshotSource.attach`): a joiner takes part
         in such a round instead of waiting for it to land. Reads live records at most 1 s
         old (a DHT read at most once a second, `_POLL_READ_S` long): call it off any event
         loop."""

@@ -102,7 +102,8 @@ class FragmentState:
             self.chain = chain_next(self.chain, r, result.digest, applied=False)
             raise
         self.chain = chain_next(self.chain, r, result.digest, applied=True)
-        if result.encoded is not None and result.group_size > 1 and result.state_mean is None:
+        if (result.encoded is not None and result.report.group_size > 1
+                and result.state_mean is None):
             self.replays = keep_replay(kept, r, result.encoded, keep_rounds,
                                        replay_budget(result.encoded.numel))
         return new_global

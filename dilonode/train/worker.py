@@ -47,7 +47,14 @@ from dilonode.algo.pacing import (
     rounds_before,
 )
 from dilonode.algo.schedule import SyncPlan, SyncStart
-from dilonode.collective import Collective, PendingReduce, ReduceResult, SyncKey
+from dilonode.collective import (
+    Collective,
+    PendingReduce,
+    ReduceResult,
+    RoundReport,
+    RoundRequest,
+    SyncKey,
+)
 from dilonode.config import InnerOptConfig, RunConfig
 from dilonode.train.data import TrainData
 from dilonode.train.device import autocast, pick_device
@@ -125,7 +132,7 @@ class WorkerStats:
     late: int = 0  # rounds whose result was not there when the fragment's next was due
     # fragment (-1: DDP gradients) -> (rounds, total s, max s) from begin to result
     latency: dict[int, tuple[int, float, float]] = field(default_factory=dict)
-    # The last fragment rounds' times as the clock should see them (`ReduceResult.pace_s`:
+    # The last fragment rounds' times as the clock should see them (`RoundReport.pace_s`:
     # faults of other peers left out); the swarm's clock is retuned so that rounds land
     # well inside a period (`node.py`, `swarm/clock.py`).
     recent_latency: deque[float] = field(default_factory=lambda: deque(maxlen=30))
@@ -135,29 +142,29 @@ class WorkerStats:
 
     _MAX_DROPPED = 50
 
-    def record(self, fragment: int, result: ReduceResult) -> None:
-        self.bytes_sent += result.payload_bytes_sent
-        self.bytes_received += result.payload_bytes_received
-        self.peak_sync_bytes = max(self.peak_sync_bytes, result.payload_bytes_sent)
+    def record(self, fragment: int, rep: RoundReport) -> None:
+        self.bytes_sent += rep.payload_bytes_sent
+        self.bytes_received += rep.payload_bytes_received
+        self.peak_sync_bytes = max(self.peak_sync_bytes, rep.payload_bytes_sent)
         self.syncs += 1
-        self.skipped += int(result.skipped)
+        self.skipped += int(rep.skipped)
         # Alone with others around, except when they were left out for holding another
         # state than ours (ours stands; they adopt it).
-        self.alone += int(fragment >= 0 and result.group_size < 2 and not result.outvoted)
-        self.diverged += int(bool(result.diverged))
-        self.grouped += int(fragment >= 0 and result.group_size >= 2)
+        self.alone += int(fragment >= 0 and rep.group_size < 2 and not rep.outvoted)
+        self.diverged += int(bool(rep.diverged))
+        self.grouped += int(fragment >= 0 and rep.group_size >= 2)
         if fragment >= 0:
-            self.largest_group = max(self.largest_group, result.group_size)
-        self.retried += int(result.attempts > 1)
-        self.dropped = (self.dropped + list(result.dropped))[-self._MAX_DROPPED:]
-        if fragment >= 0 and result.pace_s is not None and result.pace_s > 0:
-            self.recent_latency.append(result.pace_s)
+            self.largest_group = max(self.largest_group, rep.group_size)
+        self.retried += int(rep.attempts > 1)
+        self.dropped = (self.dropped + list(rep.dropped))[-self._MAX_DROPPED:]
+        if fragment >= 0 and rep.pace_s is not None and rep.pace_s > 0:
+            self.recent_latency.append(rep.pace_s)
         n, total, worst = self.latency.get(fragment, (0, 0.0, 0.0))
-        self.latency[fragment] = (n + 1, total + result.latency_s, max(worst, result.latency_s))
+        self.latency[fragment] = (n + 1, total + rep.latency_s, max(worst, rep.latency_s))
         if fragment >= 0:
             self.rounds[fragment] = self.rounds.get(fragment, 0) + 1
-            if result.members:
-                self.members[fragment] = tuple(result.members)
+            if rep.members:
+                self.members[fragment] = rep.members
 
 
 def build_inner_optimizer(model: nn.Module, cfg: InnerOptConfig) -> torch.optim.AdamW:
@@ -291,8 +298,8 @@ class Worker:
         self.stats.last_loss = self.ranks.node_loss(loss)
         if self.algo.mode == "ddp":
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            self._grad_pending = self.collective.begin(SyncKey("grad", 0, self.step),
-                                                       flatten(grads))
+            self._grad_pending = self.collective.begin(
+                RoundRequest(SyncKey("grad", 0, self.step)), flatten(grads))
         else:
             self._inner_update()
         return self.stats.last_loss
@@ -404,8 +411,19 @@ class Worker:
                                "tokens": tokens})
         # The node's contribution: the ranks' slices gathered on the leader. `state`: our
         # packed outer state, for the state round of a grouped swarm (`Ranks.begin`).
-        f.launched(r, self.ranks.begin(self.collective, SyncKey("fragment", p, r), delta,
-                                       float(tokens), state=f.packed), self.step)
+        request = self._request(f, SyncKey("fragment", p, r), float(tokens))
+        f.launched(r, self.ranks.begin(self.collective, request, delta, state=f.packed),
+                   self.step)
+
+    def _request(self, f: FragmentState, key: SyncKey, weight: float = 1.0) -> RoundRequest:
+        """Round `key` of fragment `f`, with what matchmaking compares: the fragment's chain
+        (it cannot move while the round is in flight), the tokens trained so far and,
+        paced by the swarm clock, where the round starts on it."""
+        assert self.plan is not None
+        start = None
+        if isinstance(self.pacer, TimePacer):
+            start = float(self.plan.start_step(f.index, key.round))
+        return RoundRequest(key, weight, f.chain, self.stats.tokens, start)
 
     # -- phase 3 -------------------------------------------------------------------------
     def land(self) -> None:
@@ -469,8 +487,8 @@ class Worker:
         round's group, numbered after the schedule's rounds (the round counters stay)."""
         for f in self.frags:
             r = f.next_round + self._mixes_done
-            f.launched(r, self.collective.begin(SyncKey("mix", f.index, r), f.packed()),
-                       self.step, mix=True)
+            request = self._request(f, SyncKey("mix", f.index, r))
+            f.launched(r, self.collective.begin(request, f.packed()), self.step, mix=True)
         self._mixes_done += 1
 
     def start_round(self, p: int, r: int) -> None:
@@ -539,7 +557,7 @@ class Worker:
         return result
 
     def _land_grads(self, result: ReduceResult) -> None:
-        self.stats.record(-1, result)
+        self.stats.record(-1, result.report)
         if not bool(torch.isfinite(result.mean).all()):
             self.stats.rejected += 1
             log.warning("step %d: averaged gradient is non-finite; update skipped", self.step)
@@ -568,14 +586,15 @@ class Worker:
         if f.take_landing().mix:
             self._land_mix(f, r, result)
             return
-        if result.group_size > 1:  # a round alone says nothing about the swarm
-            self.grouped = result.grouped
-        self.stats.record(p, result)
+        rep = result.report
+        if rep.group_size > 1:  # a round alone says nothing about the swarm
+            self.grouped = rep.grouped
+        self.stats.record(p, rep)
         if self.trace is not None:
             self.trace.append({"step": self.step, "event": "land", "fragment": p, "round": r,
-                               "group": result.group_size, "members": list(result.members)})
-        if result.diverged:
-            self.diverged_from = result.diverged
+                               "group": rep.group_size, "members": list(rep.members)})
+        if rep.diverged:
+            self.diverged_from = rep.diverged
         try:
             lr = outer_lr(self.cfg, self.plan.start_step(p, r)) if self.plan else None
             new_global = f.outer_step(r, result, self.cfg.statesync.replay_rounds, lr)
@@ -588,11 +607,11 @@ class Worker:
     def _land_mix(self, f: FragmentState, r: int, result: ReduceResult) -> None:
         """An end-of-run mixing round landed: adopt the group's mean state and merge it
         into the local weights as a round's new global weights are."""
-        self.stats.bytes_sent += result.payload_bytes_sent
-        self.stats.bytes_received += result.payload_bytes_received
+        self.stats.bytes_sent += result.report.payload_bytes_sent
+        self.stats.bytes_received += result.report.payload_bytes_received
         if self.trace is not None:
             self.trace.append({"step": self.step, "event": "mix", "fragment": f.index,
-                               "round": r, "group": result.group_size})
+                               "round": r, "group": result.report.group_size})
         f.adopt_mixed(result.mean, result.digest or _values_digest(result.mean))
         merged = merge(flatten(f.params), f.outer.weights, self.algo.fragment_update_alpha)
         unflatten_into(merged, f.params)

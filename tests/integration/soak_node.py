@@ -14,7 +14,7 @@ import torch
 
 from dilonode.allreduce.network_collective import NetworkCollective
 from dilonode.allreduce.retry import RoundPolicy
-from dilonode.collective import SyncKey
+from dilonode.collective import RoundRequest, SyncKey
 from dilonode.config import NetworkConfig
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
@@ -34,27 +34,28 @@ def main(argv: list[str]) -> None:
     net = NetworkConfig(matchmaking_window=3.0, matchmaking_timeout=10.0,
                         allreduce_timeout=10.0, max_attempts=3)
     dht = SwarmDHT(RUN_ID, argv[6:]).start()
-    coll = NetworkCollective(dht.peer_id, RUN_ID, None,  # type: ignore[arg-type]
-                             RoundPolicy(codec="int4", timeout=net.allreduce_timeout,
-                                         max_attempts=net.max_attempts))
-    member = Membership(dht, RUN_ID, net, coll.start(), settings=coll.rounds.policy.settings(),
-                        gone=coll.plane.gone.copy)
-    coll.rounds.form_group = member.form
+    policy = RoundPolicy(codec="int4", timeout=net.allreduce_timeout,
+                         max_attempts=net.max_attempts)
+    member = Membership(dht, RUN_ID, net, settings=policy.settings())
+    coll = NetworkCollective(dht.peer_id, RUN_ID, member.form, policy)
+    member.attach_data_plane(coll.start(), coll.plane.gone.copy)
     member.start()
     try:
         member.wait_for_peers(min_peers, 120)
         print(json.dumps({"event": "ready", "index": index, "peer_id": dht.peer_id}),
               file=out, flush=True)
         for r in range(rounds):
-            pending = [(p, coll.begin(SyncKey("fragment", p, r), tensor_for(index, p, r, numel)))
+            pending = [(p, coll.begin(RoundRequest(SyncKey("fragment", p, r)),
+                                      tensor_for(index, p, r, numel)))
                        for p in range(fragments)]
             for p, handle in pending:
                 res = handle.wait(120)
                 digest = hashlib.sha256(res.mean.numpy().tobytes()).hexdigest()
                 print(json.dumps({"event": "round", "fragment": p, "round": r,
-                                  "members": list(res.members), "skipped": res.skipped,
-                                  "digest": digest, "dropped": list(res.dropped),
-                                  "attempts": res.attempts}),
+                                  "members": list(res.report.members),
+                                  "skipped": res.report.skipped, "digest": digest,
+                                  "dropped": list(res.report.dropped),
+                                  "attempts": res.report.attempts}),
                       file=out, flush=True)
     finally:
         member.close()

@@ -30,7 +30,7 @@ from dilonode.allreduce.inbox import PeerUnreachable
 from dilonode.allreduce.retry import RoundPolicy, SwarmOutcome, SwarmRounds
 from dilonode.allreduce.round import RoundState
 from dilonode.allreduce.transport import DataPlane
-from dilonode.collective import FormedGroup
+from dilonode.collective import FormedGroup, GroupRequest, RoundRequest, SyncKey
 from dilonode.net.auth import Credentials, Identity, seal_record, swarm_key
 from dilonode.net.channel import _proof, _transcript
 from dilonode.swarm.dht import decode_entries
@@ -46,6 +46,7 @@ RUN = "auth-it"
 HOST = "127.0.0.1"
 SECRET = b"0123456789abcdef-shared-swarm-secret"
 NUMEL = 20_000
+ROUND = RoundRequest(SyncKey("fragment", 0, 1))
 A, B, W, X, F = (Identity.generate() for _ in range(5))
 ALLOWED = frozenset({A.peer_id, B.peer_id, W.peer_id})
 
@@ -62,13 +63,13 @@ class Member:
         policy = RoundPolicy(codec="float32", chunk_numel=4096, timeout=5.0, max_attempts=2)
         self.rounds = SwarmRounds(self.plane, self.form, policy)
 
-    async def form(self, fragment: int, round_no: int, attempt: int,
-                   exclude: set[str]) -> FormedGroup:
+    async def form(self, req: GroupRequest) -> FormedGroup:
+        fragment, round_no, attempt, exclude = req.fragment, req.round, req.attempt, req.exclude
         me = GroupEntry(peer_id=self.creds.peer_id, run_id=RUN, data_addr=self.plane.address,
                         fragment=fragment, round=round_no, attempt=attempt, bandwidth_mbps=1.0)
         group = await asyncio.to_thread(form_group, self.view, RUN, fragment, round_no,
                                         attempt, me, 2.0, 6.0, poll_interval=0.05,
-                                        expected=self.expected - exclude, exclude=exclude)
+                                        expected=self.expected - exclude, exclude=set(exclude))
         return FormedGroup(group.members, group.data_addrs, group.weights, group.my_index,
                            group.digest())
 
@@ -77,8 +78,8 @@ class Intruder(Member):
     """Does not wait for anyone's roster: reads the entries it can decode (its own policy
     admits everyone) and dials every peer it saw, as an attacker would."""
 
-    async def form(self, fragment: int, round_no: int, attempt: int,
-                   exclude: set[str]) -> FormedGroup:
+    async def form(self, req: GroupRequest) -> FormedGroup:
+        fragment, round_no, attempt = req.fragment, req.round, req.attempt
         if attempt:
             raise RuntimeError("the intruder tries once")
         me = GroupEntry(peer_id=self.creds.peer_id, run_id=RUN, data_addr=self.plane.address,
@@ -180,7 +181,7 @@ async def _scenario() -> dict[str, Any]:
             await asyncio.wait_for(w.plane.send(A.peer_id, a.plane.address, poison), 10.0)
         xs = {m.creds.peer_id: _inputs(i, 1.0 if i < 2 else 1e6) for i, m in enumerate(members)}
         # The intruders register first, so A and B's final reads surely see their entries.
-        intruders = [asyncio.create_task(m.rounds.reduce(0, 1, xs[m.creds.peer_id]))
+        intruders = [asyncio.create_task(m.rounds.reduce(ROUND, xs[m.creds.peer_id]))
                      for m in (w, x)]
         key = group_key(RUN, 0, 1, 0)
         deadline = time.monotonic() + 10.0
@@ -188,7 +189,7 @@ async def _scenario() -> dict[str, Any]:
             assert time.monotonic() < deadline, "intruders did not register"
             await asyncio.sleep(0.02)  # polling the board with a deadline, not a fixed wait
         outs = await asyncio.wait_for(asyncio.gather(
-            *(m.rounds.reduce(0, 1, xs[m.creds.peer_id]) for m in (a, b)), *intruders), 60.0)
+            *(m.rounds.reduce(ROUND, xs[m.creds.peer_id]) for m in (a, b)), *intruders), 60.0)
         return {"members": members, "outs": dict(zip("abwx", outs, strict=True)), "xs": xs,
                 "forged_replies": forged_replies}
     finally:
@@ -207,7 +208,7 @@ def test_intruders_cannot_join_or_change_weights(caplog: pytest.LogCaptureFixtur
     pair = tuple(sorted((A.peer_id, B.peer_id)))
     for name in "ab":
         out = outs[name].outcome
-        assert out.state is RoundState.DONE and not out.skipped, outs[name].errors
+        assert out.state is RoundState.DONE and not out.skipped, outs[name].failures
         assert out.members == pair
     expected = butterfly_average([got["xs"][p] for p in pair], (1.0, 1.0),
                                  get_codec("float32", 64))[0]

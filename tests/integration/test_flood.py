@@ -40,7 +40,7 @@ from dilonode.statesync.protocol import Error, ManifestRequest
 from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.status.metrics import node_metrics
 from dilonode.status.server import StatusServer
-from dilonode.status.snapshot import NodeStatus
+from dilonode.status.snapshot import NodeStatus, QuietFacts
 from dilonode.wire.framing import encode_frame
 from dilonode.wire.messages import Abort
 
@@ -67,6 +67,16 @@ class Ports:
         await self.status.aclose()
 
 
+class _Admitting(QuietFacts):
+    """A node whose status reports its admission counters."""
+
+    def __init__(self, adm: Admission) -> None:
+        self.adm = adm
+
+    def admission(self) -> dict[str, Any]:
+        return self.adm.snapshot()
+
+
 async def _start() -> Ports:
     adm = Admission(LIMITS)
     plane = DataPlane("node-a", RUN, gate=adm.gate("data"),
@@ -74,7 +84,7 @@ async def _start() -> Ports:
     cfg = StateSyncConfig(request_timeout=DEADLINE, snapshot_wait=0.1)
     state = StateServer(SnapshotSource(), RUN, "d" * 64, cfg, peer_id="node-a",
                         gate=adm.gate("state"))
-    status = StatusServer(NodeStatus(RUN, admission=adm.snapshot), node_metrics,
+    status = StatusServer(NodeStatus(RUN, facts=_Admitting(adm)), node_metrics,
                           gate=adm.gate("status"), handshake_timeout=DEADLINE,
                           keepalive_timeout=DEADLINE)
     await plane.start()

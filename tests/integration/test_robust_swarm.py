@@ -14,7 +14,7 @@ from dilonode.algo.robust import AggregatorSpec, BanTracker
 from dilonode.allreduce.retry import RoundPolicy, SwarmOutcome, SwarmRounds
 from dilonode.allreduce.round import RoundState, group_digest
 from dilonode.allreduce.transport import DataPlane
-from dilonode.collective import FormedGroup
+from dilonode.collective import FormedGroup, GroupRequest, RoundRequest, SyncKey
 
 RUN = "robust-it"
 IDS = ("node-0", "node-1", "node-2", "node-3")
@@ -22,12 +22,16 @@ NUMEL = 20_000
 
 
 def _static_group(me: str, addrs: dict[str, str], asked: list[set[str]]) -> Any:
-    def form(fragment: int, round_no: int, attempt: int, exclude: set[str]) -> FormedGroup:
-        asked.append(set(exclude))
-        members = [p for p in sorted(addrs) if p not in exclude or p == me]
+    def form(req: GroupRequest) -> FormedGroup:
+        asked.append(set(req.exclude))
+        members = [p for p in sorted(addrs) if p not in req.exclude or p == me]
         return FormedGroup(members, {p: addrs[p] for p in members}, [1.0] * len(members),
                            members.index(me), group_digest(members))
     return form
+
+
+def _round(round_no: int) -> RoundRequest:
+    return RoundRequest(SyncKey("fragment", 0, round_no))
 
 
 def _local(i: int, round_no: int) -> torch.Tensor:
@@ -50,10 +54,10 @@ def test_outlier_is_rejected_everywhere_then_banned_from_matchmaking() -> None:
             addrs = {p.peer_id: p.address for p in planes}
             swarms = [SwarmRounds(p, _static_group(p.peer_id, addrs, asked[p.peer_id]),
                                   policy, bans=bans[p.peer_id]) for p in planes]
-            first = await asyncio.gather(*(s.reduce(0, 0, _local(i, 0))
+            first = await asyncio.gather(*(s.reduce(_round(0), _local(i, 0))
                                            for i, s in enumerate(swarms)))
             # Round 1: the honest nodes meet without node-3, whom they have banned.
-            second = await asyncio.gather(*(s.reduce(0, 1, _local(i, 1))
+            second = await asyncio.gather(*(s.reduce(_round(1), _local(i, 1))
                                             for i, s in enumerate(swarms[:3])))
             return list(first), list(second)
         finally:

@@ -38,7 +38,7 @@ from dilonode.allreduce.round import (
     result_digest,
 )
 from dilonode.allreduce.transport import DataPlane
-from dilonode.collective import FormedGroup, SyncKey
+from dilonode.collective import FormedGroup, GroupRequest, RoundRequest, SyncKey
 from dilonode.net.channel import InboundChannel
 from dilonode.wire.framing import encode_frame
 from dilonode.wire.messages import Hello
@@ -56,8 +56,8 @@ def _inputs(index: int) -> torch.Tensor:
 
 def _static_group(me: str, addrs: dict[str, str]) -> Any:
     """form_group over a fixed peer list: everyone not excluded, in a fixed order."""
-    def form(fragment: int, round_no: int, attempt: int, exclude: set[str]) -> FormedGroup:
-        members = [p for p in sorted(addrs) if p not in exclude or p == me]
+    def form(req: GroupRequest) -> FormedGroup:
+        members = [p for p in sorted(addrs) if p not in req.exclude or p == me]
         return FormedGroup(members, {p: addrs[p] for p in members}, [1.0] * len(members),
                            members.index(me), group_digest(members))
     return form
@@ -108,7 +108,7 @@ async def _swarm(plane: DataPlane, index: int, addrs: dict[str, str],
                  timeout: float) -> dict[str, Any]:
     policy = RoundPolicy(codec=CODEC, block_size=64, chunk_numel=4096, timeout=timeout)
     swarm = SwarmRounds(plane, _static_group(IDS[index], addrs), policy)
-    result = await swarm.reduce(0, 5, _inputs(index))
+    result = await swarm.reduce(RoundRequest(SyncKey("fragment", 0, 5)), _inputs(index))
     return {"attempts": [(a.state.value, a.excluded_peers, a.duration, a.members)
                          for a in result.attempts],
             "state": result.outcome.state.value, "digest": result.outcome.digest,
@@ -259,7 +259,8 @@ def test_network_collective_in_threads_returns_identical_means(reuse: bool) -> N
         def train(i: int) -> None:
             for r in range(2):  # two syncs reuse the same connections
                 fragment = 0 if reuse else r
-                pending = nodes[i].begin(SyncKey("fragment", fragment, r), flats[(i, r)])
+                pending = nodes[i].begin(RoundRequest(SyncKey("fragment", fragment, r)),
+                                         flats[(i, r)])
                 got = pending.wait(timeout=WAIT)
                 buffers[(i, r)] = got.mean.data_ptr()
                 results[(i, r)] = dataclasses.replace(got, mean=got.mean.clone())
@@ -278,8 +279,9 @@ def test_network_collective_in_threads_returns_identical_means(reuse: bool) -> N
         for i in range(3):
             res = results[(i, r)]
             assert torch.equal(res.mean, expected)
-            assert res.group_size == 3 and res.dropped == () and not res.skipped
-            assert res.payload_bytes_sent > 0
+            rep = res.report
+            assert rep.group_size == 3 and rep.dropped == () and not rep.skipped
+            assert rep.payload_bytes_sent > 0
             if reuse:  # decoded again, the kept bytes are the result, the same on everyone
                 assert res.encoded is not None and torch.equal(res.encoded.decode(), expected)
                 assert res.encoded.blob() == results[(0, r)].encoded.blob()
@@ -410,13 +412,13 @@ def test_all_attempts_failing_keeps_the_own_quantized_value() -> None:
             await dead.start()
             await dead.aclose()  # nothing listens there any more
 
-            def form(fragment: int, round_no: int, attempt: int,
-                     exclude: set[str]) -> FormedGroup:  # ignores exclude on purpose
+            def form(req: GroupRequest) -> FormedGroup:  # ignores exclude on purpose
                 return FormedGroup(IDS[:2], [plane.address, dead.address], [1.0, 1.0], 0,
                                    group_digest(IDS[:2]))
 
             policy = RoundPolicy(codec="int4", chunk_numel=4096, timeout=5.0, max_attempts=2)
-            return await SwarmRounds(plane, form, policy).reduce(0, 5, _inputs(0))
+            return await SwarmRounds(plane, form, policy).reduce(
+                RoundRequest(SyncKey("fragment", 0, 5)), _inputs(0))
 
     out = asyncio.run(main())
     codec = get_codec("int4", 64)
@@ -424,7 +426,7 @@ def test_all_attempts_failing_keeps_the_own_quantized_value() -> None:
     assert [a.state.value for a in out.attempts] == ["failed", "failed"]
     assert all(a.duration < 5.0 for a in out.attempts)  # refused connections, no timeouts
     assert torch.equal(out.outcome.result, codec.decode(*codec.encode(_inputs(0))))
-    assert list(out.excluded) == [IDS[1]] and len(out.errors) == 2
+    assert list(out.excluded) == [IDS[1]] and len(out.failures) == 2
 
 
 @pytest.mark.timeout(30)

@@ -164,14 +164,18 @@ def test_counters_reach_the_status_snapshot_and_metrics():
     from prometheus_client.parser import text_string_to_metric_families
 
     from dilonode.status.metrics import node_metrics, render
-    from dilonode.status.snapshot import NodeStatus
+    from dilonode.status.snapshot import NodeStatus, QuietFacts
+
+    class Admitting(QuietFacts):
+        def admission(self) -> dict:
+            return adm.snapshot()
 
     adm = Admission(Limits(max_open=8, max_pending=4, max_pending_per_source=1))
     gate = adm.gate("state")
     held = Conn(gate, "3.3.3.3")
     Conn(gate, "3.3.3.3")  # refused: one pending per address
     gate.closing(held.ticket, "handshake_timeout", "closed one from 3.3.3.3")
-    status = NodeStatus("run-1", admission=adm.snapshot)
+    status = NodeStatus("run-1", facts=Admitting())
     assert status.snapshot()["admission"]["ports"]["state"]["closed"]["handshake_timeout"] == 1
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(render(node_metrics(status.snapshot())))

@@ -375,21 +375,12 @@ def test_a_joiners_link_record_reaches_the_pacemakers_retune_until_its_rounds_me
 
 
 def test_only_a_live_node_paces_the_clock_not_a_joiner_still_fetching():
-    from types import SimpleNamespace
-
-    from dilonode.node.daemon import Node
-
-    class _Membership:
-        def __init__(self, ids):
-            self.ids = ids
-
-        def live_peers(self, max_age=0.0):
-            return [SimpleNamespace(peer_id=i) for i in self.ids]
+    from dilonode.node.pacemaker import is_pacemaker
 
     peers = [i.peer_id for i in IDS[1:4]]
 
     def paces(me: str, live: list[str]) -> bool:
-        return Node._is_pacemaker(SimpleNamespace(membership=_Membership(live), peer_id=me))
+        return is_pacemaker(me, set(live))
 
     # The smallest id has not published its record yet (it is fetching the state): the
     # smallest live one paces, and it does not.
@@ -404,7 +395,7 @@ def test_the_pacemaker_reads_how_far_behind_the_clock_each_live_node_is():
     from types import SimpleNamespace
 
     from dilonode.algo.pacing import SwarmClock
-    from dilonode.node.daemon import Node
+    from dilonode.node.pacemaker import retune_seconds
 
     algo = SimpleNamespace(step_seconds=None, sync_every=30, min_round_seconds=5.0,
                            max_round_seconds=3600.0)
@@ -413,10 +404,7 @@ def test_the_pacemaker_reads_how_far_behind_the_clock_each_live_node_is():
 
     def retune(*statuses: dict) -> float | None:
         peers = [SimpleNamespace(status=s) for s in statuses]
-        node = SimpleNamespace(cfg=SimpleNamespace(diloco=SimpleNamespace(effective=lambda: algo)),
-                               worker=worker,
-                               membership=SimpleNamespace(live_peers=lambda max_age: peers))
-        return Node._retune(node, SwarmClock(0.0, 0.24), 200.0)
+        return retune_seconds(algo, worker, peers, SwarmClock(0.0, 0.24))
 
     # We are 10 steps behind, a peer 15: the node furthest along sets the catch-up.
     assert retune({"pace_s": 0.3, "swarm_step": 200, "step": 185}) == \

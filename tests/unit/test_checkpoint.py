@@ -275,8 +275,7 @@ def test_a_joiners_floor_leaves_out_only_the_rounds_in_flight_that_count_it():
     assert w.in_flight() == [1]
     round_1 = w.frags[1].pending.round
     src = SnapshotSource()
-    src.attach(w)
-    src.counts = lambda frag, rnd, joiner: joiner == "J" and (frag, rnd) == (1, round_1)
+    src.attach(w, lambda frag, rnd, joiner: joiner == "J" and (frag, rnd) == (1, round_1))
     served = src.request(1.0)  # not training: taken at once, without the round in flight
     assert served.step == 7
     assert src.step_now("J") == 7 <= served.step  # counted: no waiting on each other
@@ -296,8 +295,7 @@ def test_a_joiners_floor_leaves_out_a_round_due_but_not_launched_yet():
     _run_to(w, 7)
     w.train_step()  # step 8: fragment 1's round 1 is due, not launched
     src = SnapshotSource()
-    src.attach(w)
-    src.counts = lambda frag, rnd, joiner: False  # nothing in flight counts anyone
+    src.attach(w, lambda frag, rnd, joiner: False)  # nothing in flight counts anyone
     assert not w.in_flight() and w.step == 8
     assert src.step_now("J") == 7 and src.step_now() == 8
     w.launch()  # launched without counting the joiner (it was not visible yet): wait for it

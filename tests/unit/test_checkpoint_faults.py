@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dilonode.status.metrics import node_metrics, render
-from dilonode.status.snapshot import NodeStatus
+from dilonode.status.snapshot import NodeStatus, QuietFacts
 from dilonode.train.checkpoint import Checkpointer, latest_checkpoints, load_latest, save_checkpoint
 from dilonode.train.state import WorkerState
 
@@ -110,7 +110,11 @@ def test_age_of_the_newest_good_checkpoint(tmp_path):
     ck.note_good(path)  # as a resume does
     assert 0.0 <= ck.age_s() < 60.0
     assert ck.age_s(now=ck.newest_good + 90.0) == pytest.approx(90.0)
-    status = NodeStatus(RUN, checkpoint_age=lambda: 12.34)
+    class Checkpointed(QuietFacts):
+        def checkpoint_age(self) -> float | None:
+            return 12.34
+
+    status = NodeStatus(RUN, facts=Checkpointed())
     assert status.snapshot()["checkpoint_age_s"] == 12.3
     assert "dilonode_checkpoint_age_seconds 12.3\n" in render(node_metrics(status.snapshot()))
     assert NodeStatus(RUN).snapshot()["checkpoint_age_s"] is None

@@ -27,7 +27,14 @@ from dilonode.allreduce.memnet import MemNet
 from dilonode.allreduce.network_collective import NetworkCollective
 from dilonode.allreduce.retry import RoundPolicy
 from dilonode.allreduce.round import AllReduceRound, Done, GroupSpec, group_digest
-from dilonode.collective import FormedGroup, PendingReduce, ReduceResult, SyncKey
+from dilonode.collective import (
+    FormedGroup,
+    GroupRequest,
+    PendingReduce,
+    ReduceResult,
+    RoundRequest,
+    SyncKey,
+)
 from dilonode.config import RunConfig
 from dilonode.sim.local_group import LocalGroup
 from dilonode.sim.training import simulate
@@ -252,11 +259,11 @@ class _Recorder:
         self.got: dict[SyncKey, ReduceResult] = {}
         self.devices: set[str] = set()
 
-    def begin(self, key: SyncKey, flat: torch.Tensor, weight: float = 1.0,
-              state: object = None) -> PendingReduce:
+    def begin(self, request: RoundRequest, flat: torch.Tensor, *,
+              encoded: object = None, state: object = None) -> PendingReduce:
         self.devices.add(flat.device.type)
-        self.sent[key] = flat.detach().to("cpu", copy=True)
-        return _RecordingPending(self, key, self.inner.begin(key, flat, weight))
+        self.sent[request.key] = flat.detach().to("cpu", copy=True)
+        return _RecordingPending(self, request.key, self.inner.begin(request, flat))
 
 
 class _RecordingPending:
@@ -277,7 +284,7 @@ def _network(ids: list[str], policy: RoundPolicy) -> Iterator[list[NetworkCollec
     addrs: dict[str, str] = {}
 
     def static_group(me: str) -> Any:
-        def form(fragment: int, round_no: int, attempt: int, exclude: set[str]) -> FormedGroup:
+        def form(req: GroupRequest) -> FormedGroup:
             members = sorted(addrs)
             return FormedGroup(members, addrs, [1.0] * len(members), members.index(me),
                                group_digest(members))
@@ -329,6 +336,6 @@ def test_cuda_workers_sync_over_the_network_collective(data: TokenData) -> None:
                                            codec, chunk_numel=4096, align=64)
         means = (res.mean, recs[1].got[key].mean)  # on the GPU, where the round reduced
         assert all(m.is_cuda and torch.equal(m.cpu(), expected) for m in means)
-        assert res.group_size == 2 and not res.skipped
+        assert res.report.group_size == 2 and not res.report.skipped
     assert torch.equal(workers[0].outer_flat(), workers[1].outer_flat())
     assert all(f.outer.weights.is_cuda for w in workers for f in w.frags)

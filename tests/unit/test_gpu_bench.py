@@ -19,7 +19,7 @@ from benchmarks.gpu import memory as gpu_memory
 from benchmarks.gpu import quality as gpu_quality
 from benchmarks.gpu import swarm as gpu_swarm
 from dilonode.algo.codecs import get_codec
-from dilonode.collective import SyncKey
+from dilonode.collective import RoundRequest, SyncKey
 from dilonode.config import DataConfig, load_config
 from dilonode.sim.local_group import LocalGroup
 from dilonode.train.data import load_data
@@ -86,13 +86,13 @@ def test_device_group_matches_local_group(codec: str) -> None:
     results = []
     for cls in (LocalGroup, gpu_quality.DeviceGroup):
         group = cls(3, get_codec(codec, 64), chunk_numel=256, align=64)
-        handles = [group.view(i).begin(SyncKey("fragment", 0, 0), x, weight=float(i + 1))
+        handles = [group.view(i).begin(RoundRequest(SyncKey("fragment", 0, 0), float(i + 1)), x)
                    for i, x in enumerate(xs)]
         results.append([h.wait() for h in handles])
     for a, b in zip(*results, strict=True):
         assert torch.equal(a.mean, b.mean.cpu())
-        assert (a.payload_bytes_sent, a.payload_bytes_received, a.digest) == \
-            (b.payload_bytes_sent, b.payload_bytes_received, b.digest)
+        assert (a.report.payload_bytes_sent, a.report.payload_bytes_received, a.digest) == \
+            (b.report.payload_bytes_sent, b.report.payload_bytes_received, b.digest)
 
 
 @pytest.mark.parametrize("method", ["ddp", "int4"])
@@ -177,7 +177,8 @@ def test_device_group_on_the_gpu_matches_the_cpu() -> None:
     for dev in ("cpu", "cuda"):  # CPU inputs, averaged on `dev`
         group = gpu_quality.DeviceGroup(4, get_codec("int4", 64), chunk_numel=1024, align=64,
                                         device=dev)
-        handles = [group.view(i).begin(SyncKey("grad", 0, 0), x) for i, x in enumerate(xs)]
+        handles = [group.view(i).begin(RoundRequest(SyncKey("grad", 0, 0)), x)
+                   for i, x in enumerate(xs)]
         mean = handles[0].wait().mean
         assert mean.device.type == dev
         means.append(mean.cpu())

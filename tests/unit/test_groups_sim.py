@@ -9,7 +9,7 @@ import torch
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.groups import partition
 from dilonode.algo.mixing import pack_state
-from dilonode.collective import SyncKey
+from dilonode.collective import RoundRequest, SyncKey
 from dilonode.config import load_config
 from dilonode.sim.local_group import LocalGroup
 from dilonode.sim.training import simulate
@@ -47,7 +47,7 @@ def test_a_grouped_run_mixes_and_ends_in_agreement() -> None:
 def _round(group: LocalGroup, n: int, key: SyncKey, numel: int = 256):
     torch.manual_seed(key.round)
     states = [pack_state(torch.randn(numel), torch.randn(numel)) for _ in range(n)]
-    pending = [group.view(i).begin(key, torch.randn(numel) * 0.01, 1.0,
+    pending = [group.view(i).begin(RoundRequest(key), torch.randn(numel) * 0.01,
                                    state=lambda i=i: states[i]) for i in range(n)]
     return states, [h.wait() for h in pending]
 
@@ -66,7 +66,7 @@ def test_local_group_splits_a_round_and_each_group_ends_on_its_mean_state() -> N
         torch.testing.assert_close(first.state_mean, mean, atol=1e-6, rtol=0)
         for i in members:
             r = results[i]
-            assert r.grouped and r.group_size == len(members)
+            assert r.report.grouped and r.report.group_size == len(members)
             assert torch.equal(r.mean, first.mean) and torch.equal(r.state_mean,
                                                                    first.state_mean)
             assert r.state_digest == first.state_digest != ""
@@ -76,8 +76,8 @@ def test_local_group_splits_a_round_and_each_group_ends_on_its_mean_state() -> N
 def test_rounds_that_do_not_mix_carry_no_state_and_small_swarms_never_mix() -> None:
     group = LocalGroup(10, get_codec("int4", 64), max_group_size=4, mix_every=2, run_id="lg")
     _, results = _round(group, 10, SyncKey("fragment", 0, 1))
-    assert all(r.grouped and r.state_mean is None for r in results)
+    assert all(r.report.grouped and r.state_mean is None for r in results)
     small = LocalGroup(4, get_codec("int4", 64), max_group_size=4, run_id="lg")
     _, results = _round(small, 4, SyncKey("fragment", 0, 0))
-    assert all(not r.grouped and r.state_mean is None and r.group_size == 4
+    assert all(not r.report.grouped and r.state_mean is None and r.report.group_size == 4
                for r in results)

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from dilonode.collective import GroupRequest
 from dilonode.net.auth import Credentials, Identity
 from dilonode.swarm.matchmaking import (
     Group,
@@ -254,6 +255,14 @@ class _Peers(View):
                 for i in self.alive]
 
 
+def _ask(fragment: int, round_no: int, attempt: int = 0, exclude: set[str] | None = None,
+         timed: bool = False) -> GroupRequest:
+    """One attempt's request; `timed`: the round starts on the swarm clock at
+    10 * round + fragment (reference steps, as `SyncPlan.start_step` gives)."""
+    return GroupRequest(fragment, round_no, attempt, frozenset(exclude or ()),
+                        start=10.0 * round_no + fragment if timed else None)
+
+
 @pytest.mark.parametrize("known_by", ["retry", "hang-up"])
 def test_a_dead_peer_is_not_waited_for_in_the_next_rounds(known_by: str) -> None:
     """A SIGKILLed peer's record outlives it by up to a record ttl. Once a retry has left it
@@ -273,7 +282,7 @@ def test_a_dead_peer_is_not_waited_for_in_the_next_rounds(known_by: str) -> None
     def form_all(fragment: int, attempt: int, exclude: set[str]) -> tuple[float, set[tuple]]:
         t0 = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(len(members)) as pool:
-            futs = [pool.submit(m.form_blocking, fragment, 5, attempt, exclude)
+            futs = [pool.submit(m.form_blocking, _ask(fragment, 5, attempt, exclude))
                     for m in members]
             groups = {tuple(f.result(timeout=30).members) for f in futs}
         return time.monotonic() - t0, groups
@@ -308,7 +317,7 @@ def test_a_node_whose_link_measured_slower_weighs_that_in_the_groups_it_forms() 
     assert not fast.advertise_bandwidth(400.0) and fast.bandwidth_mbps == 100.0
     assert not fast.advertise_bandwidth(0.0) and not slow.advertise_bandwidth(9.0)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(m.form_blocking, 0, 5, 0, set()) for m in (slow, fast)]
+        futs = [pool.submit(m.form_blocking, _ask(0, 5)) for m in (slow, fast)]
         groups = [f.result(timeout=30) for f in futs]
     weight = {g.members: dict(zip(g.members, g.weights, strict=True)) for g in groups}
     assert len(weight) == 1 and next(iter(weight.values())) == {
@@ -398,7 +407,7 @@ def test_a_round_names_the_expected_peers_that_are_not_in_its_group(caplog) -> N
     members = [Membership(_Peers(board, i, [absent, *live]), RUN, net,  # type: ignore[arg-type]
                           f"127.0.0.1:{7001 + k}") for k, i in enumerate(live)]
     with concurrent.futures.ThreadPoolExecutor(len(members)) as pool:
-        formed = [f.result(timeout=30) for f in [pool.submit(m.form_blocking, 0, 3, 0, set())
+        formed = [f.result(timeout=30) for f in [pool.submit(m.form_blocking, _ask(0, 3))
                                                  for m in members]]
     assert {tuple(f.members) for f in formed} == {tuple(i.peer_id for i in live)}
     assert all(f.missing == (absent.peer_id,) for f in formed)
@@ -414,10 +423,6 @@ def _until(predicate, seconds: float, what: str) -> None:
         time.sleep(0.01)
 
 
-def _round_start(fragment: int, round_no: int) -> float:
-    return 10.0 * round_no + fragment  # reference steps, as `SyncPlan.start_step` gives
-
-
 def test_a_round_before_a_joiners_first_round_does_not_wait_for_it() -> None:
     """A joiner's record names reference step 50 as its first round. A round starting at
     40 does not count it, though its record is read when that round starts: the round
@@ -430,11 +435,11 @@ def test_a_round_before_a_joiners_first_round_does_not_wait_for_it() -> None:
     net = NetworkConfig(matchmaking_window=3.0, matchmaking_timeout=6.0, peer_ttl=30.0)
     joins = {joiner.peer_id: 50.0}
     members = [Membership(_Peers(board, i, [joiner, *live], joins), RUN,  # type: ignore[arg-type]
-                          net, f"127.0.0.1:{7001 + k}", round_start=_round_start)
+                          net, f"127.0.0.1:{7001 + k}")
                for k, i in enumerate(live)]
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(len(members)) as pool:
-        futs = [pool.submit(m.form_blocking, 0, 4, 0, set()) for m in members]
+        futs = [pool.submit(m.form_blocking, _ask(0, 4, timed=True)) for m in members]
         groups = {tuple(f.result(timeout=30).members) for f in futs}
     assert groups == {tuple(i.peer_id for i in live)}
     assert time.monotonic() - t0 < 2.5  # the window is 3 s
@@ -457,18 +462,17 @@ def test_peers_that_read_a_joiners_record_at_different_moments_agree_it_takes_pa
     late = _Peers(board, b, [a, b], joins)  # b has not read the joiner's record yet
 
     def member(view: _Peers, port: int) -> Membership:
-        return Membership(view, RUN, net, f"127.0.0.1:{port}",  # type: ignore[arg-type]
-                          round_start=_round_start)
+        return Membership(view, RUN, net, f"127.0.0.1:{port}")  # type: ignore[arg-type]
 
     ma, mb = member(_Peers(board, a, [joiner, a, b], joins), 7001), member(late, 7002)
     mj = member(_Peers(board, joiner, [joiner, a, b], joins), 7000)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futs = [pool.submit(m.form_blocking, 0, 5, 0, set()) for m in (ma, mb)]
+        futs = [pool.submit(m.form_blocking, _ask(0, 5, timed=True)) for m in (ma, mb)]
         _until(lambda: ma.counts(0, 5, joiner.peer_id), 3.0, "a never counted the joiner")
         assert not mb.counts(0, 5, joiner.peer_id)  # b knows nothing of it yet
         late.alive.append(joiner)  # b reads the record now, after its round started
         _until(lambda: mb.counts(0, 5, joiner.peer_id), 3.0, "b never counted the joiner")
-        futs.append(pool.submit(mj.form_blocking, 0, 5, 0, set()))
+        futs.append(pool.submit(mj.form_blocking, _ask(0, 5, timed=True)))
         groups = {tuple(f.result(timeout=30).members) for f in futs}
     assert groups == {(joiner.peer_id, a.peer_id, b.peer_id)}
 

@@ -8,12 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from dilonode.collective import RoundReport
 from dilonode.config import SuperviseConfig
 from dilonode.node.remerge import Remerger
 from dilonode.node.supervised_parts import DHTPart
 from dilonode.node.supervisor import PartDown
 from dilonode.status.isolation import AloneWatch
-from dilonode.status.snapshot import NodeStatus
+from dilonode.status.snapshot import NodeStatus, QuietFacts
 
 
 class Clock:
@@ -163,13 +164,23 @@ def test_alone_with_nobody_live_is_not_a_warning():
     assert w.warning() is None and w.rounds == 0
 
 
+class _Facts(QuietFacts):
+    def __init__(self, others: int, health: dict) -> None:
+        self.others, self.parts = others, health
+
+    def live_others(self) -> int:
+        return self.others
+
+    def health(self) -> dict:
+        return self.parts
+
+
 def test_the_status_snapshot_carries_the_warning_and_the_parts():
     w = AloneWatch(warn_after=2)
-    st = NodeStatus("r", 10, alone=w, live_others=lambda: 3,
-                    health=lambda: {"parts": {"dht": {"state": "ok"}}, "failure": None})
+    st = NodeStatus("r", 10, alone=w,
+                    facts=_Facts(3, {"parts": {"dht": {"state": "ok"}}, "failure": None}))
     key = SimpleNamespace(kind="fragment", fragment=0, round=1)
-    result = SimpleNamespace(group_size=1, members=("me",), dropped=(), attempts=1,
-                             skipped=False, payload_bytes_sent=0, payload_bytes_received=0)
+    result = SimpleNamespace(report=RoundReport(1, 0, 0, members=("me",)))
     for r in range(3):
         key.round = r
         st.on_sync(key, result, step=r)
@@ -220,15 +231,13 @@ def test_dht_part_runs_its_hooks_after_a_restart_and_stays_down_until_they_succe
 def test_the_status_table_shows_the_warning_and_parts_down():
     from dilonode.status.table import format_node
 
-    st = NodeStatus("r", 10, alone=AloneWatch(warn_after=1), live_others=lambda: 2,
-                    health=lambda: {"parts": {"data": {"state": "down", "down_s": 4.0,
-                                                       "reason": "refused", "restarts": 2,
-                                                       "last_outage_s": None}},
-                                    "failure": None})
+    st = NodeStatus("r", 10, alone=AloneWatch(warn_after=1),
+                    facts=_Facts(2, {"parts": {"data": {"state": "down", "down_s": 4.0,
+                                                        "reason": "refused", "restarts": 2,
+                                                        "last_outage_s": None}},
+                                     "failure": None}))
     key = SimpleNamespace(kind="fragment", fragment=0, round=0)
-    st.on_sync(key, SimpleNamespace(group_size=1, members=("me",), dropped=(), attempts=1,
-                                    skipped=False, payload_bytes_sent=0,
-                                    payload_bytes_received=0), step=1)
+    st.on_sync(key, SimpleNamespace(report=RoundReport(1, 0, 0, members=("me",))), step=1)
     text = format_node(st.snapshot())
     assert "WARNING     alone for 1 rounds while 2 peers are live" in text
     assert "data for 4.0 s: refused" in text

@@ -23,7 +23,7 @@ from dilonode.algo.replay import (
 )
 from dilonode.allreduce.memnet import MemNet
 from dilonode.allreduce.round import AllReduceRound, GroupSpec
-from dilonode.collective import ReduceResult
+from dilonode.collective import ReduceResult, RoundReport
 from dilonode.statesync.bank import ChunkBank
 from dilonode.statesync.keeper import StateKeeper
 from dilonode.statesync.plan import Assembler, chunk_bytes_of, digests_of, manifest_of
@@ -275,9 +275,9 @@ class _Int4Pair:
     """A collective whose "group" averages our value with itself through int4, and keeps
     the encoded result as the network collective does."""
 
-    def begin(self, key, flat, weight=1.0, state=None):
+    def begin(self, request, flat, *, encoded=None, state=None):
         enc = _encode(flat.detach().clone())
-        result = ReduceResult(enc.decode(), 2, 0, 0, encoded=enc)
+        result = ReduceResult(enc.decode(), RoundReport(2, 0, 0), encoded=enc)
 
         class _Done:
             def done(self):

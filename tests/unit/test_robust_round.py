@@ -15,7 +15,7 @@ from dilonode.algo.robust import AggregatorSpec, BanTracker
 from dilonode.allreduce.memnet import Faults, MemNet
 from dilonode.allreduce.retry import RoundPolicy, SwarmRounds
 from dilonode.allreduce.round import AllReduceRound, GroupSpec, RoundState
-from dilonode.collective import SyncKey
+from dilonode.collective import RoundRequest, SyncKey
 from dilonode.sim.local_group import LocalGroup
 from dilonode.wire.errors import RemoteProtocolError
 from dilonode.wire.messages import Contribution, Result, message_from_dict, message_to_dict
@@ -45,7 +45,8 @@ def _run(spec: GroupSpec, xs: list[torch.Tensor], agg: AggregatorSpec) -> list[A
 def _simulated(spec: GroupSpec, xs: list[torch.Tensor], agg: AggregatorSpec):
     group = LocalGroup(N, get_codec(spec.codec, spec.block_size), aggregator=agg,
                        chunk_numel=spec.chunk_numel, align=spec.block_size)
-    pending = [group.view(i).begin(SyncKey("fragment", 0, 3), x) for i, x in enumerate(xs)]
+    pending = [group.view(i).begin(RoundRequest(SyncKey("fragment", 0, 3)), x)
+               for i, x in enumerate(xs)]
     return [p.wait() for p in pending]
 
 
@@ -62,7 +63,7 @@ def test_members_agree_with_each_other_and_the_simulator(codec: str, agg: Aggreg
     assert all(torch.equal(r.result, s.mean) for r, s in zip(rounds, sim, strict=True))
     expected = (3,) if agg.norm_bound else ()
     assert all(r.rejected == expected and r.convicted == expected for r in rounds)
-    assert all(s.rejected == tuple(str(i) for i in expected) for s in sim)
+    assert all(s.report.rejected == tuple(str(i) for i in expected) for s in sim)
     honest = torch.stack(xs[:3]).mean(dim=0)
     assert float((rounds[0].result - honest).abs().max()) < 0.5  # the mean is ~25 away
     assert float((torch.stack(xs).mean(dim=0) - honest).abs().max()) > 5
@@ -131,8 +132,8 @@ def test_malformed_rejected_list_is_refused(rejected, needle):
 def test_swarm_rounds_leave_banned_peers_out_of_matchmaking():
     asked: list[set[str]] = []
 
-    def form(fragment, round_no, attempt, exclude):
-        asked.append(set(exclude))
+    def form(req):
+        asked.append(set(req.exclude))
         raise RuntimeError("no peers")  # the round then goes on alone
 
     bans = BanTracker(max_rejections=2, window=60.0, ban_seconds=30.0)
@@ -143,10 +144,10 @@ def test_swarm_rounds_leave_banned_peers_out_of_matchmaking():
     rounds._note_rejected(0, 1, ("evil", "me", "odd"), ("evil", "me"))
     rounds._note_rejected(0, 2, ("evil", "odd"), ("evil",))
     assert bans.banned(now[0]) == {"evil"} and not bans.is_banned("me", now[0])
-    out = asyncio.run(rounds.reduce(0, 3, torch.zeros(8)))
+    out = asyncio.run(rounds.reduce(RoundRequest(SyncKey("fragment", 0, 3)), torch.zeros(8)))
     assert out.skipped and asked == [{"evil"}]
     now[0] += 31.0  # the ban has run out
-    asyncio.run(rounds.reduce(0, 4, torch.zeros(8)))
+    asyncio.run(rounds.reduce(RoundRequest(SyncKey("fragment", 0, 4)), torch.zeros(8)))
     assert asked[-1] == set()
 
 

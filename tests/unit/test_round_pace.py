@@ -19,7 +19,7 @@ from dilonode.allreduce import retry
 from dilonode.allreduce.driver import RoundOutcome
 from dilonode.allreduce.retry import RoundPolicy, SwarmRounds
 from dilonode.allreduce.round import RoundFailure, RoundState, group_digest
-from dilonode.collective import FormedGroup
+from dilonode.collective import FormedGroup, GroupRequest, RoundRequest, SyncKey
 
 ME, OTHER = "peer-a", "peer-b"
 
@@ -37,7 +37,7 @@ def _reduce(monkeypatch: pytest.MonkeyPatch, failures: dict[int, str],
     """Run one round; `failures`: attempt -> the member its failure names."""
     clock = _Clock()
 
-    def form(fragment: int, round_no: int, attempt: int, exclude: set[str]) -> FormedGroup:
+    def form(req: GroupRequest) -> FormedGroup:
         clock.t += 0.5
         members = [ME, OTHER]
         return FormedGroup(members, {p: f"127.0.0.1:{9000 + i}" for i, p in enumerate(members)},
@@ -59,7 +59,7 @@ def _reduce(monkeypatch: pytest.MonkeyPatch, failures: dict[int, str],
     rounds = SwarmRounds(plane, form, RoundPolicy(codec="float32", max_attempts=attempts),
                          clock=clock)
     start = clock.t
-    got = asyncio.run(rounds.reduce(0, 3, torch.ones(16)))
+    got = asyncio.run(rounds.reduce(RoundRequest(SyncKey("fragment", 0, 3)), torch.ones(16)))
     return got, clock.t - start
 
 

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dilonode.status.metrics import Metric, node_metrics, render, swarm_metrics
 from dilonode.status.server import StatusServer
-from dilonode.status.snapshot import NodeStatus
-from tests.unit.test_status_snapshot import Clock, _record, _report, _worker
+from dilonode.status.snapshot import NodeStatus, QuietFacts
+from tests.unit.test_status_snapshot import Clock, Peers, _record, _report, _worker
 
 TIMEOUT = aiohttp.ClientTimeout(total=10)
 
@@ -23,7 +23,7 @@ class CountingSource:
     """A NodeStatus that counts reads, to show which requests reached it."""
 
     def __init__(self) -> None:
-        self.status = NodeStatus("run-1", 50, clock=Clock(), peers=lambda: 2)
+        self.status = NodeStatus("run-1", 50, clock=Clock(), facts=Peers(2))
         self.status.peer_id, self.status.worker_id = "QmPeer", "0"
         self.status.on_step(_worker(7, 700, 4096, loss=2.25), _report([(5, 2.5)]))
         self.reads = 0
@@ -174,9 +174,12 @@ def test_a_taken_port_is_a_one_line_error():
 
 
 def test_trust_counters_are_exported():
-    status = NodeStatus("run-1", trust=lambda: {"unauthorized_connections": 3,
-                                                "unauthorized_records": 2,
-                                                "rejected_contributions": 5, "peer_bans": 1})
+    class Trust(QuietFacts):
+        def trust(self) -> dict[str, int]:
+            return {"unauthorized_connections": 3, "unauthorized_records": 2,
+                    "rejected_contributions": 5, "peer_bans": 1}
+
+    status = NodeStatus("run-1", facts=Trust())
     text = render(node_metrics(status.snapshot()))
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert families["dilonode_unauthorized_connections"].samples[0].value == 3

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
-from dilonode.collective import ReduceResult, SyncKey
-from dilonode.status.snapshot import NodeStatus, ObservedCollective
+from dilonode.collective import ReduceResult, RoundReport, RoundRequest, SyncKey
+from dilonode.status.snapshot import NodeStatus, ObservedCollective, QuietFacts
 from dilonode.status.swarm import SwarmView, node_rows
 from dilonode.swarm.records import PeerRecord
 
@@ -24,6 +24,16 @@ class Clock:
         return self.t
 
 
+class Peers(QuietFacts):
+    """A node that sees `n` live peers (itself included)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def peers_seen(self) -> int:
+        return self.n
+
+
 def _worker(step: int, tokens: int, sent: int, loss: float = 2.0) -> SimpleNamespace:
     stats = SimpleNamespace(tokens=tokens, last_loss=loss, bytes_sent=sent,
                             bytes_received=sent // 2)
@@ -36,7 +46,7 @@ def _report(evals: list[tuple[int, float]] | None = None) -> SimpleNamespace:
 
 def test_samples_at_most_every_interval_with_rates_from_deltas():
     clock = Clock()
-    st = NodeStatus("run", 100, sample_every=1.0, clock=clock, peers=lambda: 3)
+    st = NodeStatus("run", 100, sample_every=1.0, clock=clock, facts=Peers(3))
     st.on_step(_worker(1, 100, 0), _report())
     clock.t += 0.5
     st.on_step(_worker(2, 200, 0), _report())  # too soon: no new point
@@ -76,9 +86,11 @@ def test_non_finite_loss_is_null_and_snapshot_is_strict_json():
 
 
 def test_observed_collective_records_each_landed_sync_once():
-    result = ReduceResult(mean=torch.zeros(4), group_size=3, payload_bytes_sent=40,
-                          payload_bytes_received=80, dropped=("QmBad: timeout",),
-                          members=("a", "b", "c"), attempts=2)
+    result = ReduceResult(mean=torch.zeros(4),
+                          report=RoundReport(group_size=3, payload_bytes_sent=40,
+                                             payload_bytes_received=80,
+                                             dropped=("QmBad: timeout",),
+                                             members=("a", "b", "c"), attempts=2))
 
     class Pending:
         def done(self) -> bool:
@@ -88,15 +100,15 @@ def test_observed_collective_records_each_landed_sync_once():
             return result
 
     class Inner:
-        def begin(self, key, flat, weight=1.0, state=None):
+        def begin(self, request, flat, *, encoded=None, state=None):
             return Pending()
 
     st = NodeStatus("run", clock=Clock())
     coll = ObservedCollective(Inner(), st, step=lambda: 31)
-    handle = coll.begin(SyncKey("fragment", 1, 4), torch.zeros(4))
+    handle = coll.begin(RoundRequest(SyncKey("fragment", 1, 4)), torch.zeros(4))
     assert handle.wait() is result
     handle.wait()  # a second wait must not count the round twice
-    coll.begin(SyncKey("grad", 0, 7), torch.zeros(4)).wait()
+    coll.begin(RoundRequest(SyncKey("grad", 0, 7)), torch.zeros(4)).wait()
     snap = st.snapshot()
     assert [x["fragment"] for x in snap["syncs"]] == ["1", "grad"]
     frag = snap["syncs"][0]

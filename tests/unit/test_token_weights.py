@@ -11,7 +11,7 @@ from dilonode.algo.codecs import get_codec
 from dilonode.algo.robust import AggregatorSpec, aggregate, check_claims
 from dilonode.allreduce.memnet import MemNet
 from dilonode.allreduce.round import AllReduceRound, GroupSpec, RoundState
-from dilonode.collective import SyncKey
+from dilonode.collective import RoundRequest, SyncKey
 from dilonode.sim.local_group import LocalGroup
 from dilonode.wire.errors import RemoteProtocolError
 
@@ -90,7 +90,7 @@ def test_networked_round_equals_the_simulator_with_unequal_tokens(codec: str,
     assert all(r.state is RoundState.DONE for r in rounds)
     assert len({r.digest for r in rounds}) == 1
     group = LocalGroup(N, get_codec(codec, 64), aggregator=agg, chunk_numel=CHUNK, align=64)
-    pending = [group.view(i).begin(SyncKey("fragment", 0, 2), x, t)
+    pending = [group.view(i).begin(RoundRequest(SyncKey("fragment", 0, 2), t), x)
                for i, (x, t) in enumerate(zip(xs, tokens, strict=True))]
     sim = [p.wait() for p in pending]
     assert all(torch.equal(r.result, s.mean) for r, s in zip(rounds, sim, strict=True))

@@ -46,7 +46,13 @@ from torch import nn
 from dilonode.algo.fragments import flatten, unflatten_into
 from dilonode.algo.outer import OuterState, merge
 from dilonode.algo.sliced_encoding import SplicedEncoding, splice_supported
-from dilonode.collective import Collective, PendingReduce, ReduceResult, StateSource, SyncKey
+from dilonode.collective import (
+    Collective,
+    PendingReduce,
+    ReduceResult,
+    RoundRequest,
+    StateSource,
+)
 from dilonode.config import RunConfig
 from dilonode.train.device import device_info
 from dilonode.train.ranks.slices import (
@@ -330,12 +336,13 @@ class NodeRanks:
         self.apply(p, params, weights, 0.0)
 
     # -- the swarm's round ---------------------------------------------------------------
-    def begin(self, collective: Collective, key: SyncKey, delta: torch.Tensor, weight: float,
+    def begin(self, collective: Collective, request: RoundRequest, delta: torch.Tensor,
               state: StateSource | None = None) -> PendingReduce:
         """Gather the slices into the node's contribution; the leader hands it on, with
-        the ranks' encodings of their slices when they share the codec work. (`state`, a
-        grouped swarm's state round, goes unused: our outer state is sharded.)"""
-        p = key.fragment
+        the ranks' encodings of their slices when they share the codec work (collectives
+        that encode themselves ignore them). `state`, a grouped swarm's state round, goes
+        unused: our outer state is sharded."""
+        p = request.key.fragment
         encoded = self._gather_encoded(p, delta) if self._shares_codec() else None
         full = self.gather(p, delta)
         if not self.leader:
@@ -343,9 +350,7 @@ class NodeRanks:
         assert full is not None
         if self.device.type == "cuda":  # the round's codecs then run on our GPU, as a
             full = full.to(self.device)  # 1-rank CUDA node's do (allreduce/datapath.py)
-        if encoded is not None and getattr(collective, "takes_encoded", False):
-            return collective.begin(key, full, weight, encoded=encoded)
-        return collective.begin(key, full, weight)  # (in-process groups encode alike)
+        return collective.begin(request, full, encoded=encoded, state=state)
 
     def _shares_codec(self) -> bool:
         """Every rank decides alike, from the config: sharing on, a CPU node, a codec
@@ -552,5 +557,7 @@ def follow(cfg: RunConfig, ranks: NodeRanks) -> None:
 class _NoCollective:
     """A follower's collective: the leader alone talks to the swarm."""
 
-    def begin(self, key: Any, flat: torch.Tensor, weight: float = 1.0) -> Any:
+    def begin(self, request: RoundRequest, flat: torch.Tensor, *,
+              encoded: SplicedEncoding | None = None,
+              state: StateSource | None = None) -> PendingReduce:
         raise AssertionError("followers hand their slices to the leader (NodeRanks.begin)")

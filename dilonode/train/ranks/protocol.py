@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from dilonode.algo.outer import OuterState
-from dilonode.collective import Collective, PendingReduce, ReduceResult, StateSource, SyncKey
+from dilonode.collective import Collective, PendingReduce, ReduceResult, RoundRequest, StateSource
 from dilonode.train.state import OuterCopy, WorkerState
 
 __all__ = ["Ranks"]
@@ -101,10 +101,11 @@ class Ranks(Protocol):
         shards."""
         ...
 
-    def begin(self, collective: Collective, key: SyncKey, delta: torch.Tensor, weight: float,
+    def begin(self, collective: Collective, request: RoundRequest, delta: torch.Tensor,
               state: StateSource | None = None) -> PendingReduce:
-        """Start the swarm's round `key` on this node's pseudo-gradient (`delta`: this rank's
-        slice, trained on `weight` tokens). One rank: `collective.begin` with `state`, the
+        """Start the swarm's round `request` on this node's pseudo-gradient (`delta`: this
+        rank's slice, trained on `request.weight` tokens). One rank: `collective.begin` with
+        `state`, the
         fragment's packed outer state for a grouped swarm's mixing. Several: the slices are
         gathered on the leader, which begins the round (`state` unused: the outer state is
         sharded); the others get a handle that is done at once and never waited for."""

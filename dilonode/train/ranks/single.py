@@ -13,7 +13,7 @@ from torch import nn
 
 from dilonode.algo.fragments import flatten, unflatten_into
 from dilonode.algo.outer import OuterState, merge
-from dilonode.collective import Collective, PendingReduce, ReduceResult, StateSource, SyncKey
+from dilonode.collective import Collective, PendingReduce, ReduceResult, RoundRequest, StateSource
 from dilonode.train.device import device_info
 from dilonode.train.state import OuterCopy, WorkerState
 
@@ -67,11 +67,9 @@ class SingleRank:
     def local_tensors(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.data for t in params]
 
-    def begin(self, collective: Collective, key: SyncKey, delta: torch.Tensor, weight: float,
+    def begin(self, collective: Collective, request: RoundRequest, delta: torch.Tensor,
               state: StateSource | None = None) -> PendingReduce:
-        if state is None:
-            return collective.begin(key, delta, weight)
-        return collective.begin(key, delta, weight, state=state)
+        return collective.begin(request, delta, state=state)
 
     def localize(self, p: int, result: ReduceResult) -> ReduceResult:
         return result

@@ -1,0 +1,183 @@
+"""The swarm clock of a node paced by time (`diloco.pacing = "time"`): agreeing on it
+through the DHT (`swarm/clock.py`'s `ClockKeeper`), which live node retunes it (the
+pacemaker), what a joiner's state fetch measured of its link, and the first round a
+joiner names in its record.
+
+`Pacemaker(cfg, dht, worker, membership)` builds the keeper and does no I/O; `start()`
+reads the clock once (a clock that already stands is followed from the first step) and
+keeps it in a background thread; `close()` stops it. The node hands `announce_link` to
+its state keeper (called once a recovery measured the link) and `first_round` to the
+keeper's `prepare`. `is_pacemaker` and `retune_seconds` are the pure parts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+from dilonode.algo.pacing import (
+    SwarmClock,
+    TimePacer,
+    first_round,
+    link_busy_seconds,
+    retune_step_seconds,
+)
+from dilonode.config import RunConfig
+from dilonode.status.snapshot import p90
+from dilonode.swarm.clock import ClockKeeper
+from dilonode.swarm.dht import SwarmDHT
+from dilonode.swarm.membership import Membership
+
+__all__ = ["Pacemaker", "is_pacemaker", "retune_seconds"]
+
+log = logging.getLogger(__name__)
+
+
+def is_pacemaker(peer_id: str, live: Collection[str]) -> bool:
+    """Whether `peer_id` retunes the swarm clock: the live node with the smallest peer id
+    (one at a time; two at once, in a partition, resolve by the clock records' rule). A
+    node whose own record is not among the live ones yet (a joiner still fetching the
+    state) does not: it knows no round latencies of its own, and a second pacemaker's
+    epoch races the first's."""
+    return peer_id in live and peer_id == min(live)
+
+
+def retune_seconds(algo: Any, worker: Any, peers: Iterable[Any], clock: SwarmClock,
+                   link_busy: Sequence[float] = ()) -> float | None:
+    """Seconds per reference step the swarm needs (`pacing.retune_step_seconds`), from the
+    round latencies (ours, `worker.stats.recent_latency`, and the live `peers`' published
+    p90s), what the links of nodes not yet in rounds take for a round of every fragment
+    (`link_busy`), and, when the clock was measured rather than set by hand
+    (`algo.step_seconds` unset), the paces (wall seconds per own step) and lags behind the
+    clock that live nodes publish. None when there is nothing to go by."""
+    measured = algo.step_seconds is None
+    own = p90(list(worker.stats.recent_latency))
+    latencies = [own] if own is not None else []
+    steps = [s] if measured and (s := worker.pacer.pace_s) else []
+    behind = [float(worker.swarm_step - worker.step)] if steps else []
+    for rec in peers:
+        status = rec.status or {}
+        if (value := _positive(status.get("round_p90_s"))) is not None:
+            latencies.append(value)
+        if measured and (value := _positive(status.get("pace_s"))) is not None:
+            steps.append(value)
+            if (lag := _steps_behind(status)) is not None:
+                behind.append(lag)
+    if not latencies and not steps and not link_busy:
+        return None
+    return retune_step_seconds(clock, latencies, steps, algo.sync_every,
+                               algo.min_round_seconds, algo.max_round_seconds, link_busy,
+                               behind)
+
+
+class Pacemaker:
+    """The swarm clock of one node whose worker is paced by it (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, dht: SwarmDHT, worker: Any,
+                 membership: Membership) -> None:
+        if not isinstance(worker.pacer, TimePacer):
+            raise ValueError("Pacemaker: the worker is not paced by the swarm clock")
+        self.cfg, self.worker, self.membership = cfg, worker, membership
+        self.peer_id = dht.peer_id
+        self.algo = a = cfg.diloco.effective()
+        w, fixed, floor = worker, a.step_seconds, a.min_round_seconds / a.sync_every
+
+        def propose() -> float | None:
+            # Measured over a few steps (the first ones include warm-up), unless configured;
+            # never so short that a fragment's rounds come faster than a group can form.
+            if fixed:
+                return fixed
+            return max(w.pacer.step_s, floor) if w.step >= 5 and w.pacer.step_s else None
+
+        self.keeper = ClockKeeper(dht, cfg.run_id, w.pacer, propose,
+                                  frozen=lambda: any(f.next_round or f.pending is not None
+                                                    for f in w.frags),
+                                  ttl=max(4 * cfg.network.peer_ttl, 60.0),
+                                  retune=self._retune if a.retune_clock else None,
+                                  pacemaker=self._is_pacemaker, lead_steps=a.sync_every,
+                                  link_unmeasured=lambda: len(w.stats.recent_latency) < 3)
+
+    def start(self) -> None:
+        try:
+            self.keeper.tick()  # a clock that already stands is followed from the first step
+        except (TimeoutError, RuntimeError) as exc:
+            log.warning("swarm clock: first read failed (%s); reading again shortly", exc)
+        self.keeper.start()
+
+    def close(self) -> None:
+        self.keeper.close()
+
+    def _live(self) -> set[str]:
+        # max_age=inf: membership's last read, no DHT call on the clock's thread.
+        return {r.peer_id for r in self.membership.live_peers(max_age=math.inf)}
+
+    def _is_pacemaker(self) -> bool:
+        return is_pacemaker(self.peer_id, self._live())
+
+    def _retune(self, clock: SwarmClock, ref_now: float,
+                link_busy: Sequence[float] = ()) -> float | None:
+        return retune_seconds(self.algo, self.worker,
+                              self.membership.live_peers(max_age=math.inf), clock, link_busy)
+
+    def first_round(self, view_s: float) -> int | None:
+        """We are about to publish our record after recovering a running swarm's state:
+        name our first round in it, the first reference step `pacing.first_round` allows
+        once `view_s` has passed, so that every peer counts us from the same round on
+        whenever it reads the record. Returns the step our state must reach (every round
+        before it), or None while no clock is agreed."""
+        pacer = self.worker.pacer
+        if pacer.clock is None:
+            return None
+        joins_from = first_round(pacer.clock.ref_step(pacer.now() + view_s))
+        self.membership.join_from(joins_from)
+        log.info("state sync: our first round is reference step %.1f of the swarm clock",
+                 joins_from)
+        return self.worker.joining_floor(joins_from)
+
+    def announce_link(self, rate_Bps: float, result_bytes: dict[int, int], peers: int) -> None:
+        """Our state fetch measured our link. If it is slower than `network.bandwidth_mbps`,
+        take that as our weight in rounds (a smaller part of each round's traffic goes
+        through it); and tell the pacemaker how long a round of every fragment takes on it
+        (`pacing.link_busy_seconds`), so that the clock slows before our first round, not
+        after slow ones. Fragments whose results the manifests did not list count as the
+        mean of those that did."""
+        if self.membership.advertise_bandwidth(rate_Bps * 8e-6):
+            log.info("link: state sync moved %.1f Mbit/s, under network.bandwidth_mbps = %g: "
+                     "our rounds give us a part of that weight", rate_Bps * 8e-6,
+                     self.cfg.network.bandwidth_mbps)
+        if not result_bytes:
+            return
+        mean = sum(result_bytes.values()) / len(result_bytes)
+        sizes = [result_bytes.get(p, mean) for p in range(self.algo.num_fragments)]
+        # As if our part were an equal one, though our weight may now be smaller: while we
+        # fetch, the clock must also leave our link room for the results of every round
+        # that lands meanwhile (B / rate each), or the fetch chases them pass after pass
+        # while our peers wait for our first round. Counting the smaller part (1.07 B
+        # against 1.6 B here) set a 22% faster clock, and in that run the joiner took 20 s
+        # from its publish to its first round, its peers waiting (docs/autotune-results.md).
+        busy = link_busy_seconds(sizes, peers, rate_Bps)
+        log.info("link: state sync moved %.2f MB/s; a round of every fragment with %d peers "
+                 "takes %.1f s of it (published until our rounds measure it)",
+                 rate_Bps / 1e6, peers, busy)
+        if busy > 0:
+            self.keeper.announce_link(busy, rate_Bps)
+
+
+def _steps_behind(status: dict[str, Any]) -> float | None:
+    """Reference steps the clock read minus the own steps a peer had trained, at its last
+    published step (`swarm_step`, `step` of its status), else None (peers' data)."""
+    ref, own = status.get("swarm_step"), status.get("step")
+    if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40
+           for v in (ref, own)):
+        return float(ref - own)
+    return None
+
+
+def _positive(value: Any) -> float | None:
+    """A finite positive number read off a peer's status, else None (peers' data)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) \
+            and math.isfinite(value) and 0 < value < 1e5:
+        return float(value)
+    return None
