@@ -10,7 +10,7 @@ import torch
 from dilonode.algo.chain import chain_next, chain_start
 from dilonode.algo.fragments import Fragment
 from dilonode.algo.outer import NonFiniteError, OuterState
-from dilonode.collective import ReduceResult
+from dilonode.collective import ReduceResult, RoundReport
 from dilonode.train.fragment_state import FragmentState
 
 
@@ -53,6 +53,6 @@ def test_a_refused_result_moves_the_chain_but_not_the_outer_state():
     chain, before = f.chain, f.outer.weights.clone()
     mean = torch.full((8,), float("nan"))
     with pytest.raises(NonFiniteError):
-        f.outer_step(0, ReduceResult(mean, 2, 0, 0, digest="ab" * 16), keep_rounds=3)
+        f.outer_step(0, ReduceResult(mean, RoundReport(2, 0, 0), digest="ab" * 16), keep_rounds=3)
     assert f.chain == chain_next(chain, 0, "ab" * 16, applied=False)
     assert torch.equal(f.outer.weights, before) and f.replays == []
