@@ -7,9 +7,10 @@
 
 `run_swarm`/`run_to_end` run a `LocalSwarm` to its end; `local_swarm` only guarantees the
 teardown, for tests that drive a swarm step by step (`SwarmEvents` reads its events, kept by
-process name). `NodeProcess` is one node started by hand (its own stdout, its stderr in
-`n{i}.log`), for tests that signal, freeze or kill single nodes. `assert_one_model` is the
-swarm-level invariant: one model, and every node that ran to the end says so.
+process name). `nodes_by_hand` is a bootstrap for nodes a test starts one at a time, each a
+`NodeProcess` (its own event queue, its stderr in `n{i}.log`), for tests that signal, freeze
+or kill single nodes. `assert_one_model` is the swarm-level invariant: one model, and every
+node that ran to the end says so.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from typing import Any
 from dilonode.cli.local_swarm import LocalSwarm, Placement
 from dilonode.config import RunConfig
 
-__all__ = ["NodeProcess", "SwarmEnd", "SwarmEvents", "assert_one_model", "config_file",
-           "local_swarm", "run_swarm", "run_to_end"]
+__all__ = ["NodeProcess", "NodesByHand", "SwarmEnd", "SwarmEvents", "assert_one_model",
+           "config_file", "local_swarm", "nodes_by_hand", "run_swarm", "run_to_end"]
 
 Event = dict[str, Any]
 
@@ -93,6 +94,42 @@ class NodeProcess:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+class NodesByHand:
+    """A started bootstrap peer and the nodes a test starts on it one at a time, on the
+    config written to `cfg.json` in the run's out_dir."""
+
+    def __init__(self, swarm: LocalSwarm, cfg_path: Path) -> None:
+        self.swarm, self.cfg_path = swarm, cfg_path
+        self.nodes: list[NodeProcess] = []
+
+    @property
+    def maddrs(self) -> list[str]:
+        return self.swarm.maddrs
+
+    def start(self, i: int, *extra: str) -> NodeProcess:
+        """Start node `i` (worker id i) with `extra` args (`NodeProcess`)."""
+        node = NodeProcess(self.swarm.out, self.cfg_path, self.maddrs, i, *extra)
+        self.nodes.append(node)
+        return node
+
+
+@contextlib.contextmanager
+def nodes_by_hand(cfg: RunConfig) -> Iterator[NodesByHand]:
+    """A bootstrap peer on 127.0.0.1 for nodes started by hand; when the block ends, every
+    node still running is killed and the bootstrap stopped."""
+    swarm = LocalSwarm(cfg, 0)
+    try:
+        swarm.start_bootstrap()
+        hand = NodesByHand(swarm, config_file(cfg))
+        try:
+            yield hand
+        finally:
+            for node in hand.nodes:
+                node.kill()
+    finally:
+        swarm.stop()
 
 
 @contextlib.contextmanager
@@ -203,10 +240,10 @@ class SwarmEvents:
 
 
 def assert_one_model(summaries: Mapping[str, Event] | Iterable[Event]) -> str:
-    """The swarm ended as one model: every node's summary names the same outer digest, and
-    every node that ran to the end (not `stopped_early`) found in its end-of-run agreement
-    check that its peers hold those weights. `summaries` by node name, or a sequence (named
-    by worker id). Returns the digest."""
+    """The swarm ended as one model: every node ran to the end of the run, its summary names
+    the same outer digest as the others', and its end-of-run agreement check found that its
+    peers hold those weights. `summaries` by node name, or a sequence (named by worker id).
+    Returns the digest."""
     named = (dict(summaries) if isinstance(summaries, Mapping)
              else {str(s.get("worker_id", i)): s for i, s in enumerate(summaries)})
     assert named, "no node summary to compare"
@@ -215,8 +252,7 @@ def assert_one_model(summaries: Mapping[str, Event] | Iterable[Event]) -> str:
         f"{n} {d[:12]} (dropped {named[n].get('dropped_peers', [])[-3:]})"
         for n, d in digests.items())
     for name, s in sorted(named.items()):
-        if s.get("stopped_early"):
-            continue
+        assert not s.get("stopped_early"), f"{name} stopped before the end of the run"
         verdict = s.get("agreement") or {}
         assert verdict.get("agrees") is True, \
             f"{name}: the end-of-run check did not agree: {verdict.get('line', verdict)}"

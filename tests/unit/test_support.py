@@ -71,9 +71,11 @@ def _summary(digest: str, agrees: bool | None = True, **kw: object) -> dict:
 def test_one_model_passes_on_one_digest_that_every_node_confirmed() -> None:
     assert assert_one_model({"node-0": _summary("ab" * 32), "node-1": _summary("ab" * 32)}) \
         == "ab" * 32
-    # a node stopped before the end ran no check; a sequence is named by worker id
-    stopped = _summary("cd" * 32, None, stopped_early=True, worker_id="1")
-    assert assert_one_model([_summary("cd" * 32, worker_id="0"), stopped]) == "cd" * 32
+    both = [_summary("cd" * 32, worker_id="0"), _summary("cd" * 32, worker_id="1")]
+    assert assert_one_model(both) == "cd" * 32  # a sequence is named by worker id
+    both[1]["stopped_early"] = True  # it ran no end-of-run check
+    with pytest.raises(AssertionError, match="1 stopped before the end of the run"):
+        assert_one_model(both)
 
 
 def test_one_model_fails_on_differing_digests_naming_the_nodes() -> None:
