@@ -30,7 +30,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -41,8 +40,9 @@ from typing import Any, Literal
 
 from dilonode.cli.local_swarm import LocalSwarm
 from dilonode.config import RunConfig
+from tests.support.ports import free_port
 
-__all__ = ["ChaosResult", "Fault", "NodeEnd", "free_port", "run_chaos"]
+__all__ = ["ChaosResult", "Fault", "NodeEnd", "run_chaos"]
 
 Part = Literal["dht", "p2pd", "data", "state", "status", "partition"]
 LISTENERS = {"data": "network.port", "state": "statesync.port", "status": "status.port"}
@@ -225,13 +225,6 @@ class ChaosResult:
     def wait_s(self) -> dict[str, float]:
         """Per node that finished: seconds its trainer waited on the network."""
         return {n: e.summary["sync_wait_s"] for n, e in self.nodes.items() if e.summary}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (for fixed listener ports a fault can target)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class _Injector:

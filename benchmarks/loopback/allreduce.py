@@ -48,7 +48,6 @@ import platform
 import pstats
 import queue
 import resource
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -67,6 +66,7 @@ from dilonode.allreduce.plane_limits import PlaneLimits
 from dilonode.allreduce.round import GroupSpec, RoundState, group_digest
 from dilonode.allreduce.transport import DataPlane
 from dilonode.config import DEFAULT_CHUNK_NUMEL
+from tests.support.ports import free_port
 
 __all__ = ["main", "parse_args"]
 
@@ -315,16 +315,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace,
 # ---------------------------------------------------------------------- parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, args.procs, port, args, results))
              for r in range(args.procs)]
     for proc in procs:

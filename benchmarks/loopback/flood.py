@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -40,6 +39,7 @@ from benchmarks.harness.results import save_rows
 from dilonode.cli.local_swarm import LocalSwarm
 from dilonode.config import RunConfig, load_config
 from dilonode.net.admission import raise_nofile_limit
+from tests.support.ports import free_port
 
 
 def run_config(args: argparse.Namespace, label: str) -> RunConfig:
@@ -54,12 +54,6 @@ def run_config(args: argparse.Namespace, label: str) -> RunConfig:
         "checkpoint": {"every_steps": 0, "on_exit": False},
         "paths": {"out_dir": str(args.out / label)},
     })
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class NofileLimit:

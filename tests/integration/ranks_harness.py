@@ -12,19 +12,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["free_port", "run_ranks", "train_node"]
+from tests.support.ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["run_ranks", "train_node"]
 
 
 def _child(fn: Callable[..., Any], env: Any, args: tuple[Any, ...], out: Any) -> None:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ from dilonode.swarm.records import GroupEntry, encode_record, group_key
 from dilonode.wire.framing import HEADER_BYTES, encode_frame
 from dilonode.wire.messages import Contribution, HelloAuth
 from tests.boards import Board, View
+from tests.support.waiting import wait_until, wait_until_async
 
 pytestmark = [pytest.mark.slow]
 
@@ -86,13 +85,14 @@ class Intruder(Member):
                         fragment=fragment, round=round_no, attempt=attempt, bandwidth_mbps=1.0)
         key = group_key(RUN, fragment, round_no, attempt)
         self.view.store_raw(key, me.peer_id, encode_record(me, self.creds), ttl=30.0)
-        entries: dict[str, GroupEntry] = {}
-        deadline = time.monotonic() + 10.0
-        while not self.expected <= entries.keys():
-            assert time.monotonic() < deadline, "the honest peers did not register"
+
+        def registered() -> dict[str, GroupEntry] | None:
             entries = decode_entries(self.view, key, self.view.get_raw(key), GroupEntry,
                                      self.creds)
-            await asyncio.sleep(0.02)  # polling the board with a deadline
+            return entries if self.expected <= entries.keys() else None
+
+        entries = await wait_until_async(registered, 10.0, interval=0.02,
+                                         what="the honest peers' entries")
         group = Group(members=tuple(sorted(entries)),
                       data_addrs=tuple(entries[p].data_addr for p in sorted(entries)),
                       weights=tuple(1.0 for _ in entries), my_index=sorted(entries).index(
@@ -184,10 +184,8 @@ async def _scenario() -> dict[str, Any]:
         intruders = [asyncio.create_task(m.rounds.reduce(ROUND, xs[m.creds.peer_id]))
                      for m in (w, x)]
         key = group_key(RUN, 0, 1, 0)
-        deadline = time.monotonic() + 10.0
-        while not {W.peer_id, X.peer_id} <= a.view.get_raw(key).keys():
-            assert time.monotonic() < deadline, "intruders did not register"
-            await asyncio.sleep(0.02)  # polling the board with a deadline, not a fixed wait
+        await wait_until_async(lambda: {W.peer_id, X.peer_id} <= a.view.get_raw(key).keys(),
+                               10.0, interval=0.02, what="the intruders' entries")
         outs = await asyncio.wait_for(asyncio.gather(
             *(m.rounds.reduce(ROUND, xs[m.creds.peer_id]) for m in (a, b)), *intruders), 60.0)
         return {"members": members, "outs": dict(zip("abwx", outs, strict=True)), "xs": xs,
@@ -242,14 +240,6 @@ def test_intruders_cannot_join_or_change_weights(caplog: pytest.LogCaptureFixtur
     assert not any(SECRET.decode() in ln for ln in lines)
 
 
-def _wait_for(probe: Callable[[], Any], deadline_s: float = 30.0) -> Any:
-    end = time.monotonic() + deadline_s
-    while not (got := probe()):
-        assert time.monotonic() < end, f"condition not met within {deadline_s}s"
-        time.sleep(0.2)
-    return got
-
-
 @pytest.mark.timeout(120)
 def test_dht_identity_is_our_key_and_foreign_secret_records_are_ignored(tmp_path: Path) -> None:
     pytest.importorskip("hivemind")
@@ -274,7 +264,8 @@ def test_dht_identity_is_our_key_and_foreign_secret_records_are_ignored(tmp_path
                 ids = {r.peer_id for r in second.fetch_peers(timeout=5)}
                 return ids if second.unauthorized_records and len(ids) >= 2 else None
 
-            ids = _wait_for(valid_ids_once_other_refused)
+            ids = wait_until(valid_ids_once_other_refused, 30.0, interval=0.2,
+                             what="the foreign-secret records refused")
             assert ids == {first.peer_id, second.peer_id}
             assert {r.peer_id for r in other.fetch_peers(timeout=5)} == {other.peer_id}
             assert other.unauthorized_records >= 2

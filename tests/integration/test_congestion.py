@@ -18,7 +18,8 @@ from dilonode.config import ConfigError, load_config
 from dilonode.net import congestion
 from dilonode.statesync.server import SnapshotSource, StateServer
 from tests.integration.test_join import _FixedWorker, _state
-from tests.integration.test_tcp_allreduce import IDS, RUN, _frames, _spec, _until
+from tests.integration.test_tcp_allreduce import IDS, RUN, _frames, _spec
+from tests.support.waiting import wait_until_async
 
 # Built into every Linux kernel and always in tcp_allowed_congestion_control, so any user
 # may set it; the box's default (cubic or bbr) is something else.
@@ -104,7 +105,8 @@ def test_data_plane_connections_use_it_on_both_ends(loop: str) -> None:
                 DataPlane(IDS[1], RUN, limits=reno) as b:
             frame = [s for s in _frames(spec, 1) if s.to == 0][0].frame
             await b.send(IDS[0], a.address, frame)
-            await _until(lambda: a.stats["frames_in"] == 1)
+            await wait_until_async(lambda: a.stats["frames_in"] == 1, 10.0, interval=0.005,
+                                   what="the frame in")
             inbound = next(iter(a._inbound)).transport
             writer = b._outbound[IDS[0]].writer
             assert inbound is not None and writer is not None
@@ -126,7 +128,8 @@ def test_state_server_connections_use_it(loop: str) -> None:
         host, port = (await server.start()).rsplit(":", 1)
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
-            await _until(lambda: bool(server._conns))
+            await wait_until_async(lambda: bool(server._conns), 10.0, interval=0.005,
+                                   what="the connection accepted")
             accepted = next(iter(server._conns.values()))
             name = congestion.current(accepted.get_extra_info("socket"))
             writer.close()

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -25,18 +23,17 @@ from prometheus_client.parser import text_string_to_metric_families
 pytest.importorskip("hivemind")
 
 from dilonode.cli.local_swarm import LocalSwarm  # noqa: E402
-from dilonode.config import load_config  # noqa: E402
+from tests.support.config import nano_config  # noqa: E402
+from tests.support.swarm import SwarmEvents  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 CONFIG = {
-    "run_id": "dash-test", "seed": 1, "eval_every": 5, "device": "cpu", "total_steps": 100000,
-    "model": {"preset": "nano"},
-    "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 1},
+    "run_id": "dash-test", "seed": 1, "eval_every": 5, "total_steps": 100000,
+    "data": {"eval_batches": 1},
     # Paced by steps: the test reads the dashboard while rounds land every few steps of a
     # tiny model (the swarm clock would make a reference step as short as one of them).
-    "diloco": {"mode": "streaming", "sync_every": 6, "num_fragments": 3,
-               "fragment_sync_delay": 1, "pacing": "steps"},
+    "diloco": {"pacing": "steps"},
     "codec": {"name": "int8"},
     "network": {"matchmaking_window": 4.0, "matchmaking_timeout": 20.0,
                 "allreduce_timeout": 20.0, "max_attempts": 2},
@@ -68,40 +65,6 @@ def get(url: str) -> str:
         return resp.read().decode()
 
 
-class Events:
-    """The swarm's child-process events, consumed with deadlines."""
-
-    def __init__(self, swarm: LocalSwarm) -> None:
-        self.swarm = swarm
-
-    def wait(self, pred, timeout: float, what: str) -> tuple[str, dict]:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                name, ev = self.swarm.events.get(timeout=left)
-            except queue.Empty:
-                break
-            if ev.get("event") == "eof":
-                raise AssertionError(f"{name} exited while waiting for {what} "
-                                     f"(see {self.swarm.out / name / 'stderr.log'})")
-            if pred(name, ev):
-                return name, ev
-        raise AssertionError(f"no {what} within {timeout} s")
-
-    def progress(self, node: str, timeout: float = 120) -> dict:
-        return self.wait(lambda n, e: n == node and e.get("event") == "progress", timeout,
-                         f"progress of {node}")[1]
-
-    def until(self, check, node: str, timeout: float, what: str):
-        """Re-evaluate `check()` after each progress event of `node` until it is truthy."""
-        deadline = time.monotonic() + timeout
-        while not (value := check()):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what} not reached within {timeout} s")
-            self.progress(node)
-        return value
-
-
 def scrape(url: str) -> dict[str, float]:
     families = text_string_to_metric_families(get(url + "/metrics"))
     return {s.name: s.value for f in families for s in f.samples if not s.labels}
@@ -130,15 +93,15 @@ def line_pixels(png: Path) -> int:
 @pytest.mark.timeout(420)
 def test_live_swarm_dashboard_metrics_and_swarm_view(tmp_path):
     chromium()  # fail fast, before starting a swarm, when it is missing
-    cfg = load_config(overrides={**CONFIG, "paths": {"out_dir": str(tmp_path)}})
+    cfg = nano_config(tmp_path, **CONFIG)
     swarm = LocalSwarm(cfg, 2, forever=True)
-    events = Events(swarm)
+    events = SwarmEvents(swarm)
     try:
         swarm.start()
         assert swarm.status_url and swarm.status_url.startswith("http://127.0.0.1:")
         urls = {}
         while len(urls) < 2:
-            name, ev = events.wait(lambda n, e: e.get("event") == "started", 240, "started")
+            name, ev = events.next(lambda n, e: e.get("event") == "started", 240, "started")
             urls[name] = ev["status_url"]
         node0 = urls["node-0"]
         assert (tmp_path / "node-0" / "status.url").read_text().strip() == node0
@@ -155,7 +118,7 @@ def test_live_swarm_dashboard_metrics_and_swarm_view(tmp_path):
         assert second["dilonode_tokens_total"] == second["dilonode_step"] * tokens_per_step
 
         # the dashboard draws the history in a real browser
-        events.until(lambda: charted(json.loads(get(node0 + "/history"))) >= POINTS,
+        events.until_progress(lambda: charted(json.loads(get(node0 + "/history"))) >= POINTS,
                      "node-0", 120, f"{POINTS} history points in every chart")
         dom = browse(node0 + "/", tmp_path, "--dump-dom")
         body = re.search(r"<body[^>]*>", dom)
@@ -178,7 +141,8 @@ def test_live_swarm_dashboard_metrics_and_swarm_view(tmp_path):
             nodes = seen[-1]["nodes"]
             return len(nodes) == 2 and all(n["step"] > 0 for n in nodes) and nodes
         try:
-            nodes = events.until(both_training, "node-0", 90, "both nodes in the swarm view")
+            nodes = events.until_progress(both_training, "node-0", 90,
+                                          "both nodes in the swarm view")
         except AssertionError as exc:
             raise AssertionError(f"{exc}; last views: {seen[-3:]}") from None
         assert {n["url"] for n in nodes} == set(urls.values())

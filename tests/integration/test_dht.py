@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 import pytest
@@ -31,24 +31,12 @@ from dilonode.swarm.records import (  # noqa: E402
     PeerRecord,
     peers_key,
 )
+from tests.support.waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 RUN = "dht-test"
 HOST = "127.0.0.1"
-T = TypeVar("T")
-
-
-def wait_for(probe: Callable[[], T | None], deadline_s: float = 20.0, every: float = 0.2) -> T:
-    """Poll `probe` until it returns something truthy; fail after `deadline_s`."""
-    end = time.monotonic() + deadline_s
-    while True:
-        got = probe()
-        if got:
-            return got
-        if time.monotonic() > end:
-            pytest.fail(f"condition not met within {deadline_s}s (last: {got!r})")
-        time.sleep(every)
 
 
 def _records_if(node: SwarmDHT, ok: Callable[[set[str]], bool]) -> dict[str, PeerRecord] | None:
@@ -92,7 +80,8 @@ def test_peers_see_each_other(peers: list[SwarmDHT]) -> None:
         assert node.publish(_peer_record(node, 5000 + i), ttl=60.0)
     want = {node.peer_id for node in peers}
     for node in peers:
-        by_id = wait_for(lambda n=node: _records_if(n, lambda ids: want <= ids))
+        by_id = wait_until(lambda n=node: _records_if(n, lambda ids: want <= ids), 20.0,
+                           interval=0.2, what="every peer's record")
         for i, other in enumerate(peers):
             assert by_id[other.peer_id].data_addr == f"{HOST}:{5000 + i}"
             assert by_id[other.peer_id].expires_at > time.time()
@@ -119,7 +108,8 @@ def test_foreign_records_are_ignored_and_counted(
         return (ids,) if reader.rejected_records >= before + 2 else None
 
     with caplog.at_level(logging.WARNING, logger="dilonode.swarm.dht"):
-        (ids,) = wait_for(valid_ids_once_both_rejected)
+        (ids,) = wait_until(valid_ids_once_both_rejected, 20.0, interval=0.2,
+                            what="both foreign records rejected")
     assert writer.peer_id not in ids and garbler.peer_id not in ids
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "run id 'another-run' != 'dht-test'" in warned and "not msgpack" in warned
@@ -130,10 +120,11 @@ def test_expired_record_disappears(boot: SwarmDHT, peers: list[SwarmDHT]) -> Non
     with SwarmDHT(RUN, boot.visible_maddrs(), host=HOST) as brief:
         assert brief.publish(_peer_record(brief, 6000), ttl=6.0)
     # Its DHT process is gone; the other nodes still hold the record until it expires.
-    seen = wait_for(lambda: _records_if(peers[0], lambda ids: brief.peer_id in ids),
-                    deadline_s=5.0, every=0.1)
+    seen = wait_until(lambda: _records_if(peers[0], lambda ids: brief.peer_id in ids), 5.0,
+                      interval=0.1, what="the brief peer's record")
     expires_at = seen[brief.peer_id].expires_at
-    wait_for(lambda: all(brief.peer_id not in _ids(n) for n in peers), deadline_s=15.0)
+    wait_until(lambda: all(brief.peer_id not in _ids(n) for n in peers), 15.0, interval=0.2,
+               what="the brief peer's record to expire everywhere")
     assert time.time() >= expires_at - 0.5  # dropped at expiry, not lost early
 
 
@@ -215,7 +206,7 @@ def test_calls_time_out_when_the_dht_process_is_stuck(boot: SwarmDHT) -> None:
             # A call in flight when the node closes (e.g. a matchmaking poll at shutdown)
             # must fail then, not wait out its timeout: it would hold up the process exit.
             waiting = pool.submit(node.get_raw, peers_key(RUN), 60.0)
-            wait_for(lambda: node._in_flight, deadline_s=5.0, every=0.05)
+            wait_until(lambda: node._in_flight, 5.0, interval=0.05, what="a call in flight")
             t0 = time.monotonic()
             node.close()  # SIGTERM stays pending on a stopped process: close() must SIGKILL
             assert time.monotonic() - t0 < 6.0

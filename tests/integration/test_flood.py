@@ -43,6 +43,7 @@ from dilonode.status.server import StatusServer
 from dilonode.status.snapshot import NodeStatus, QuietFacts
 from dilonode.wire.framing import encode_frame
 from dilonode.wire.messages import Abort
+from tests.support.waiting import wait_until_async
 
 RUN = "flood-it"
 DEADLINE = 2.0  # handshake deadline of all three ports
@@ -101,14 +102,6 @@ def _run(main: Callable[[], Awaitable[Any]]) -> Any:
         return runner.run(asyncio.wait_for(main(), 60))
 
 
-async def _until(probe: Callable[[], object], what: str, deadline: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline
-    while not probe():
-        assert loop.time() < end, f"not within {deadline} s: {what}"
-        await asyncio.sleep(0.02)  # polling a condition with a deadline
-
-
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -122,7 +115,8 @@ async def _legit_data(ports: Ports, name: str) -> None:
     async with DataPlane(name, RUN) as peer:
         frame = encode_frame(Abort(run_id=RUN, fragment=0, round=1, sender=0, reason="hi"))
         await asyncio.wait_for(peer.send("node-a", ports.plane.address, frame), 10)
-        await _until(lambda: ports.plane.stats["frames_in"] > before, "frame delivered")
+        await wait_until_async(lambda: ports.plane.stats["frames_in"] > before, 15.0,
+                               interval=0.02, what="frame delivered")
 
 
 async def _legit_state(ports: Ports) -> None:
@@ -190,7 +184,8 @@ def test_idle_flood_beyond_the_caps(caplog: pytest.LogCaptureFixture) -> None:
             floods = await asyncio.gather(*(_flood(a) for a in ports.addrs.values()))
             n = PER_SOURCE * len(FLOODERS)
             gates = [ports.adm.gate(p) for p in ports.addrs]
-            await _until(lambda: all(_accounted(g, n) for g in gates), "flood accepted")
+            await wait_until_async(lambda: all(_accounted(g, n) for g in gates), 15.0,
+                                   interval=0.02, what="flood accepted")
             held = {g.port: (g.open, g.pending) for g in gates}
             # Mid-flood, with every pending slot taken: legit clients still get in.
             await _legit_data(ports, "legit")
@@ -199,10 +194,12 @@ def test_idle_flood_beyond_the_caps(caplog: pytest.LogCaptureFixture) -> None:
             # Every idle connection is closed by its deadline, from the server's side.
             closed = await asyncio.gather(*(_closed_by_server(r) for f in floods
                                             for r, _ in f))
-            await _until(lambda: all(g.pending == 0 for g in gates), "idle ones closed")
+            await wait_until_async(lambda: all(g.pending == 0 for g in gates), 15.0,
+                                   interval=0.02, what="idle ones closed")
             for _, writer in (c for f in floods for c in f):
                 writer.close()
-            await _until(lambda: _open_fds() <= baseline + 2, "descriptors released")
+            await wait_until_async(lambda: _open_fds() <= baseline + 2, 15.0,
+                                   interval=0.02, what="descriptors released")
             after = await _metrics(ports)
             snap = ports.adm.snapshot()
         finally:

@@ -16,45 +16,34 @@ import torch
 
 pytest.importorskip("hivemind")
 
-from dilonode.cli.local_swarm import LocalSwarm  # noqa: E402
-from dilonode.config import load_config  # noqa: E402
 from dilonode.sim.training import replay_traces  # noqa: E402
+from tests.support.config import LOOPBACK_NETWORK, nano_config  # noqa: E402
+from tests.support.swarm import assert_one_model, run_swarm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 SLOW = 2  # node 2 runs 3x the batch: each of its steps costs about 3x
 BASE = {
-    "run_id": "hetero-test", "seed": 9, "eval_every": 12, "device": "cpu", "total_steps": 48,
-    "model": {"preset": "nano"},
-    "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
-    "inner": {"lr": 3e-3, "warmup_steps": 0},
-    "diloco": {"mode": "streaming", "sync_every": 12, "num_fragments": 2,
-               "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "pacing": "time",
+    "run_id": "hetero-test", "seed": 9, "eval_every": 12, "total_steps": 48,
+    "diloco": {"sync_every": 12, "num_fragments": 2, "pacing": "time",
                # A round period of 3 s: several times a loopback round (0.25-1 s here,
                # depending on the load of the shared box).
                "step_seconds": 0.25},
     "codec": {"name": "float32"},
-    "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 40.0,
-                "allreduce_timeout": 20.0, "max_attempts": 2},
+    "network": LOOPBACK_NETWORK,
     "paths": {"trace": True},
 }
 
 
 @pytest.mark.timeout(420)
 def test_a_3x_slower_node_takes_part_in_every_round_and_all_end_identical(tmp_path):
-    cfg = load_config(overrides={**BASE, "paths": {**BASE["paths"], "out_dir": str(tmp_path)}})
-    swarm = LocalSwarm(cfg, 3)
-    try:
-        swarm.start_bootstrap()
-        swarm.start_nodes({SLOW: ["--set", "data.batch_size=12"]})
-        summaries = swarm.follow()
-    finally:
-        swarm.stop()
-    assert [p.returncode for p in swarm.procs] == [0, 0, 0]
+    cfg = nano_config(tmp_path, **BASE)
+    end = run_swarm(cfg, 3, {SLOW: ["--set", "data.batch_size=12"]})
+    assert end.codes == [0, 0, 0]
+    summaries = end.summaries
     assert sorted(summaries) == ["node-0", "node-1", "node-2"], summaries
     s = [summaries[f"node-{i}"] for i in range(3)]
-    assert len({x["outer_digest"] for x in s}) == 1, "nodes disagree"
-    assert all(x["agreement"]["agrees"] is True for x in s), [x["agreement"] for x in s]
+    assert_one_model(summaries)
     # 4 rounds per fragment in 48 reference steps, plus the end-of-run round of fragment 0.
     for x in s:
         assert x["rounds_per_fragment"] == {"0": 5, "1": 4}, x
@@ -68,8 +57,7 @@ def test_a_3x_slower_node_takes_part_in_every_round_and_all_end_identical(tmp_pa
                (tmp_path / f"node-{i}" / "trace.jsonl").read_text().splitlines()]
               for i in range(3)]
     assert all(e["group"] == 3 for t in traces for e in t if e["event"] == "land")
-    cfgs = [cfg, cfg, load_config(overrides={**BASE, "data": {**BASE["data"],
-                                                               "batch_size": 12}})]
+    cfgs = [cfg, cfg, nano_config(**BASE, data={"batch_size": 12})]
     workers = replay_traces(cfgs, traces, [x["steps"] for x in s],
                             peers=[x["peer_id"] for x in s])
     want = torch.load(tmp_path / "node-0" / "outer.pt")

@@ -5,12 +5,19 @@ anything nor looks dead), and the sender's next frame simply reconnects."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from dilonode.allreduce.plane_limits import PlaneLimits
 from dilonode.allreduce.transport import DataPlane
-from tests.integration.test_tcp_allreduce import IDS, RUN, _frames, _spec, _until
+from tests.integration.test_tcp_allreduce import IDS, RUN, _frames, _spec
+from tests.support.waiting import wait_until_async
+
+
+def _until(cond: Callable[[], object], what: str) -> Awaitable[object]:
+    """`wait_until_async` for the data plane's counters, which move within milliseconds."""
+    return wait_until_async(cond, 10.0, interval=0.005, what=what)
 
 
 @pytest.mark.timeout(30)
@@ -24,13 +31,14 @@ def test_idle_connections_beyond_the_bound_close_and_reopen_on_demand() -> None:
             from_b = [s for s in _frames(spec, 1) if s.to == 0]
             from_c = [s for s in _frames(spec, 2) if s.to == 0]
             await b.send(IDS[0], a.address, from_b[0].frame)
-            await _until(lambda: a.stats["frames_in"] == 1)
-            await _until(lambda: a.stats["dropped_frames"] == 1)  # no round: b is idle now
+            await _until(lambda: a.stats["frames_in"] == 1, "b's frame in")
+            # no round: b is idle now
+            await _until(lambda: a.stats["dropped_frames"] == 1, "b's frame dropped")
             await c.send(IDS[0], a.address, from_c[0].frame)  # a second peer connects
-            await _until(lambda: a.stats["idle_closed"] == 1)
-            await _until(lambda: len(a._inbound) == 1)
+            await _until(lambda: a.stats["idle_closed"] == 1, "b's idle connection closed")
+            await _until(lambda: len(a._inbound) == 1, "one inbound connection")
             await b.send(IDS[0], a.address, from_b[1].frame)  # b reconnects quietly
-            await _until(lambda: a.stats["frames_in"] == 3)
+            await _until(lambda: a.stats["frames_in"] == 3, "b's second frame in")
             return dict(a.stats), dict(a.gone), b.stats["send_failures"]
 
     stats, gone, failures = asyncio.run(main())
@@ -49,7 +57,7 @@ def test_peers_with_a_round_here_are_never_closed() -> None:
             a.register((0, 5, 0), spec.members)
             await b.send(IDS[0], a.address, [s for s in _frames(spec, 1) if s.to == 0][0].frame)
             await c.send(IDS[0], a.address, [s for s in _frames(spec, 2) if s.to == 0][0].frame)
-            await _until(lambda: a.stats["frames_in"] == 2)
+            await _until(lambda: a.stats["frames_in"] == 2, "both frames in")
             return a.stats["idle_closed"]  # decided when c's connection was proven
 
     assert asyncio.run(main()) == 0

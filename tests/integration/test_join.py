@@ -11,13 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import signal
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,60 +24,17 @@ from dilonode.statesync.client import recover
 from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.train.checkpoint import latest_checkpoints, load_checkpoint
 from dilonode.train.state import WorkerState, config_digest
+from tests.support.config import nano_config
+from tests.support.swarm import nodes_by_hand
 
 BASE = {
-    "run_id": "join-test", "seed": 5, "eval_every": 6, "device": "cpu",
-    "total_steps": 100000,
-    "model": {"preset": "nano"},
-    "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
-    "inner": {"lr": 3e-3, "warmup_steps": 0},
-    "diloco": {"mode": "streaming", "sync_every": 6, "num_fragments": 3,
-               "fragment_sync_delay": 1, "fragment_update_alpha": 0.5},
+    "run_id": "join-test", "seed": 5, "eval_every": 6, "total_steps": 100000,
     "codec": {"name": "float32"},
     "network": {"matchmaking_window": 4.0, "matchmaking_timeout": 10.0,
                 "allreduce_timeout": 10.0, "max_attempts": 2},
     "checkpoint": {"every_steps": 1, "keep": 1000, "on_exit": False},
     "statesync": {"chunk_bytes": 4096},
 }
-
-
-class _Proc:
-    """A `dilonode run` child whose JSON stdout events are read by a thread."""
-
-    def __init__(self, tmp: Path, cfg_path: Path, maddrs: list[str], i: int,
-                 *extra: str) -> None:
-        self.out = tmp / f"node-{i}"
-        self.events: queue.Queue = queue.Queue()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dilonode.cli", "run", "--config", str(cfg_path),
-             "--worker-id", str(i), "--out", str(self.out), "--log-format", "json",
-             "--initial-peers", *maddrs, *extra],
-            stdout=subprocess.PIPE, stderr=(tmp / f"n{i}.log").open("w"), text=True)
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                self.events.put(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        self.events.put({"event": "eof"})
-
-    def wait_for(self, event: str, timeout: float, min_step: int = 0,
-                 until: Callable[[dict], bool] = lambda ev: True) -> dict:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                ev = self.events.get(timeout=left)
-            except queue.Empty:
-                break
-            if ev.get("event") == "eof":
-                break
-            if ev.get("event") == event and ev.get("step", 0) >= min_step and until(ev):
-                return ev
-        raise AssertionError(f"{self.out.name}: no {event!r} (step >= {min_step}) within "
-                             f"{timeout} s")
 
 
 def _checkpoints(node_dir: Path) -> dict[int, Path]:
@@ -104,22 +55,14 @@ def _assert_same(a: WorkerState, b: WorkerState, what: str) -> None:
 @pytest.mark.timeout(360)
 def test_joiner_recovers_state_and_contributes(tmp_path):
     pytest.importorskip("hivemind")
-    from dilonode.cli.local_swarm import LocalSwarm
-
-    cfg = load_config(overrides={**BASE, "paths": {"out_dir": str(tmp_path)}})
-    cfg_path = tmp_path / "cfg.json"
-    cfg_path.write_text(cfg.model_dump_json())
-    swarm = LocalSwarm(cfg, 0)
-    procs: list[_Proc] = []
-    try:
-        maddrs = swarm.start_bootstrap()
-        procs = [_Proc(tmp_path, cfg_path, maddrs, i, "--set", "network.min_peers=2")
-                 for i in range(2)]
+    cfg = nano_config(tmp_path, **BASE)
+    with nodes_by_hand(cfg) as swarm:
+        procs = [swarm.start(i, "--set", "network.min_peers=2") for i in range(2)]
         # Two rounds of every fragment landed: the state is then labelled step 13 or later
         # (paced by the clock a node's own step says nothing of its rounds).
         procs[0].wait_for("progress", 180, until=lambda ev: len(ev["rounds"]) == 3
                           and min(ev["rounds"].values()) >= 2)
-        procs.append(_Proc(tmp_path, cfg_path, maddrs, 2))
+        procs.append(swarm.start(2))
         rec = procs[2].wait_for("recovered", 120)
         # Until the joiner has landed two rounds of every fragment (its counts start at its
         # own start): its state then sits 12 reference steps past the one it adopted. Its
@@ -131,11 +74,6 @@ def test_joiner_recovers_state_and_contributes(tmp_path):
             p.proc.send_signal(signal.SIGTERM)
         summaries = [p.wait_for("summary", 60) for p in procs]
         assert [p.proc.wait(timeout=30) for p in procs] == [0, 0, 0]
-    finally:
-        swarm.stop()
-        for p in procs:
-            if p.proc.poll() is None:
-                p.proc.kill()
     joined_at = rec["step"]
     assert joined_at >= 12, rec
     # The joiner named its first round on the swarm clock (`PeerRecord.joins_from`): the

@@ -29,6 +29,7 @@ from dilonode.statesync.client import Recovery, recover
 from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.train.state import WorkerState, config_digest
 from tests.integration.test_join import _assert_same, _state
+from tests.support.waiting import wait_until_async
 
 CFG = load_config(overrides={"statesync": {"chunk_bytes": 16384, "request_timeout": 5.0,
                                            "snapshot_wait": 1.0, "window": 2}})
@@ -149,8 +150,9 @@ def test_round_landing_mid_fetch_switches_to_the_new_state_without_refetching():
 
     async def job(peers, servers, workers) -> Recovery | None:
         async def land_when_a_fifth_is_served() -> None:
-            while sum(s.bytes_served for s in servers) < OLD.nbytes // 5:
-                await asyncio.sleep(0.02)
+            await wait_until_async(
+                lambda: sum(s.bytes_served for s in servers) >= OLD.nbytes // 5, 60,
+                interval=0.02, what="a fifth of the state served")
             for w in workers:
                 with w.lock:
                     w.state = new
@@ -226,8 +228,9 @@ def _land_during(landings: list[tuple[float, WorkerState]], replayer=REPLAYER) -
     async def job(peers, servers, workers) -> Recovery | None:
         async def land() -> None:
             for share, state in landings:
-                while sum(s.bytes_served for s in servers) < OLD.nbytes * share:
-                    await asyncio.sleep(0.01)
+                await wait_until_async(
+                    lambda share=share: sum(s.bytes_served for s in servers)
+                    >= OLD.nbytes * share, 60, what=f"{share:.0%} of the state served")
                 for w in workers:
                     with w.lock:
                         w.state = state

@@ -11,15 +11,13 @@ import pytest
 import torch
 
 from tests.integration.ranks_harness import run_ranks, train_node
+from tests.support.config import nano_overrides
 
 pytestmark = pytest.mark.slow
 
 STEPS = 12  # 3 rounds of every fragment (H = 4, P = 3)
-CFG = {"seed": 3, "device": "cpu", "total_steps": STEPS, "model": {"preset": "nano"},
-       "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
-       "inner": {"lr": 3e-3}, "codec": {"name": "float32"},
-       "diloco": {"mode": "streaming", "sync_every": 4, "num_fragments": 3,
-                  "fragment_sync_delay": 1, "pacing": "steps"}}
+CFG = nano_overrides(seed=3, total_steps=STEPS, codec={"name": "float32"},
+                     diloco={"sync_every": 4, "pacing": "steps"})
 # The ranks average gradients over halves of the batch where one rank takes the mean of
 # the whole: float rounding apart, the same run.
 TOL = {"atol": 1e-4, "rtol": 0}

@@ -11,45 +11,35 @@ import pytest
 
 pytest.importorskip("hivemind")
 
-from dilonode.cli.local_swarm import LocalSwarm  # noqa: E402
-from dilonode.config import load_config  # noqa: E402
+from tests.support.config import LOOPBACK_NETWORK, merged, nano_config  # noqa: E402
+from tests.support.swarm import SwarmEvents, assert_one_model, local_swarm, run_swarm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 BASE = {
-    "run_id": "multirank-test", "seed": 5, "eval_every": 6, "device": "cpu",
-    "model": {"preset": "nano"},
+    "run_id": "multirank-test", "seed": 5, "eval_every": 6,
     # 6 sequences per node and step: split 6, 3+3 or 2+2+2 over its ranks.
-    "data": {"seq_len": 32, "batch_size": 6, "eval_batches": 2},
-    "inner": {"lr": 3e-3, "warmup_steps": 0},
-    "diloco": {"mode": "streaming", "sync_every": 6, "num_fragments": 3,
-               "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "pacing": "steps"},
+    "data": {"batch_size": 6},
+    "diloco": {"pacing": "steps"},
     "codec": {"name": "int4"},
-    "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 40.0,
-                "allreduce_timeout": 20.0, "max_attempts": 2},
+    "network": LOOPBACK_NETWORK,
     "checkpoint": {"every_steps": 0, "on_exit": False},
 }
 
 
 def _cfg(tmp_path, **over):
-    return load_config(overrides={**BASE, **over, "paths": {"out_dir": str(tmp_path)}})
+    return nano_config(tmp_path, **merged(BASE, over))
 
 
 @pytest.mark.timeout(480)
 def test_nodes_of_one_two_and_three_ranks_end_with_identical_outer_weights(tmp_path):
-    swarm = LocalSwarm(_cfg(tmp_path, total_steps=12), 3)
-    try:
-        swarm.start_bootstrap()
-        swarm.start_nodes({1: ["--nproc", "2"], 2: ["--nproc", "3", "--set",
-                                                    "dist.strategy=fsdp"]})
-        summaries = swarm.follow()
-    finally:
-        swarm.stop()
+    summaries = run_swarm(_cfg(tmp_path, total_steps=12), 3,
+                          {1: ["--nproc", "2"], 2: ["--nproc", "3", "--set",
+                                                    "dist.strategy=fsdp"]}).summaries
     assert sorted(summaries) == ["node-0", "node-1", "node-2"], summaries
-    assert len({s["outer_digest"] for s in summaries.values()}) == 1, "nodes disagree"
+    assert_one_model(summaries)
     for s in summaries.values():
         assert s["skipped_rounds"] == 0, s["dropped_peers"]
-        assert s["agreement"]["agrees"] is True, s["agreement"]
         assert s["rounds_with_peers"] == 8  # every round (2 + 1 end-of-run each but one)
     assert [summaries[f"node-{i}"]["devices"].split(" x ")[0] for i in range(3)] == \
         ["1", "2", "3"]
@@ -76,19 +66,13 @@ def test_a_killed_rank_ends_its_node_and_the_swarm_goes_on(tmp_path):
     # Rank 1 dies at step 8 or later; node-0 then runs its last rounds alone (each closes at
     # once once node-1 is known dead: `nobody_else` in swarm/matchmaking.py).
     cfg = _cfg(tmp_path, total_steps=20,
-               network={**BASE["network"], "matchmaking_window": 4.0,
-                        "matchmaking_timeout": 10.0, "allreduce_timeout": 8.0})
-    swarm = LocalSwarm(cfg, 2)
-    events: dict[str, list] = {"node-0": [], "node-1": []}
-    try:
+               network={"matchmaking_window": 4.0, "matchmaking_timeout": 10.0,
+                        "allreduce_timeout": 8.0})
+    with local_swarm(cfg, 2) as swarm:
         swarm.start_bootstrap()
         swarm.start_nodes({1: ["--nproc", "2"]})
-        deadline = time.monotonic() + 240
-        while not any(e.get("event") == "progress" and e.get("step", 0) >= 8
-                      for e in events["node-1"]):
-            assert time.monotonic() < deadline, "node-1 never trained"
-            name, ev = swarm.events.get(timeout=max(deadline - time.monotonic(), 1))
-            events.setdefault(name, []).append(ev)
+        events = SwarmEvents(swarm)
+        events.until(lambda: events.step("node-1") >= 8, 240, "node-1 at step 8")
         pid = _rank_pid(tmp_path / "node-1", 1)
         assert pid is not None, "no rank 1 process"
         os.kill(pid, signal.SIGKILL)
@@ -96,8 +80,6 @@ def test_a_killed_rank_ends_its_node_and_the_swarm_goes_on(tmp_path):
         code = swarm.procs[1].wait(timeout=60)
         stopped_in = time.monotonic() - t0
         assert swarm.procs[0].wait(timeout=240) == 0
-    finally:
-        swarm.stop()
     assert code == 4, "the node must exit with 'a rank failed'"
     assert stopped_in < 30
     assert _rank_pid(tmp_path / "node-1", 0) is None  # no rank outlives its node

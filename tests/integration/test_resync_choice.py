@@ -18,7 +18,7 @@ from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.train.state import WorkerState
 from tests.integration.test_join import _assert_same, _FixedWorker, _state
 from tests.integration.test_state_sync_auth import CFG, DIGEST
-from tests.integration.test_tcp_allreduce import _until
+from tests.support.waiting import wait_until_async
 
 
 async def _resync_all(states: dict[str, WorkerState],
@@ -82,8 +82,9 @@ async def _resync_after_lone_round(peer_step: int, land: bool) -> tuple[Any, lis
             auth=creds[me], own_candidate=True, wait_behind=60.0,
             wait_from_step=mine.step - 2))
         if land:
-            await _until(lambda: task.done() or all(  # two manifest passes
-                s.manifests_served >= 2 for s in servers.values()), timeout=30.0)
+            await wait_until_async(lambda: task.done() or all(
+                s.manifests_served >= 2 for s in servers.values()), 30.0, interval=0.005,
+                what="two manifest passes")
             assert not task.done(), "gave up before the peers landed their round"
             for w in workers.values():
                 w.state, w.step = landed, landed.step

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -11,35 +9,21 @@ import torch.multiprocessing as mp
 from dilonode.algo.butterfly import wire_bytes_ideal
 from dilonode.algo.codecs import get_codec
 from dilonode.algo.fragments import flatten
-from dilonode.config import load_config
 from dilonode.sim.local_group import LocalGroup
 from dilonode.sim.training import simulate
 from dilonode.train.data import load_data
 from dilonode.train.model import build_model, lm_loss
 from dilonode.train.worker import Worker, build_inner_optimizer
 from tests.integration import gloo_reference
+from tests.support.config import merged, nano_config
+from tests.support.ports import free_port
 
-BASE = {
-    "seed": 3, "eval_every": 1000, "device": "cpu",
-    "model": {"preset": "nano"},
-    "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
-    "inner": {"lr": 3e-3, "warmup_steps": 0, "grad_clip": 1.0},
-    "codec": {"name": "float32"},
-}
+BASE = {"seed": 3, "eval_every": 1000, "inner": {"grad_clip": 1.0},
+        "codec": {"name": "float32"}}
 
 
 def _cfg(**over):
-    merged = {**BASE, **over}
-    for key in ("diloco", "model", "data", "inner", "codec", "sim"):
-        if key in over and key in BASE:
-            merged[key] = {**BASE[key], **over[key]}
-    return load_config(overrides=merged)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return nano_config(**merged(BASE, over))
 
 
 @pytest.mark.timeout(300)
@@ -49,7 +33,7 @@ def test_diloco_float32_matches_gloo_reference(tmp_path):
                diloco={"mode": "diloco", "sync_every": 4, "outer_lr": 0.7,
                        "outer_momentum": 0.9})
     out = tmp_path / "ref.pt"
-    mp.start_processes(gloo_reference.run, args=(world, _free_port(), cfg.model_dump_json(),
+    mp.start_processes(gloo_reference.run, args=(world, free_port(), cfg.model_dump_json(),
                                                  str(out)),
                        nprocs=world, join=True, start_method="spawn")
     reference = torch.load(out)

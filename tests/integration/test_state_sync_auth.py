@@ -17,6 +17,7 @@ from dilonode.statesync.protocol import ManifestRequest, encode_frame
 from dilonode.statesync.server import SnapshotSource, StateServer
 from dilonode.train.state import WorkerState, config_digest
 from tests.integration.test_join import _assert_same, _FixedWorker, _state
+from tests.support.waiting import wait_until_async
 
 SECRET = b"state-sync-test-secret"
 CFG = load_config(overrides={"statesync": {"chunk_bytes": 4096, "request_timeout": 5.0,
@@ -228,9 +229,8 @@ def test_a_server_closing_while_an_answer_is_made_ends_the_connection_quietly(id
         conn = await Link.connect(addr, _creds(joiner), CFG.run_id, joiner.peer_id,
                                   server_id.peer_id, 5.0)
         conn.send(ManifestRequest(run_id=CFG.run_id))
-        async with asyncio.timeout(5.0):
-            while not source._wanted:  # the server is waiting on the trainer now
-                await asyncio.sleep(0.01)
+        await wait_until_async(lambda: source._wanted, 5.0,
+                               what="the server waiting on the trainer")
         await server.aclose()  # its answer comes after snapshot_wait, on a closed socket
         conn.close()
 

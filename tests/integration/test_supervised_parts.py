@@ -32,20 +32,12 @@ from dilonode.node.supervised_parts import ListenerPart, _relisten_state, _relis
 from dilonode.node.supervisor import PartDown  # noqa: E402
 from dilonode.swarm.dht import DHTUnavailable, SwarmDHT  # noqa: E402
 from dilonode.swarm.records import PeerRecord  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 RUN = "supervise-test"
 HOST = "127.0.0.1"
-
-
-def wait_for(probe: Callable[[], Any], deadline_s: float = 20.0, every: float = 0.1) -> Any:
-    end = time.monotonic() + deadline_s
-    while not (got := probe()):
-        if time.monotonic() > end:
-            pytest.fail(f"condition not met within {deadline_s}s")
-        time.sleep(every)
-    return got
 
 
 @pytest.fixture(scope="module")
@@ -80,16 +72,16 @@ def test_dht_health_names_the_fault_and_restart_heals_it(pair, fault):
     expected = {"kill dht": "was killed by signal 9", "kill p2pd": "is gone",
                 "stop dht": "is stopped", "stop p2pd": "is stopped"}[fault]
     # (a check racing the signal may first see only "did not answer")
-    wait_for(lambda: expected in str(_fails(node) or ""), deadline_s=10)
+    wait_until(lambda: expected in str(_fails(node) or ""), 10, what=f"health: {expected!r}")
     t0 = time.monotonic()
     node.restart(30.0)
     assert time.monotonic() - t0 < 15.0
     node.health(3.0)
     assert node.visible_maddrs() == maddrs  # same peer id, same port
     _publish(node)
-    wait_for(lambda: _sees(boot, node), deadline_s=20)
+    wait_until(lambda: _sees(boot, node), 20, what="the bootstrap reading the node's record")
     if what == "stop":  # the stopped process was killed, not left frozen behind
-        wait_for(lambda: _gone(pid), deadline_s=10)
+        wait_until(lambda: _gone(pid), 10, what=f"the stopped process {pid} gone")
 
 
 def _fails(node: SwarmDHT) -> Exception | None:
@@ -111,7 +103,7 @@ def _gone(pid: int) -> bool:
 def test_calls_to_a_dead_dht_fail_fast_and_ride_out_a_restart(pair):
     boot, node = pair
     os.kill(node._dht.pid, signal.SIGKILL)
-    wait_for(lambda: _fails(node), deadline_s=10)
+    wait_until(lambda: _fails(node), 10, what="the health check failing")
     t0 = time.monotonic()
     for _ in range(200):  # never a blocked pipe, never a crashed torch_shm_manager
         with pytest.raises(DHTUnavailable):
@@ -186,7 +178,8 @@ def test_a_destroyed_data_listener_is_noticed_and_relistens_on_its_port(loop):
         part.health(2.0)
         port = plane.port
         _kill_listener(port)
-        assert "refused" in wait_for(lambda: _down(part), deadline_s=5).lower()
+        down = wait_until(lambda: _down(part), 5, what="the data listener down")
+        assert "refused" in down.lower()
         part.restart(5.0)
         assert plane.port == port
         part.health(2.0)
@@ -215,7 +208,7 @@ def test_status_and_state_servers_come_back_on_their_port(loop, tmp_path):
         for part in parts:
             before = part.address()
             _kill_listener(int(before.rsplit(":", 1)[1]))
-            wait_for(lambda part=part: _down(part), deadline_s=5)
+            wait_until(lambda part=part: _down(part), 5, what=f"the {part.name} listener down")
             part.restart(5.0)
             assert part.address() == before
             part.health(2.0)
@@ -237,7 +230,8 @@ def test_a_filtered_listener_is_down_until_the_filter_goes(loop):
     part = ListenerPart("data", loop, lambda: plane.address, plane.relisten)
     try:
         subprocess.run(["iptables", "-I", *rule], check=True, timeout=10)
-        assert "no connection within 0.5s" in wait_for(lambda: _down_in(part, 0.5))
+        assert "no connection within 0.5s" in wait_until(lambda: _down_in(part, 0.5), 20,
+                                                          what="the filtered listener down")
     finally:
         subprocess.run(["iptables", "-D", *rule], check=False, timeout=10)
         loop.run(plane.aclose(), timeout=5)

@@ -42,6 +42,7 @@ from dilonode.collective import FormedGroup, GroupRequest, RoundRequest, SyncKey
 from dilonode.net.channel import InboundChannel
 from dilonode.wire.framing import encode_frame
 from dilonode.wire.messages import Hello
+from tests.support.waiting import wait_until_async
 
 RUN = "tcp-it"
 NUMEL = 60_000
@@ -338,15 +339,6 @@ def test_large_frames_are_read_into_their_bodies(loop_kind: str, codec: str) -> 
         assert stats["bytes_in_direct"] > share * stats["bytes_in"]
 
 
-async def _until(cond: Any, timeout: float = 10.0) -> None:
-    """Wait for `cond()` to hold, yielding to the loop; fail at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
 def _frames(spec: GroupSpec, sender: int) -> list[Send]:
     rnd = AllReduceRound(spec, sender, _inputs(sender), timeout=10.0)
     return [a for a in rnd.start(0.0) if isinstance(a, Send)]
@@ -361,13 +353,15 @@ def test_early_frames_wait_for_their_round_and_expire(caplog: pytest.LogCaptureF
                 DataPlane(IDS[1], RUN) as b:
             sends = [s for s in _frames(spec, 1) if s.to == 0]
             await asyncio.gather(*(b.send(IDS[0], a.address, s.frame) for s in sends))
-            await _until(lambda: a.stats["frames_in"] == len(sends))
+            await wait_until_async(lambda: a.stats["frames_in"] == len(sends), 10.0,
+                                   interval=0.005, what="every early frame in")
             early = len(a.register((0, 5, 0), spec.members))  # delivered on registration
             a.unregister((0, 5, 0))
             late = _spec(IDS[:2], attempt=1)  # nobody registers attempt 1 in time
             await asyncio.gather(*(b.send(IDS[0], a.address, s.frame)
                                    for s in _frames(late, 1) if s.to == 0))
-            await _until(lambda: a.stats["dropped_frames"] == len(sends))
+            await wait_until_async(lambda: a.stats["dropped_frames"] == len(sends), 10.0,
+                                   interval=0.005, what="every late frame dropped")
             return early, len(sends), dict(a.stats)
 
     with caplog.at_level(logging.WARNING, logger="dilonode.allreduce.transport"):
@@ -388,15 +382,19 @@ def test_a_peer_that_hangs_up_is_marked_gone_until_it_connects_again() -> None:
             b = DataPlane(IDS[1], RUN)
             await b.start()
             await b.send(IDS[0], a.address, sends[0].frame)
-            await _until(lambda: a.stats["frames_in"] == 1)
+            await wait_until_async(lambda: a.stats["frames_in"] == 1, 10.0, interval=0.005,
+                                   what="the first frame in")
             connected = set(a.gone)
             await b.aclose()  # the peer's process ends: its connections close
-            await _until(lambda: IDS[1] in a.gone)
+            await wait_until_async(lambda: IDS[1] in a.gone, 10.0, interval=0.005,
+                                   what="the peer marked gone")
             hung_up = set(a.gone)
             async with DataPlane(IDS[1], RUN) as again:
                 await again.send(IDS[0], a.address, sends[1].frame)
-                await _until(lambda: a.stats["frames_in"] == 2)
-                await _until(lambda: IDS[1] not in a.gone)
+                await wait_until_async(lambda: a.stats["frames_in"] == 2, 10.0,
+                                       interval=0.005, what="the second frame in")
+                await wait_until_async(lambda: IDS[1] not in a.gone, 10.0, interval=0.005,
+                                       what="the peer no longer gone")
                 back = set(a.gone)
         return connected, hung_up, back
 
@@ -452,7 +450,8 @@ def test_aclose_is_bounded_when_the_peer_stops_reading() -> None:
         await plane.start()
         frame = encode_frame(Hello(run_id=RUN, peer_id="x"))[:4] + bytes(8 << 20)
         futs = [plane.send("stuck", f"127.0.0.1:{port}", frame) for _ in range(16)]
-        await _until(lambda: accepted and plane.stats["frames_out"] > 0)
+        await wait_until_async(lambda: accepted and plane.stats["frames_out"] > 0, 10.0,
+                               interval=0.005, what="a connection accepted and a frame out")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await plane.aclose(grace=0.5)

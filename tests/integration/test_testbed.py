@@ -108,31 +108,26 @@ def test_sweep_removes_what_a_sigkilled_owner_left():
 @pytest.mark.timeout(420)
 def test_three_nodes_train_across_namespaces_and_agree(tmp_path):
     pytest.importorskip("hivemind")
-    from dilonode.config import load_config
+    from tests.support.config import LOOPBACK_NETWORK, nano_config
+    from tests.support.swarm import assert_one_model, run_to_end
 
-    cfg = load_config(overrides={
-        "run_id": "testbed-3", "seed": 3, "total_steps": 12, "eval_every": 6, "device": "cpu",
-        "model": {"preset": "nano"}, "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
-        "diloco": {"mode": "streaming", "sync_every": 6, "num_fragments": 3,
-                   "fragment_sync_delay": 1, "fragment_update_alpha": 0.5},
-        "codec": {"name": "int4"},
-        "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 40.0,
-                    "allreduce_timeout": 20.0, "max_attempts": 2, "bandwidth_mbps": 50.0},
-        "paths": {"out_dir": str(tmp_path)}})
+    cfg = nano_config(tmp_path, run_id="testbed-3", seed=3, total_steps=12, eval_every=6,
+                      codec={"name": "int4"},
+                      network={**LOOPBACK_NETWORK, "bandwidth_mbps": 50.0})
     names = ["bootstrap", "node-0", "node-1", "node-2"]
     started: dict[str, str] = {}
     with swarm_on_testbed(cfg, 3, rate_mbit=50) as (bed, swarm):
         assert isinstance(swarm.placement, SwarmHosts) and bed.hosts["bootstrap"].rate_mbit is None
-        swarm.start()
-        summaries = swarm.follow(lambda name, ev: started.update({name: ev["data_addr"]})
-                                 if ev.get("event") == "started" else None)
+        end = run_to_end(swarm, on_event=lambda name, ev: started.update(
+            {name: ev["data_addr"]}) if ev.get("event") == "started" else None)
         addrs = {n: bed.addr(n) for n in names}
-    assert all(p.returncode == 0 for p in swarm.procs)
+    summaries = end.summaries
+    assert all(code == 0 for code in end.codes)
     # each node's data plane listened on its own namespace's address, not loopback
     assert {n: a.rsplit(":", 1)[0] for n, a in started.items()} == \
         {n: addrs[n] for n in names[1:]}
     assert sorted(summaries) == names[1:]
-    assert len({s["outer_digest"] for s in summaries.values()}) == 1, "nodes disagree"
+    assert_one_model(summaries)
     for s in summaries.values():
         assert s["skipped_rounds"] == 0, s["dropped_peers"]
         # 2 rounds each, plus the end-of-run round of fragments 0 and 1

@@ -9,26 +9,24 @@ import pytest
 import torch
 
 from dilonode.algo.codecs import get_codec
-from dilonode.config import load_config
 from dilonode.sim.local_group import LocalGroup
 from dilonode.sim.training import simulate
 from dilonode.train.data import load_data
 from dilonode.train.model import lm_loss
 from dilonode.train.worker import Worker, build_inner_optimizer
+from tests.support.config import nano_config
 
 # A learning rate at which zero AdamW moments do spike the loss of a trained model.
-BASE = {"seed": 1, "total_steps": 60, "device": "cpu", "eval_every": 1000,
-        "model": {"preset": "nano"}, "data": {"seq_len": 64, "batch_size": 8},
+BASE = {"seed": 1, "total_steps": 60, "eval_every": 1000,
+        "data": {"seq_len": 64, "batch_size": 8, "eval_batches": 8},
         "inner": {"lr": 1e-2, "warmup_steps": 10},
-        "diloco": {"mode": "streaming", "sync_every": 30, "num_fragments": 3,
-                   "pacing": "steps"},
-        "sim": {"workers": 2}}
+        "diloco": {"sync_every": 30, "pacing": "steps"}, "sim": {"workers": 2}}
 AFTER = 8  # steps measured after adopting
 
 
 @pytest.fixture(scope="module")
 def swarm_state():
-    cfg = load_config(overrides=BASE)
+    cfg = nano_config(**BASE)
     got = {}
     simulate(cfg, on_step=lambda s, ws: got.update(w=ws) if s == cfg.total_steps else None)
     return cfg, got["w"][0].export_state()

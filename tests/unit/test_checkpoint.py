@@ -32,6 +32,8 @@ from dilonode.train.checkpoint import (
 from dilonode.train.data import load_data
 from dilonode.train.state import WorkerState, config_digest
 from dilonode.train.worker import Worker
+from tests.support.config import nano_config
+from tests.support.waiting import wait_until
 
 RUN, DIGEST = "ckpt-test", "ab" * 32
 
@@ -138,12 +140,15 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path, point):
     root = str(Path(__file__).parents[2])
     child = subprocess.Popen([sys.executable, "-c", _CHILD.format(root=root),
                               str(tmp_path), point])
+
+    def parked() -> bool:
+        if (tmp_path / "ready").exists():
+            return True
+        assert child.poll() is None, "child exited before reaching the save point"
+        return False
+
     try:
-        deadline = time.monotonic() + 45
-        while not (tmp_path / "ready").exists():
-            assert child.poll() is None, "child exited before reaching the save point"
-            assert time.monotonic() < deadline, "child never reached the save point"
-            time.sleep(0.05)
+        wait_until(parked, 45, interval=0.05, what="the child at the save point")
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=10)
     finally:
@@ -204,11 +209,9 @@ def _worker(cfg, identity=0) -> tuple[Worker, LocalGroup]:
 def _h4_p2_config():
     """nano, H = 4, two fragments, tau = 1: fragment 0's rounds start at steps 2, 6, 10, ...,
     fragment 1's at 4, 8, ...; each lands one step after it starts."""
-    return load_config(overrides={
-        "model": {"preset": "nano"}, "device": "cpu",
-        "data": {"seq_len": 16, "batch_size": 2},
-        "diloco": {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1},
-        "codec": {"name": "float32"}})
+    return nano_config(data={"seq_len": 16, "batch_size": 2, "eval_batches": 8},
+                       diloco={"sync_every": 4, "num_fragments": 2},
+                       codec={"name": "float32"})
 
 
 def _run_to(worker, step: int) -> None:

@@ -46,6 +46,7 @@ from dilonode.train.device import autocast
 from dilonode.train.loop import train_loop
 from dilonode.train.state import config_digest
 from dilonode.train.worker import Worker
+from tests.support.config import merged, nano_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -55,20 +56,12 @@ WAIT = 60.0  # deadline for any cross-thread wait
 
 def _cfg(**over: Any) -> RunConfig:
     """A nano model on the built-in corpus: seconds per test on a GPU."""
-    raw: dict[str, Any] = {
+    return nano_config(**merged({
         "device": "cuda", "total_steps": 24, "eval_every": 12,
-        "model": {"preset": "nano"}, "data": {"seq_len": 64, "batch_size": 8},
-        "diloco": {"mode": "streaming", "sync_every": 6, "num_fragments": 3,
-                   "fragment_sync_delay": 1},
+        "data": {"seq_len": 64, "batch_size": 8, "eval_batches": 8},
         "codec": {"name": "float32"}, "sim": {"workers": 2},
         "statesync": {"enabled": False}, "checkpoint": {"every_steps": 0},
-    }
-    for section, value in over.items():
-        if isinstance(value, dict):
-            raw[section] = {**raw.get(section, {}), **value}
-        else:
-            raw[section] = value
-    return RunConfig.model_validate(raw)
+    }, over))
 
 
 @pytest.fixture(scope="module")

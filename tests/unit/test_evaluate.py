@@ -7,20 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilonode.config import load_config
 from dilonode.sim.training import simulate
 from dilonode.train.data import load_data
 from dilonode.train.model import mean_loss
+from tests.support.config import nano_config
 
-BASE = {"seed": 2, "total_steps": 12, "device": "cpu", "eval_every": 1000,
-        "model": {"preset": "nano"}, "data": {"seq_len": 32, "batch_size": 4},
-        "diloco": {"sync_every": 6, "num_fragments": 3, "pacing": "steps"},
-        "sim": {"workers": 2}}
+BASE = {"seed": 2, "total_steps": 12, "eval_every": 1000, "data": {"eval_batches": 8},
+        "diloco": {"pacing": "steps"}, "sim": {"workers": 2}}
 
 
 @pytest.mark.parametrize("mode", ["streaming", "diloco", "ddp"])
 def test_evaluate_is_the_outer_weights_loss_and_leaves_the_inner_weights_alone(mode):
-    cfg = load_config(overrides={**BASE, "diloco": {**BASE["diloco"], "mode": mode}})
+    cfg = nano_config(**BASE | {"diloco": {**BASE["diloco"], "mode": mode}})
     got = {}
     simulate(cfg, on_step=lambda s, ws: got.update(w=ws[0]))
     w = got["w"]

@@ -10,18 +10,17 @@ from dilonode.algo.codecs import get_codec
 from dilonode.algo.groups import partition
 from dilonode.algo.mixing import pack_state
 from dilonode.collective import RoundRequest, SyncKey
-from dilonode.config import load_config
 from dilonode.sim.local_group import LocalGroup
 from dilonode.sim.training import simulate
+from tests.support.config import nano_config
 
-BASE = {"run_id": "groups-sim", "seed": 3, "eval_every": 12, "device": "cpu",
-        "total_steps": 24, "model": {"preset": "nano"},
+BASE = {"run_id": "groups-sim", "seed": 3, "eval_every": 12, "total_steps": 24,
         "data": {"seq_len": 16, "batch_size": 2, "eval_batches": 1},
-        "diloco": {"sync_every": 6, "num_fragments": 2, "pacing": "steps"}}
+        "diloco": {"num_fragments": 2, "pacing": "steps"}}
 
 
 def _cfg(workers: int, **network: object):
-    return load_config(overrides={**BASE, "sim": {"workers": workers}, "network": network})
+    return nano_config(**BASE, sim={"workers": workers}, network=network)
 
 
 def test_at_most_max_group_size_workers_run_exactly_as_one_group() -> None:

@@ -26,6 +26,7 @@ from dilonode.swarm.matchmaking import (
 )
 from dilonode.swarm.records import GroupEntry, PeerRecord, RosterMember, group_key
 from tests.boards import Board, View
+from tests.support.waiting import wait_until
 
 RUN = "mm-unit"
 SETTINGS = {"codec": "int4", "block_size": 64, "aggregator": "mean", "norm_bound": 0.0}
@@ -364,10 +365,8 @@ def test_a_peer_that_knows_nobody_else_still_groups_with_an_entry_it_finds() -> 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(form_group, _view(board, other), RUN, 1, 5, 0, _entry(other), 1.0,
                           8.0, poll_interval=0.02)
-        deadline = time.monotonic() + 5.0
-        while other.peer_id not in _view(board, IDS[0]).get_raw(key):
-            assert time.monotonic() < deadline, "the other peer never registered"
-            time.sleep(0.01)
+        wait_until(lambda: other.peer_id in _view(board, IDS[0]).get_raw(key), 5.0,
+                   interval=0.01, what="the other peer's entry")
         mine = form_group(_view(board, IDS[0]), RUN, 1, 5, 0, _entry(IDS[0]), 1.0, 8.0,
                           poll_interval=0.02, nobody_else=True)
         theirs = fut.result(timeout=10)
@@ -416,11 +415,6 @@ def test_a_round_names_the_expected_peers_that_are_not_in_its_group(caplog) -> N
     assert caplog.text.count(line) == len(members), caplog.text
 
 
-def _until(predicate, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def test_a_round_before_a_joiners_first_round_does_not_wait_for_it() -> None:
@@ -468,10 +462,12 @@ def test_peers_that_read_a_joiners_record_at_different_moments_agree_it_takes_pa
     mj = member(_Peers(board, joiner, [joiner, a, b], joins), 7000)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(m.form_blocking, _ask(0, 5, timed=True)) for m in (ma, mb)]
-        _until(lambda: ma.counts(0, 5, joiner.peer_id), 3.0, "a never counted the joiner")
+        wait_until(lambda: ma.counts(0, 5, joiner.peer_id), 3.0, interval=0.01,
+                   what="a counting the joiner")
         assert not mb.counts(0, 5, joiner.peer_id)  # b knows nothing of it yet
         late.alive.append(joiner)  # b reads the record now, after its round started
-        _until(lambda: mb.counts(0, 5, joiner.peer_id), 3.0, "b never counted the joiner")
+        wait_until(lambda: mb.counts(0, 5, joiner.peer_id), 3.0, interval=0.01,
+                   what="b counting the joiner")
         futs.append(pool.submit(mj.form_blocking, _ask(0, 5, timed=True)))
         groups = {tuple(f.result(timeout=30).members) for f in futs}
     assert groups == {(joiner.peer_id, a.peer_id, b.peer_id)}

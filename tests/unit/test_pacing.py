@@ -18,8 +18,8 @@ from dilonode.algo.pacing import (
     retune_step_seconds,
 )
 from dilonode.algo.schedule import SyncPlan, SyncStart, auto_merge_delay
-from dilonode.config import load_config
 from dilonode.sim.training import simulate
+from tests.support.config import merged, nano_config
 
 
 def test_due_starts_matches_the_step_schedule_exactly():
@@ -89,19 +89,12 @@ def test_time_pacer_reads_the_clock_and_measures_its_own_step():
         SwarmClock(0.0, 0.0)
 
 
-BASE = {"seed": 1, "eval_every": 20, "device": "cpu", "total_steps": 40,
-        "model": {"preset": "nano"}, "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 2},
-        "inner": {"lr": 3e-3}, "codec": {"name": "int4"},
-        "diloco": {"mode": "streaming", "sync_every": 10, "num_fragments": 2,
-                   "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}}
+BASE = {"seed": 1, "eval_every": 20, "total_steps": 40, "codec": {"name": "int4"},
+        "diloco": {"sync_every": 10, "num_fragments": 2}}
 
 
 def _cfg(**over):
-    merged = {**BASE, **over}
-    for key in ("diloco", "sim"):
-        if key in over and key in BASE:
-            merged[key] = {**BASE[key], **over[key]}
-    return load_config(overrides=merged)
+    return nano_config(**merged(BASE, over))
 
 
 def _outer(report_holder):

@@ -19,6 +19,7 @@ from dilonode.collective import RoundRequest, SyncKey
 from dilonode.sim.local_group import LocalGroup
 from dilonode.wire.errors import RemoteProtocolError
 from dilonode.wire.messages import Contribution, Result, message_from_dict, message_to_dict
+from tests.support.config import nano_config
 
 N, NUMEL, CHUNK = 4, 1000, 128
 
@@ -152,13 +153,10 @@ def test_swarm_rounds_leave_banned_peers_out_of_matchmaking():
 
 
 def _sim_cfg(**aggregator):
-    from dilonode.config import load_config
-
-    return load_config(overrides={
-        "total_steps": 8, "eval_every": 8, "device": "cpu", "model": {"preset": "nano"},
-        "data": {"seq_len": 16, "batch_size": 2, "eval_batches": 1},
-        "diloco": {"mode": "diloco", "sync_every": 4}, "codec": {"name": "int8"},
-        "aggregator": aggregator, "sim": {"workers": 4}})
+    return nano_config(total_steps=8, eval_every=8,
+                       data={"seq_len": 16, "batch_size": 2, "eval_batches": 1},
+                       diloco={"mode": "diloco", "sync_every": 4}, codec={"name": "int8"},
+                       aggregator=aggregator, sim={"workers": 4})
 
 
 @pytest.fixture
