@@ -495,6 +495,10 @@ class StatusConfig(_Frozen):
     host: str = Field("127.0.0.1", description="listen address; expose it deliberately")
     port: int = Field(0, ge=0, le=65535, description="listen port; 0 picks a free one")
     history: int = Field(600, ge=10, le=100_000, description="points kept for the charts")
+    peak_tflops: float = Field(
+        0.0, ge=0.0, description="dense bf16 peak of one of the node's devices in TFLOP/s, "
+        "for model FLOPs utilization (MFU); 0: from a table of common GPUs by the device's "
+        "name (dilonode/train/flops.py), none for a device not in it")
 
 
 class AdmissionConfig(_Frozen):

@@ -60,9 +60,10 @@ class LocalSwarm:
     """
 
     def __init__(self, cfg: RunConfig, nodes: int, forever: bool = False,
-                 placement: Placement | None = None) -> None:
+                 placement: Placement | None = None, threads: int | None = None) -> None:
         self.cfg, self.n, self.forever = cfg, nodes, forever
         self.placement = placement
+        self.threads = threads  # torch threads per process (None: the cores, shared out)
         self.out = Path(cfg.paths.out_dir)
         self.events: queue.Queue = queue.Queue()
         self.boot: subprocess.Popen | None = None
@@ -75,7 +76,7 @@ class LocalSwarm:
         log_dir.mkdir(parents=True, exist_ok=True)
         # N processes on one machine: give each its share of cores, or torch's thread pools
         # oversubscribe them and small tensor ops slow down by an order of magnitude.
-        threads = max(1, (os.cpu_count() or 1) // max(self.n, 1))
+        threads = self.threads or max(1, (os.cpu_count() or 1) // max(self.n, 1))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         if self.placement is not None:
             cmd = self.placement.wrap(name, cmd)

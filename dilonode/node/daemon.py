@@ -276,6 +276,7 @@ class Node:
         # Built after the DHT has forked, so its process does not carry a copy of the model.
         from dilonode.algo.pacing import StepPacer, TimePacer
         from dilonode.train.data import load_data
+        from dilonode.train.flops import flops_per_token, peak_flops
         from dilonode.train.worker import Worker
 
         self.data = load_data(self.cfg.data)
@@ -291,6 +292,11 @@ class Node:
                              ranks=ranks)
         if self.cfg.paths.trace:
             self.worker.trace = []
+        peaks = [peak_flops(str(d.get("name", "")), self.cfg.status.peak_tflops)
+                 for d in self.status.devices]
+        known = bool(peaks) and all(p is not None for p in peaks)
+        self.status.set_speed(flops_per_token(self.worker.model, self.cfg.data.seq_len),
+                              sum(p for p in peaks if p is not None) if known else None)
 
     def _ranks(self) -> tuple[Any, Any]:
         """This node's ranks and our device (one process: SingleRank, cfg.device)."""
@@ -376,6 +382,7 @@ class Node:
         return NodeSummary.of_run(
             rep, self.worker, peer_id=self.peer_id,
             worker_id=str(self.worker_id or self.peer_id),
+            flops_per_token=self.status.flops_per_token, peak_flops=self.status.peak_flops,
             peer_convictions=self.bans.rejections_total if self.bans else 0,
             peer_bans=self.bans.bans_total if self.bans else 0,
             agreement=self.verdict.as_dict() if self.verdict is not None else {},

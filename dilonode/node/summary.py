@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dilonode.status.snapshot import mfu
+
 __all__ = ["NodeSummary", "data_paths", "summary_json"]
 
 
@@ -56,14 +58,22 @@ class NodeSummary:
     reachability: str = "public"
     data_paths: dict[str, int] = field(default_factory=dict)
     devices: str = ""  # the node's devices, one per rank ("2 x cpu ...")
+    # Training throughput over the training steps' wall time (`LoopReport.train_s`), and
+    # its model FLOPs utilization against the devices' peak (None when the peak is unknown).
+    tokens_per_s: float = 0.0
+    mfu: float | None = None
+    train_s: float = 0.0
 
     @classmethod
     def of_run(cls, rep: Any, worker: Any, *, peer_id: str, worker_id: str,
+               flops_per_token: float = 0.0, peak_flops: float | None = None,
                **node: Any) -> NodeSummary:
         """The summary of a run: `rep` the train loop's report, `worker` the trained
         `Worker`; `node` the fields only the node knows (agreement, bans, checkpoint age,
-        devices, reachability, data paths)."""
+        devices, reachability, data paths); MFU from `flops_per_token` and `peak_flops`."""
         st = worker.stats
+        tokens_per_s = rep.tokens / rep.train_s if rep.train_s > 0 else 0.0
+        share = mfu(tokens_per_s, flops_per_token, peak_flops)
         return cls(
             peer_id=peer_id, worker_id=worker_id,
             steps=rep.steps, tokens=rep.tokens, final_eval_loss=rep.eval_history[-1][1],
@@ -78,7 +88,9 @@ class NodeSummary:
                              for p, (n, total, worst) in sorted(st.latency.items())},
             rounds_with_peers=st.grouped, missed_rounds=st.missed,
             late_rounds=st.late, diverged_rounds=st.diverged,
-            grouped=worker.grouped, largest_group=st.largest_group, **node)
+            grouped=worker.grouped, largest_group=st.largest_group,
+            tokens_per_s=round(tokens_per_s, 1), train_s=round(rep.train_s, 3),
+            mfu=None if share is None else round(share, 4), **node)
 
 
 def summary_json(summary: NodeSummary) -> str:

@@ -86,6 +86,8 @@ def node_metrics(s: Mapping[str, Any]) -> list[Metric]:
         _gauge("dilonode_step", "Inner steps done.", s["step"]),
         _counter("dilonode_tokens_total", "Training tokens consumed.", s["tokens"]),
         _gauge("dilonode_tokens_per_second", "Recent training throughput.", s["tokens_per_s"]),
+        _gauge("dilonode_model_flops_utilization", "Share of the devices' peak FLOP/s the "
+               "model's FLOPs reach (unset without a known peak).", s.get("mfu")),
         _gauge("dilonode_train_loss", "Loss of the last inner step.", s["train_loss"]),
         _gauge("dilonode_eval_loss", "Held-out loss of the outer weights.", s["eval_loss"]),
         _counter("dilonode_sent_bytes_total", "All-reduce payload bytes sent.", s["bytes_sent"]),

@@ -44,11 +44,11 @@ if TYPE_CHECKING:  # type names only: readers (the CLI, the bootstrap) need no t
     )
 
 __all__ = ["HISTORY_SERIES", "NodeFacts", "NodeStatus", "ObservedCollective", "QuietFacts",
-           "device_summary", "finite_or_none", "p90", "state_chain"]
+           "device_summary", "finite_or_none", "mfu", "p90", "state_chain"]
 
 # Columns of `history()["series"]`, drawn by the dashboard (same names for the swarm view).
 HISTORY_SERIES = ("step", "train_loss", "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps",
-                  "peers")
+                  "peers", "mfu")
 
 
 def finite_or_none(x: float | None, digits: int = 6) -> float | None:
@@ -155,7 +155,10 @@ class NodeStatus:
                                      "pace_s": None}
         # Rates need two samples; None (null) until then rather than a misleading 0.
         self._rates: dict[str, float | None] = {"tokens_per_s": None, "sent_Bps": None,
-                                                "recv_Bps": None}
+                                                "recv_Bps": None, "mfu": None}
+        # Model FLOPs of one trained token and the node's peak FLOP/s, for MFU (`set_speed`).
+        self.flops_per_token = 0.0
+        self.peak_flops: float | None = None
         self._last_sample: tuple[float, int, int, int] | None = None  # t, tokens, sent, recv
         self._hist_t: deque[float] = deque(maxlen=history)
         self._hist: dict[str, deque[float | None]] = {
@@ -208,6 +211,12 @@ class NodeStatus:
         if self.alone is not None:
             self.alone.on_round(rep.group_size, self._facts.live_others())
 
+    def set_speed(self, flops_per_token: float, peak_flops: float | None) -> None:
+        """What MFU is computed from: the model's FLOPs per trained token and the node's
+        peak FLOP/s (all its devices; None: unknown, no MFU)."""
+        with self._lock:
+            self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+
     def set_state(self, state: str) -> None:
         with self._lock:
             self.state = state
@@ -220,9 +229,12 @@ class NodeStatus:
             return
         if last is not None:
             dt = max(now - last[0], 1e-9)
-            self._rates = {"tokens_per_s": round((cur["tokens"] - last[1]) / dt, 1),
+            tokens_per_s = (cur["tokens"] - last[1]) / dt
+            share = mfu(tokens_per_s, self.flops_per_token, self.peak_flops)
+            self._rates = {"tokens_per_s": round(tokens_per_s, 1),
                            "sent_Bps": round((cur["bytes_sent"] - last[2]) / dt, 1),
-                           "recv_Bps": round((cur["bytes_received"] - last[3]) / dt, 1)}
+                           "recv_Bps": round((cur["bytes_received"] - last[3]) / dt, 1),
+                           "mfu": None if share is None else round(share, 4)}
         self._last_sample = (now, cur["tokens"], cur["bytes_sent"], cur["bytes_received"])
         row = {**cur, **self._rates, "peers": self._facts.peers_seen()}
         self._hist_t.append(round(now, 3))
@@ -278,10 +290,18 @@ class NodeStatus:
                 "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps", "bytes_sent",
                 "bytes_received", "compute_utilization", "peers_seen", "skipped_rounds",
                 "uptime_s", "version", "swarm_step", "state_chain", "round_p90_s",
-                "pace_s", "device_summary")
+                "pace_s", "device_summary", "mfu")
         agreement = s.get("agreement") or {}
         return {**{k: s[k] for k in keys}, "agrees": agreement.get("agrees"),
                 "final_digest": agreement.get("digest")}
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None) -> float | None:
+    """Model FLOPs utilization: the share of `peak` FLOP/s that `tokens_per_s` tokens of
+    `flops_per_token` each reach (None without a peak or a rate)."""
+    if peak is None or peak <= 0 or tokens_per_s <= 0:
+        return None
+    return tokens_per_s * flops_per_token / peak
 
 
 def p90(values: list[float]) -> float | None:

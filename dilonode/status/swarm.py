@@ -30,7 +30,7 @@ _SUMMARY_KEYS = ("worker_id", "state", "url", "total_steps", "tokens", "train_lo
                  "eval_loss", "tokens_per_s", "sent_Bps", "recv_Bps", "bytes_sent",
                  "bytes_received", "compute_utilization", "peers_seen", "skipped_rounds",
                  "uptime_s", "version", "swarm_step", "state_chain", "agrees", "final_digest",
-                 "device_summary")
+                 "device_summary", "mfu")
 
 
 def node_rows(records: Sequence[PeerRecord], now: float) -> list[dict[str, Any]]:
@@ -123,7 +123,8 @@ class SwarmView:
         point = {"step": _mean(rows, "step"), "train_loss": _mean(rows, "train_loss"),
                  "eval_loss": _mean(rows, "eval_loss"),
                  "tokens_per_s": _sum(rows, "tokens_per_s"), "sent_Bps": _sum(rows, "sent_Bps"),
-                 "recv_Bps": _sum(rows, "recv_Bps"), "peers": len(rows)}
+                 "recv_Bps": _sum(rows, "recv_Bps"), "peers": len(rows),
+                 "mfu": _mean(rows, "mfu")}
         with self._lock:
             self._rows, self._error, self._updated = rows, None, now
             self._hist_t.append(round(now, 3))

@@ -8,15 +8,15 @@ checkpointing, the chunked loss) does not count: MFU measures useful work.
 
 `peak_flops(device_name)` is the dense bf16 tensor peak of common GPUs from their vendors'
 sheets (`PEAK_FLOPS`, matched by name); `status.peak_tflops` overrides it, and a device that
-is not in the table (a CPU) has no MFU unless it is set. `mfu(tokens_per_s, per_token,
-peak)` is the share of that peak the run reaches.
+is not in the table (a CPU) has no MFU unless it is set (`status.snapshot.mfu` is the share
+of the peak a run reaches).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["PEAK_FLOPS", "flops_per_token", "matmul_params", "mfu", "peak_flops"]
+__all__ = ["PEAK_FLOPS", "flops_per_token", "matmul_params", "peak_flops"]
 
 # Dense bf16 (fp16 where the card has no bf16) tensor-core peak, FLOP/s, by name fragment;
 # the first fragment found in the device's name wins, so longer names come first.
@@ -74,10 +74,3 @@ def peak_flops(device_name: str, override_tflops: float = 0.0) -> float | None:
         if fragment.lower() in device_name.lower():
             return peak
     return None
-
-
-def mfu(tokens_per_s: float, per_token: float, peak: float | None) -> float | None:
-    """The share of `peak` that `tokens_per_s` tokens of `per_token` FLOPs reach."""
-    if peak is None or peak <= 0 or tokens_per_s <= 0:
-        return None
-    return tokens_per_s * per_token / peak

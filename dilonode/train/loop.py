@@ -30,6 +30,10 @@ class LoopReport:
     sync_s: float = 0.0  # time in launch/land: extraction, outer step, merge and any wait
     sync_wait_s: float = 0.0  # the part of sync_s blocked on a result from the network
     wall_s: float = 0.0
+    # The training steps' wall time: from the first step to the end of the last one, hooks
+    # included, evaluations and the end-of-run rounds not (what tokens/s is measured over).
+    train_s: float = 0.0
+    eval_s: float = 0.0  # evaluations inside the loop
     eval_history: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss)
     stopped_early: bool = False
 
@@ -79,8 +83,10 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
             t_eval = time.perf_counter()
             rep.eval_history.append((worker.step, worker.evaluate(eval_batches)))
             eval_s = time.perf_counter() - t_eval
+            rep.eval_s += eval_s
         if on_step:
             on_step(worker, rep)
+        rep.train_s = time.perf_counter() - t_start - rep.eval_s
     rep.stopped_early = stop.is_set()
     rep.steps, rep.tokens = worker.step, worker.stats.tokens
     t0 = time.perf_counter()

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from dilonode.config import ModelConfig, load_config
-from dilonode.train.flops import flops_per_token, matmul_params, mfu, peak_flops
+from dilonode.status.snapshot import mfu
+from dilonode.train.flops import flops_per_token, matmul_params, peak_flops
 from dilonode.train.memory import estimate_memory, saved_bytes
 from dilonode.train.model import build_model
 

@@ -65,6 +65,26 @@ def test_samples_at_most_every_interval_with_rates_from_deltas():
     assert snap["uptime_s"] == 1.0
 
 
+def test_mfu_is_the_share_of_the_peak_the_model_flops_reach():
+    """200 tokens/s of 3e9 FLOPs each on a 1.2e12 FLOP/s peak: 0.5, in the snapshot, the
+    history, the metrics and the published summary; unknown without a peak."""
+    from dilonode.status.metrics import node_metrics, render
+
+    clock = Clock()
+    st = NodeStatus("run", 100, sample_every=1.0, clock=clock)
+    st.on_step(_worker(1, 100, 0), _report())
+    clock.t += 1.0
+    st.on_step(_worker(2, 300, 0), _report())
+    assert st.snapshot()["mfu"] is None  # no peak known
+    st.set_speed(3e9, 1.2e12)
+    clock.t += 1.0
+    st.on_step(_worker(3, 500, 0), _report())
+    snap = st.snapshot()
+    assert snap["mfu"] == 0.5 and st.history()["series"]["mfu"][-1] == 0.5
+    assert st.summary()["mfu"] == 0.5
+    assert "dilonode_model_flops_utilization 0.5" in render(node_metrics(snap))
+
+
 def test_history_is_a_bounded_ring():
     clock = Clock()
     st = NodeStatus("run", history=10, sample_every=1.0, clock=clock)
