@@ -6,8 +6,9 @@
  * access-link delay (each plus a uniform jitter in [-jitter, +jitter]), drops it with the
  * probability that either access link loses it, and writes it back into the TUN, from
  * where the kernel routes it on. A (source, destination) pair's release times never
- * decrease, so jitter never reorders a flow (netem does the same when given a rate).
- * Rates are left to the tbf qdiscs of the hosts' links.
+ * decrease, so jitter never reorders a flow (netem does the same when given a rate): a
+ * packet closer behind the one before than the jitter leaves no earlier than it, so a busy
+ * flow's delays lean towards delay + jitter. Rates are left to the hosts' tbf qdiscs.
  *
  *   linkem --tun NAME [--host ADDR,DELAY_MS,JITTER_MS,LOSS]... [--seed N] [--slots N]
  *          [--control]
@@ -182,7 +183,7 @@ static void admit(uint32_t slot, uint32_t len, int64_t now) {
     const unsigned char *p = slots + (size_t)slot * SLOT;
     c.packets++;
     c.bytes += len;
-    if (len < 20 || (p[0] >> 4) != 4) { /* not IPv4: nothing of the bed's */
+    if (len < 20 || len >= SLOT || (p[0] >> 4) != 4) { /* not the bed's IPv4, or cut short */
         c.other++;
         free_slots[nfree++] = slot;
         return;

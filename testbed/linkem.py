@@ -61,6 +61,8 @@ class LinkSpec:
     A packet from host a to host b is held `a.delay_ms + b.delay_ms`, each side plus a
     uniform jitter in [-jitter_ms, +jitter_ms], and lost with probability
     `1 - (1 - a.loss) * (1 - b.loss)`: each direction of each access link loses `loss`.
+    A pair's packets never overtake each other, so those of a busy flow, closer together
+    than the jitter, are held nearer the top of that range.
     """
 
     delay_ms: float = 0.0
@@ -217,8 +219,9 @@ class LinkEmulator:
 
     def stats(self, reset: bool = False, timeout: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
         """The counters now: packets and bytes read, `sent`, `drops` (loss), `overflow`
-        (queue full), `queue_peak` (packets) and `queue_peak_bytes`, `late_max_us` and
-        `late_sum_us` (after their release times); with `reset`, zeroed after reading."""
+        (queue full), `other` (not IPv4, or too long), `write_errors`, `queue_peak`
+        (packets) and `queue_peak_bytes`, `late_max_us` and `late_sum_us` (after their
+        release times); with `reset`, zeroed after reading."""
         return self._command("reset" if reset else "stats", "stats", timeout)
 
     def close(self, timeout: float = 5.0) -> dict[str, Any] | None:

@@ -8,11 +8,12 @@ lets it (UDP segmentation offload: one send per 44 datagrams, so the source's Py
 the limit), a sink on the other counts what arrives. Each rate is run on a bed without the
 emulator (the machine's own limit: veth, bridge, tbf, the endpoints), then with it at 0 ms
 and at 250 ms one-way (a 30 MB queue at 1 Gbit/s). "delivered" is the sink's wire rate over
-its receive interval; "lost" the datagrams that never arrived (the TUN's queue overflowing
-when the emulator falls behind, or its own queue full: "overflow"); "late" how long after
+its receive interval; "lost" the datagrams that never arrived, "at TUN" those of them the
+TUN device dropped because the emulator fell behind reading it; "late" how long after
 their release times packets left the emulator (mean, max); "CPU" the emulator's busy
-share of one core while the source sent, and its CPU time per packet (its writes carry
-each packet on through the kernel to the sink's socket, so that is most of it). A rate
+share of one core while the source sent, and its CPU time per packet (user + system in
+/proc/PID/stat: its writes carry each packet on through the kernel to the sink's socket,
+and a kernel that accounts softirq time apart leaves part of that out). A rate
 counts as forwarded when at least 95% of it is delivered and under 1% lost.
 """
 
@@ -110,23 +111,33 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _tun_dropped(bed: Testbed) -> int:
+    """Packets the emulator's TUN device dropped, its queue full, since it was made."""
+    out = subprocess.run(["ip", "netns", "exec", bed.emulator_ns, "cat",
+                          "/sys/class/net/tun0/statistics/tx_dropped"],
+                         capture_output=True, text=True, timeout=10, check=True)
+    return int(out.stdout)
+
+
 def measure(bed: Testbed, label: str, rate: float, seconds: float) -> dict[str, Any]:
     pid = bed.linkem.proc.pid if bed.linkem is not None and bed.linkem.proc else None
     if pid is not None:
         bed.link_stats(reset=True)
-        cpu0, t0 = _cpu_s(pid), time.perf_counter()
+        cpu0, t0, tun0 = _cpu_s(pid), time.perf_counter(), _tun_dropped(bed)
     got = _blast(bed, rate, seconds)
     emu: dict[str, Any] = {}
     if pid is not None:
         cpu = _cpu_s(pid) - cpu0
         emu = bed.link_stats(reset=True)
+        emu["tun_dropped"] = _tun_dropped(bed) - tun0
         emu["cpu_share"] = round(cpu / (time.perf_counter() - t0), 3)
         emu["cpu_us_per_packet"] = round(cpu / emu["sent"] * 1e6, 2) if emu["sent"] else None
     delivered = got["received"] * WIRE * 8 / got["seconds"] / 1e6 if got["seconds"] else 0.0
     lost = 1 - got["received"] / got["sent"] if got["sent"] else 1.0
     return {"emulator": label, "offered_mbit": rate, "delivered_mbit": round(delivered, 1),
             "lost": round(lost, 5), "sent": got["sent"], "received": got["received"],
-            "overflow": emu.get("overflow"), "queue_peak_mb":
+            "overflow": emu.get("overflow"), "tun_dropped": emu.get("tun_dropped"),
+            "queue_peak_mb":
                 round(emu["queue_peak_bytes"] / 1e6, 1) if emu else None,
             "late_mean_us": round(emu["late_sum_us"] / emu["sent"], 1)
                 if emu.get("sent") else None,
@@ -151,15 +162,16 @@ def run_config(label: str, delay: float | None, args: argparse.Namespace) -> lis
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| emulator | offered Mbit/s | delivered Mbit/s | lost | queue peak MB | "
+    lines = ["| emulator | offered Mbit/s | delivered Mbit/s | lost (at TUN) | queue peak MB | "
              "late mean / max us | CPU (us per packet) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         emulated = r["late_mean_us"] is not None
         late = f"{r['late_mean_us']} / {r['late_max_us']}" if emulated else "-"
         cpu = f"{r['cpu_share']:.0%} ({r['cpu_us_per_packet']})" if emulated else "-"
         peak = r["queue_peak_mb"] if r["queue_peak_mb"] is not None else "-"
+        at_tun = f" ({r['tun_dropped'] / r['sent']:.2%})" if emulated and r["sent"] else ""
         lines.append(f"| {r['emulator']} | {r['offered_mbit']:g} | {r['delivered_mbit']} | "
-                     f"{r['lost']:.2%} | {peak} | {late} | {cpu} |")
+                     f"{r['lost']:.2%}{at_tun} | {peak} | {late} | {cpu} |")
     best = {}
     for r in rows:
         if r["forwarded"]:

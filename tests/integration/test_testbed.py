@@ -229,44 +229,44 @@ def test_nat_hosts_dial_out_from_their_router_and_cannot_be_dialled():
     assert leftovers([tag]) == []
 
 
-# The link emulator. A UDP echo server (ends after argv[3] s without a datagram), and a
-# client that waits (argv[4] s at most) until the server answers, then times argv[3] round
-# trips, one at a time, and prints them in milliseconds.
-_ECHO = """
-import socket, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.bind((sys.argv[1], int(sys.argv[2])))
-s.settimeout(float(sys.argv[3]))
-try:
-    while True:
-        data, peer = s.recvfrom(2048)
-        s.sendto(data, peer)
-except TimeoutError:
-    pass
-"""
+# The link emulator. Ping: argv[2] + 1 ICMP echoes to argv[1], one at a time, each timed
+# from just before its send to the kernel's receive timestamp of its reply (SO_TIMESTAMPNS,
+# 35), so neither end's wakeup latency on a busy machine counts (the kernel answers
+# echoes); the first, which also resolves the neighbour, is left out. Round trips in ms.
 _PING = """
-import json, socket, sys, time
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.connect((sys.argv[1], int(sys.argv[2])))
-s.settimeout(2)
-deadline = time.monotonic() + float(sys.argv[4])
-while True:
-    try:
-        s.send(b"hello")
-        s.recv(2048)
-        break
-    except (ConnectionRefusedError, TimeoutError):  # the server is still starting
-        if time.monotonic() > deadline:
-            raise
-rtts = []
-for i in range(int(sys.argv[3])):
-    t0 = time.perf_counter()
-    s.send(str(i).encode())
-    while s.recv(2048) != str(i).encode():  # a late answer to the handshake
-        pass
-    rtts.append((time.perf_counter() - t0) * 1e3)
+import json, os, socket, struct, sys, time
+def checksum(b):
+    total = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    total = (total >> 16) + (total & 0xFFFF)
+    return ~(total + (total >> 16)) & 0xFFFF
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+s.setsockopt(socket.SOL_SOCKET, 35, 1)
+s.settimeout(5)
+ident, body, rtts = os.getpid() & 0xFFFF, b"dilonode" * 4, []
+for seq in range(int(sys.argv[2]) + 1):
+    head = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
+    msg = struct.pack("!BBHHH", 8, 0, checksum(head + body), ident, seq) + body
+    sent = time.time_ns()
+    s.sendto(msg, (sys.argv[1], 0))
+    while True:  # a raw socket sees every ICMP message to this host
+        data, anc, _, _ = s.recvmsg(2048, 256)
+        ihl = (data[0] & 15) * 4
+        kind, _, _, rid, rseq = struct.unpack("!BBHHH", data[ihl:ihl + 8])
+        if (kind, rid, rseq) == (0, ident, seq):
+            break
+    [(sec, nsec)] = [struct.unpack("qq", d[:16]) for _, t, d in anc if t == 35]
+    if seq:
+        rtts.append((sec * 10**9 + nsec - sent) / 1e6)
 print(json.dumps(rtts))
 """
+
+
+def _round_trips(bed: Testbed, src: str, dst: str, n: int = 20) -> list[float]:
+    """`n` ping round trips in ms from host `src` to `dst` (at its public address)."""
+    out = bed.run(src, [sys.executable, "-c", _PING, bed.public_addr(dst), str(n)],
+                  timeout=30, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
 
 # Datagrams to a port nobody listens on (argv[1], argv[2] of them).
 _BLAST = """
@@ -276,19 +276,6 @@ for _ in range(int(sys.argv[2])):
     s.sendto(b"x" * 64, (sys.argv[1], 9))
 """
 
-def _round_trips(bed: Testbed, src: str, server: str, n: int = 20,
-                 port: int = 7200) -> list[float]:
-    """`n` round trips in ms of a small UDP datagram from `src` to an echo on `server`."""
-    echo = bed.popen(server, [sys.executable, "-c", _ECHO, "0.0.0.0", str(port), "10"])
-    try:
-        out = bed.run(src, [sys.executable, "-c", _PING, bed.public_addr(server), str(port),
-                            str(n), "10"], timeout=30, check=True, capture_output=True,
-                      text=True)
-    finally:
-        echo.kill()
-        echo.wait(timeout=5)
-    return json.loads(out.stdout)
-
 
 @needs_emulator
 @pytest.mark.timeout(60)
@@ -297,9 +284,9 @@ def test_round_trips_are_twice_the_one_way_delays_of_both_ends():
         tag, emulator = bed.tag, bed.linkem.proc.pid
         assert bed.emulator_ns in leftovers([tag])
         near = _round_trips(bed, "a", "c")  # 2 (10 + 0) ms
-        far = _round_trips(bed, "b", "c", port=7201)  # 2 (80 + 0) ms
+        far = _round_trips(bed, "b", "c")  # 2 (80 + 0) ms
         bed.set_link("c", delay_ms=5.0)
-        changed = _round_trips(bed, "a", "c", port=7202)  # 2 (10 + 5) ms
+        changed = _round_trips(bed, "a", "c")  # 2 (10 + 5) ms
         stats = bed.link_stats()
     for rtts, want in ((near, 20.0), (far, 160.0), (changed, 30.0)):
         assert abs(statistics.median(rtts) - want) <= 0.1 * want, (want, rtts)
