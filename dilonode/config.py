@@ -410,6 +410,10 @@ class NetworkConfig(_Frozen):
     min_peers: int = Field(
         1, ge=1, description="wait until this many peers (self included) are visible to start")
     start_timeout: float = Field(120.0, gt=0.0, description="longest wait for min_peers")
+    max_clock_offset: float = Field(
+        3600.0, gt=0.0, description="seconds this host's clock may be off its peers': a node "
+        "measures the offset against the DHT peers it joins through and reads their time "
+        "(dilonode/swarm/swarm_time.py); further off, it stops with one line naming it")
     peer_ttl: float = Field(15.0, gt=1.0, description="seconds a published peer record lives")
     p2p_fallback: bool = Field(
         True, description="when a peer's data address cannot be reached, carry the frames "

@@ -38,7 +38,6 @@ import math
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +56,7 @@ from dilonode.statesync.keeper import StateKeeper, check_config
 from dilonode.status.isolation import AloneWatch
 from dilonode.status.snapshot import NodeStatus, ObservedCollective, device_summary
 from dilonode.swarm import reachability as reach
+from dilonode.swarm import swarm_time
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
 
@@ -149,7 +149,7 @@ class Node:
         dht = SwarmDHT(self.cfg.run_id, list(net.initial_peers), net.identity_path,
                        net.host, net.dht_port, secret=self._secret,
                        allowed=self.cfg.auth.allowed(), p2p_options=p2p_options,
-                       p2pd_flags=p2pd_flags).start()
+                       p2pd_flags=p2pd_flags, max_clock_offset=net.max_clock_offset).start()
         if self.reachability == "private":
             log.info("reachability: private (network.reachable = %s): DHT client, relay "
                      "slots at the initial peers, peers reach this node (data, state) by "
@@ -287,9 +287,9 @@ class Node:
         ranks, device = self._ranks()
         identity = ranks.handshake(self.worker_id or self.peer_id, device)
         self.status.devices = list(ranks.devices)
+        pacer = TimePacer(swarm_time.now) if timed else StepPacer()
         self.worker = Worker(self.cfg, self.data, collective, identity=identity,
-                             device=device, pacer=TimePacer(time.time) if timed else StepPacer(),
-                             ranks=ranks)
+                             device=device, pacer=pacer, ranks=ranks)
         if self.cfg.paths.trace:
             self.worker.trace = []
         peaks = [peak_flops(str(d.get("name", "")), self.cfg.status.peak_tflops)

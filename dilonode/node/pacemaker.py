@@ -26,6 +26,7 @@ from dilonode.algo.pacing import (
 )
 from dilonode.config import RunConfig
 from dilonode.status.snapshot import p90
+from dilonode.swarm import swarm_time
 from dilonode.swarm.clock import ClockKeeper
 from dilonode.swarm.dht import SwarmDHT
 from dilonode.swarm.membership import Membership
@@ -97,7 +98,8 @@ class Pacemaker:
                                   ttl=max(4 * cfg.network.peer_ttl, 60.0),
                                   retune=self._retune if a.retune_clock else None,
                                   pacemaker=self._is_pacemaker, lead_steps=a.sync_every,
-                                  link_unmeasured=lambda: len(w.stats.recent_latency) < 3)
+                                  link_unmeasured=lambda: len(w.stats.recent_latency) < 3,
+                                  wall=swarm_time.now)
 
     def start(self) -> None:
         try:

@@ -23,8 +23,8 @@ speed meet in every round. Agreement without a coordinator:
   those records with the peers' latencies, so the clock slows before the joiner's first
   round; then it withdraws the record (its latencies carry its link).
 
-Hosts read their wall clock (`time.time`), so they should run NTP; skew within a fraction
-of `network.matchmaking_window` is absorbed by matchmaking.
+Nodes read swarm time (`swarm_time.now`: their wall clock corrected by the offset they
+measured against their peers), so hosts without NTP still open rounds together.
 """
 
 from __future__ import annotations

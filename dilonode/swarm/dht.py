@@ -64,6 +64,7 @@ from typing import Any, NamedTuple, TypeVar
 import msgpack
 
 from dilonode.net.auth import AuthError, Credentials, Identity, peer_id_of_ssh_key
+from dilonode.swarm import swarm_time
 from dilonode.swarm.hivemind_process import (
     bound_maddr,
     ensure_fork_start_method,
@@ -71,6 +72,7 @@ from dilonode.swarm.hivemind_process import (
     host_maddr,
     import_hivemind,
     kill_p2pd,
+    node_clock_samples,
     node_daemon_maddr,
     node_p2pd_pid,
     node_peer_addrs,
@@ -116,6 +118,16 @@ class DHTUnavailable(RuntimeError):
     def __init__(self, reason: str, *, certain: bool = True) -> None:
         super().__init__(reason)
         self.certain = certain
+
+
+_REFUSED_CLOCK = re.compile(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)")
+
+
+def _clock_refusal(exc: BaseException) -> float | None:
+    """The offset (peer minus local) hivemind named when it refused to join a peer whose
+    clock is too far from ours, else None."""
+    found = _REFUSED_CLOCK.search(str(exc))
+    return float(found.group(2)) - float(found.group(1)) if found else None
 
 
 class _Restarted(DHTUnavailable):
@@ -234,6 +246,7 @@ class SwarmDHT:
         allowed: frozenset[str] | None = None,
         p2p_options: dict[str, Any] | None = None,
         p2pd_flags: dict[str, Any] | None = None,
+        max_clock_offset: float = 3600.0,
     ) -> None:
         if not re.fullmatch(RUN_ID_PATTERN, run_id):
             raise ValueError(f"run_id {run_id!r} does not match {RUN_ID_PATTERN}")
@@ -251,6 +264,7 @@ class SwarmDHT:
         # Reachability (swarm/reach.py): hivemind DHT/P2P keywords, extra p2pd flags.
         self.p2p_options = dict(p2p_options or {})
         self.p2pd_flags = dict(p2pd_flags or {})
+        self.max_clock_offset = max_clock_offset  # refused beyond (swarm_time.py)
         self._credentials: Credentials | None = None
         self._owner_subkey = ""
         self._dht: Any = None
@@ -278,15 +292,26 @@ class SwarmDHT:
             raise RuntimeError("SwarmDHT already started")
         self._closed = False  # a close() before start() closed nothing
         import_hivemind()
+        swarm_time.install(self.max_clock_offset)
         ensure_fork_start_method()
         identity, key_path, fresh = self._identity()
         t0 = time.monotonic()
         try:
             self._spawn(identity, key_path, self.initial_peers, self.host_maddr,
                         check_free=not fresh, strict=True, timeout=self.start_timeout)
+        except Exception as exc:
+            if (far := _clock_refusal(exc)) is not None:
+                raise swarm_time.ClockOffsetError(self._too_far(far, 1)) from None
+            raise
         finally:
             if self.identity_path is None:  # p2pd has read the throwaway key file by now
                 shutil.rmtree(key_path.parent, ignore_errors=True)
+        if self.initial_peers:
+            try:
+                self._measure_clock()
+            except BaseException:
+                self.close()
+                raise
         self._credentials = Credentials(identity, self.run_id, self._secret, self._allowed)
         self._owner_subkey = owner_subkey(identity)
         if self._allowed is not None and identity.peer_id not in self._allowed:
@@ -295,6 +320,37 @@ class SwarmDHT:
         log.info("DHT up in %.2fs as %s (%d initial peers)", time.monotonic() - t0,
                  self._peer_id, len(self.initial_peers))
         return self
+
+    def _measure_clock(self) -> None:
+        """Set swarm time from pings of the initial peers we joined through (their clocks
+        are the swarm's: swarm_time.py); a clock further off than `max_clock_offset` stops
+        the node with one line."""
+        references = sorted({split_maddr(m)[0] for m in self.initial_peers if "/p2p/" in m})
+        samples = self._call("run_coroutine", functools.partial(
+            node_clock_samples, peers=references, rounds=5, timeout=self.op_timeout / 2),
+            timeout=3 * self.op_timeout)
+        measured = swarm_time.estimate_offset(samples)
+        if measured is None:
+            log.warning("clock: no DHT peer answered a ping; reading this host's own clock")
+            return
+        if abs(measured) > self.max_clock_offset:
+            raise swarm_time.ClockOffsetError(
+                self._too_far(measured, len({p for p, _, _ in samples})))
+        swarm_time.set_offset(measured)
+        if abs(measured) >= 0.5:
+            log.warning("clock: this host's clock is %+.2f s off its initial peers' (median "
+                        "of %d); the node reads the swarm's time instead", -measured,
+                        len({p for p, _, _ in samples}))
+
+    def _too_far(self, measured: float, peers: int) -> str:
+        return (f"this host's clock is {-measured:+.1f} s off its initial peers' (median of "
+                f"{peers}), beyond network.max_clock_offset = {self.max_clock_offset:g} s: "
+                "set the clock (NTP) or raise the limit")
+
+    def now(self) -> float:
+        """Swarm time (swarm_time.py): what the DHT, the peer records and the swarm clock
+        read."""
+        return swarm_time.now()
 
     def _spawn(self, identity: Identity, key_path: Path, initial_peers: Sequence[str],
                host_maddr: str, *, check_free: bool, strict: bool, timeout: float) -> None:

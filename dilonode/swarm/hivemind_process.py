@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["bound_maddr", "ensure_fork_start_method", "exit_text", "host_maddr", "import_hivemind",
-           "kill_p2pd", "node_daemon_maddr", "node_p2pd_pid", "node_peer_addrs", "node_peer_id",
-           "node_ping_p2pd", "node_reconnect", "node_visible_maddrs", "orphan_safe", "proc_state",
-           "unusable"]
+           "kill_p2pd", "node_clock_samples", "node_daemon_maddr", "node_p2pd_pid",
+           "node_peer_addrs", "node_peer_id", "node_ping_p2pd", "node_reconnect",
+           "node_visible_maddrs", "orphan_safe", "proc_state", "unusable"]
 
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,36 @@ async def node_ping_p2pd(_dht: Any, node: Any) -> None:
 async def node_peer_addrs(_dht: Any, node: Any) -> dict[str, list[str]]:
     return {info.peer_id.to_base58(): [str(a) for a in info.addrs]
             for info in await node.p2p.list_peers() if info.addrs}
+
+
+async def node_clock_samples(_dht: Any, node: Any, peers: list[str], rounds: int,
+                             timeout: float) -> list[tuple[str, float, float]]:
+    """(peer, its DHT time minus the midpoint of our send and receive, round trip) for each
+    of `peers` (peer ids), `rounds` pings each, against this host's own clock (`time.time`,
+    not the DHT's): what `swarm_time.estimate_offset` reads."""
+    import asyncio
+
+    from hivemind.proto import dht_pb2
+
+    async def one(peer: Any) -> list[tuple[str, float, float]]:
+        out = []
+        for _ in range(rounds):
+            request = dht_pb2.PingRequest(peer=node.protocol.node_info, validate=False)
+            try:
+                t0 = time.time()
+                response = await asyncio.wait_for(
+                    node.protocol.get_stub(peer).rpc_ping(request, timeout=timeout), timeout)
+                t1 = time.time()
+            except Exception:  # not a DHT peer, or gone: no sample from it
+                return out
+            if response.dht_time:
+                out.append((peer.to_base58(), response.dht_time - (t0 + t1) / 2, t1 - t0))
+        return out
+
+    from hivemind.p2p import PeerID
+
+    found = await asyncio.gather(*(one(PeerID.from_base58(p)) for p in peers))
+    return [s for samples in found for s in samples]
 
 
 async def node_reconnect(_dht: Any, node: Any, peers: dict[str, list[str]],

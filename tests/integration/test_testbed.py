@@ -1,13 +1,18 @@
 """The WAN test bed (testbed/hosts.py): tbf limits hold, teardown leaves nothing behind (also
-when its owner is SIGTERMed or SIGKILLed), and 3 nodes train across namespaces.
+when its owner is SIGTERMed or SIGKILLed), and 3 nodes train across namespaces; with the
+link emulator, round trips, a bulk transfer's rate and losses are the ones asked.
 
-Needs root, `ip` and `tc`; skipped with the reason otherwise.
+Needs root, `ip` and `tc`, the emulator also a C compiler and /dev/net/tun; skipped with
+the reason otherwise.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import select
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -27,16 +32,19 @@ from testbed.hosts import (
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+DELAY_REASON = unavailable_reason(delay=True)
+needs_emulator = pytest.mark.skipif(DELAY_REASON is not None, reason=DELAY_REASON or "")
 ROOT = Path(__file__).parents[2]
 
-# A child that builds a test bed, starts a long-lived process inside host h0, prints the
-# tag and that process's pid, then waits to be signalled.
+# A child that builds a test bed (its keyword arguments: argv[1], JSON), starts a long-lived
+# process inside host h0, prints the tag, that process's pid and the emulator's (0: none),
+# then waits to be signalled.
 OWNER = """
-import subprocess, sys, threading
+import json, subprocess, sys, threading
 from testbed.hosts import Testbed
-bed = Testbed(2, rate_mbit=10).start()
+bed = Testbed(2, rate_mbit=10, **json.loads(sys.argv[1])).start()
 inner = bed.popen("h0", [sys.executable, "-c", "import threading; threading.Event().wait()"])
-print(bed.tag, inner.pid, flush=True)
+print(bed.tag, inner.pid, bed.linkem.proc.pid if bed.linkem else 0, flush=True)
 threading.Event().wait()
 """
 
@@ -48,12 +56,12 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
     return proc.stdout.readline()
 
 
-def _start_owner() -> tuple[subprocess.Popen, str, int]:
-    proc = subprocess.Popen([sys.executable, "-c", OWNER], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True)
-    tag, inner = _readline(proc, 30).split()
+def _start_owner(**bed_args: object) -> tuple[subprocess.Popen, str, int, int]:
+    proc = subprocess.Popen([sys.executable, "-c", OWNER, json.dumps(bed_args)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    tag, inner, emulator = _readline(proc, 30).split()
     assert leftovers([tag]), "the test bed was not built"
-    return proc, tag, int(inner)
+    return proc, tag, int(inner), int(emulator)
 
 
 @pytest.mark.timeout(120)
@@ -86,7 +94,7 @@ def test_close_removes_namespaces_links_and_their_processes():
 
 @pytest.mark.timeout(60)
 def test_sigterm_to_the_owner_tears_the_bed_down():
-    proc, tag, inner = _start_owner()
+    proc, tag, inner, _ = _start_owner()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM  # the default disposition still acts
     assert leftovers([tag]) == []
@@ -95,7 +103,7 @@ def test_sigterm_to_the_owner_tears_the_bed_down():
 
 @pytest.mark.timeout(60)
 def test_sweep_removes_what_a_sigkilled_owner_left():
-    proc, tag, inner = _start_owner()
+    proc, tag, inner, _ = _start_owner()
     proc.kill()
     proc.wait(timeout=10)
     assert leftovers([tag]), "a SIGKILLed owner cannot clean up; sweep must"
@@ -214,3 +222,131 @@ def test_nat_hosts_dial_out_from_their_router_and_cannot_be_dialled():
         routers = [home.router, away.router]
         assert all(r in leftovers([tag]) for r in routers)
     assert leftovers([tag]) == []
+
+
+# The link emulator. Ping: argv[2] + 1 ICMP echoes to argv[1], one at a time, each timed
+# from just before its send to the kernel's receive timestamp of its reply (SO_TIMESTAMPNS,
+# 35), so neither end's wakeup latency on a busy machine counts (the kernel answers
+# echoes); the first, which also resolves the neighbour, is left out. Round trips in ms.
+_PING = """
+import json, os, socket, struct, sys, time
+def checksum(b):
+    total = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    total = (total >> 16) + (total & 0xFFFF)
+    return ~(total + (total >> 16)) & 0xFFFF
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+s.setsockopt(socket.SOL_SOCKET, 35, 1)
+s.settimeout(5)
+ident, body, rtts = os.getpid() & 0xFFFF, b"dilonode" * 4, []
+for seq in range(int(sys.argv[2]) + 1):
+    head = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
+    msg = struct.pack("!BBHHH", 8, 0, checksum(head + body), ident, seq) + body
+    sent = time.time_ns()
+    s.sendto(msg, (sys.argv[1], 0))
+    while True:  # a raw socket sees every ICMP message to this host
+        data, anc, _, _ = s.recvmsg(2048, 256)
+        ihl = (data[0] & 15) * 4
+        kind, _, _, rid, rseq = struct.unpack("!BBHHH", data[ihl:ihl + 8])
+        if (kind, rid, rseq) == (0, ident, seq):
+            break
+    [(sec, nsec)] = [struct.unpack("qq", d[:16]) for _, t, d in anc if t == 35]
+    if seq:
+        rtts.append((sec * 10**9 + nsec - sent) / 1e6)
+print(json.dumps(rtts))
+"""
+
+
+def _round_trips(bed: Testbed, src: str, dst: str, n: int = 20) -> list[float]:
+    """`n` ping round trips in ms from host `src` to `dst` (at its public address)."""
+    out = bed.run(src, [sys.executable, "-c", _PING, bed.public_addr(dst), str(n)],
+                  timeout=30, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+# Datagrams to a port nobody listens on (argv[1], argv[2] of them).
+_BLAST = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(int(sys.argv[2])):
+    s.sendto(b"x" * 64, (sys.argv[1], 9))
+"""
+
+
+@needs_emulator
+@pytest.mark.timeout(60)
+def test_round_trips_are_twice_the_one_way_delays_of_both_ends():
+    with Testbed(["a", "b", "c"], delays={"a": 10.0, "b": 80.0}) as bed:
+        tag, emulator = bed.tag, bed.linkem.proc.pid
+        assert bed.emulator_ns in leftovers([tag])
+        near = _round_trips(bed, "a", "c")  # 2 (10 + 0) ms
+        far = _round_trips(bed, "b", "c")  # 2 (80 + 0) ms
+        bed.set_link("c", delay_ms=5.0)
+        changed = _round_trips(bed, "a", "c")  # 2 (10 + 5) ms
+        stats = bed.link_stats()
+    for rtts, want in ((near, 20.0), (far, 160.0), (changed, 30.0)):
+        assert abs(statistics.median(rtts) - want) <= 0.1 * want, (want, rtts)
+        assert min(rtts) >= want  # the emulator never releases early
+    assert stats["drops"] == 0 and stats["sent"] >= 3 * 2 * 20
+    assert leftovers([tag]) == [] and not pid_alive(emulator)
+    assert bed.link_stats()["event"] == "exit"  # the last counters outlive the bed
+
+
+@needs_emulator
+@pytest.mark.timeout(60)
+def test_a_bulk_transfer_through_rate_and_delay_gets_the_rate():
+    rate, one_way = 20.0, 40.0  # Mbit/s; ms, half on each end
+    bdp = int(rate * 1e6 / 8 * 2 * one_way / 1e3)  # bytes in flight over the round trip
+    with Testbed(["a", "b"], rate_mbit=rate, delays={"a": one_way / 2, "b": one_way / 2}) as bed:
+        # 9 s at the rate; counted after 2 s, well past slow start at an 80 ms round trip
+        got = measure_mbit(bed, "a", "b", int(rate * 1e6 / 8 * 9), timeout=40,
+                           sockbuf=4 * bdp, skip_s=2.0)
+        stats = bed.link_stats()
+    assert 0.9 * rate <= got <= 1.1 * rate, got
+    # one way's worth of the stream sat in the emulator at once: the delay was applied
+    assert stats["queue_peak_bytes"] >= 0.5 * bdp / 2, stats
+
+
+@needs_emulator
+@pytest.mark.timeout(60)
+def test_loss_on_one_link_drops_its_share_of_the_packets():
+    loss = 0.01
+    with Testbed(["a", "b"], loss={"a": loss}, seed=5) as bed:
+        # every packet crosses a's link (b's answers too), lost there or not
+        bed.run("a", [sys.executable, "-c", _BLAST, bed.addr("b"), "20000"], timeout=30,
+                check=True)
+        stats = bed.link_stats()
+    n = stats["packets"] - stats["other"]
+    sigma = math.sqrt(n * loss * (1 - loss))
+    # 5 sigma: a correct emulator fails this about once in 1.7 million runs
+    assert n >= 20_000 and abs(stats["drops"] - n * loss) <= 5 * sigma, (stats, n * loss)
+    assert stats["overflow"] == 0
+
+
+@needs_emulator
+@pytest.mark.timeout(90)
+def test_nat_hosts_work_behind_the_emulator():
+    if (why := unavailable_reason(nat=True)) is not None:
+        pytest.skip(why)
+    with Testbed(["pub", "home"], nat=["home"], delays={"pub": 15.0, "home": 25.0}) as bed:
+        rtts = _round_trips(bed, "home", "pub")  # out through its router: 2 (15 + 25) ms
+        listener = bed.popen("home", [sys.executable, "-c", _WHO, "0.0.0.0", "7100", "30"],
+                             stdout=subprocess.PIPE, text=True)
+        try:  # and in, still nothing gets through
+            assert _dials(bed, [("pub", bed.public_addr("home"))]) == ["TimeoutError"]
+        finally:
+            listener.kill()
+            listener.wait(timeout=5)
+    assert abs(statistics.median(rtts) - 80.0) <= 8.0, rtts
+
+
+@needs_emulator
+@pytest.mark.timeout(60)
+def test_sweep_removes_the_emulator_a_sigkilled_owner_left():
+    proc, tag, inner, emulator = _start_owner(delays={"h0": 5.0})
+    assert emulator and pid_alive(emulator)
+    proc.kill()
+    proc.wait(timeout=10)
+    removed = sweep()
+    assert any(name.endswith("-linkem") for name in removed), removed
+    assert leftovers([tag]) == []
+    assert not pid_alive(inner) and not pid_alive(emulator)

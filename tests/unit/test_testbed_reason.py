@@ -1,5 +1,5 @@
 """`testbed.hosts.unavailable_reason` names the tool a test bed lacks, so that tests which
-need it skip saying what to install rather than fail midway."""
+need it skip saying what to install rather than fail midway; so does the link emulator's."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import pytest
 
 from testbed import hosts as testbed
+from testbed import linkem
 
 
 @pytest.fixture
@@ -42,3 +43,27 @@ def test_a_missing_tc_is_named(as_root_with) -> None:
 def test_not_root_comes_first(monkeypatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "needs root" in (testbed.unavailable_reason(partitions=True) or "")
+
+
+def test_delay_needs_a_compiler_unless_the_emulator_is_cached(as_root_with, monkeypatch,
+                                                               tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached there
+    tun = tmp_path / "tun"
+    tun.touch()
+    monkeypatch.setattr(linkem, "TUN_DEVICE", str(tun))
+    as_root_with("ip", "tc")
+    assert testbed.unavailable_reason() is None
+    assert testbed.unavailable_reason(delay=True) == (
+        "the link emulator needs a C compiler (`cc`) to build linkem.c "
+        "(Debian: apt-get install gcc)")
+    cached = linkem.cache_dir() / linkem._cached(None).name
+    cached.parent.mkdir(parents=True)
+    cached.touch(mode=0o755)
+    assert testbed.unavailable_reason(delay=True) is None
+
+
+def test_delay_needs_the_tun_device(as_root_with, monkeypatch, tmp_path) -> None:
+    as_root_with("ip", "tc", "cc")
+    monkeypatch.setattr(linkem, "TUN_DEVICE", str(tmp_path / "absent"))
+    assert testbed.unavailable_reason(delay=True) == (
+        f"the link emulator needs {tmp_path / 'absent'} (modprobe tun)")
