@@ -75,17 +75,15 @@ class ModelConfig(_Frozen):
     """Which network to train."""
 
     kind: Literal["builtin", "factory", "hf_llama", "hf"] = Field(
-        "builtin", description="builtin Llama-style decoder, a `module:function` factory, "
-        "a Hugging Face transformers Llama built from the preset (no download), or a local "
-        "Hugging Face model directory (`path`: config + safetensors, AutoModelForCausalLM)")
+        "builtin", description="builtin Llama-style decoder, a `module:function` factory, a "
+        "transformers Llama from the preset, or a local Hugging Face model (`path`)")
     preset: Literal["nano", "tiny", "small", "150m", "1b"] = Field(
         "tiny", description="size preset for builtin/hf_llama; explicit fields below override it")
     factory: str | None = Field(
         None, description="`package.module:function` returning an nn.Module (kind=factory)")
     path: Path | None = Field(
-        None, description="kind=hf: a local Hugging Face model directory (config.json and "
-        "*.safetensors); nothing is downloaded. Nodes may keep it at different paths: the "
-        "run is named by the files' content, not the path")
+        None, description="kind=hf: folder with config.json and *.safetensors (the run is named "
+        "by content, not path)")
     vocab_size: int | None = Field(None, ge=2, description="vocabulary size (bytes: 256)")
     d_model: int | None = Field(None, ge=8, description="embedding width")
     n_layers: int | None = Field(None, ge=1, description="number of transformer blocks")
@@ -94,15 +92,11 @@ class ModelConfig(_Frozen):
     max_seq_len: int | None = Field(None, ge=8, description="longest sequence for rotary cache")
     tie_embeddings: bool = Field(True, description="share token embedding and output head")
     activation_checkpointing: bool = Field(
-        False, description="keep only each transformer block's input for the backward pass "
-        "and recompute the rest (builtin models, and Hugging Face models that support "
-        "gradient checkpointing): activations shrink to about one block's, a step costs "
-        "about a third more compute")
+        False, description="recompute each block in the backward pass from its input (builtin and "
+        "supporting HF models): ~one block's activations, ~1/3 more compute")
     loss_chunk_tokens: int | Literal["auto"] = Field(
-        "auto", description="compute the loss this many tokens at a time, recomputing each "
-        "chunk's logits in the backward pass, so full float32 logits [tokens, vocab] never "
-        "exist (builtin models); 0 computes them whole; auto: 1024 once the vocabulary has "
-        "8192 tokens or more, else 0")
+        "auto", description="tokens per loss chunk, so whole float32 logits never exist (builtin "
+        "models); 0: unchunked; auto: 1024 from an 8192-token vocabulary, else 0")
     compile: bool = Field(
         False, description="torch.compile the model (the first steps take longer while it "
         "compiles)")
@@ -125,46 +119,39 @@ class DataConfig(_Frozen):
     """Where tokens come from and how batches are cut."""
 
     source: Literal["builtin", "text", "bin", "parquet", "arrow"] = Field(
-        "builtin", description="embedded corpus, a folder of .txt/.jsonl, token shards (.bin), "
-        "Parquet files (a .parquet file or a folder of them, searched recursively), or a "
-        "Hugging Face `datasets` folder written by save_to_disk (its data-*.arrow files; "
-        "read with pyarrow, nothing downloaded). parquet and arrow are streamed: read, "
-        "tokenized and packed as training goes, never held in memory whole")
+        "builtin", description="embedded corpus, .txt/.jsonl folder, .bin token shards, Parquet "
+        "file or folder, or a `datasets` save_to_disk folder; parquet and arrow are streamed")
     path: Path | None = Field(None, description="folder or file for every source but builtin")
     bin_dtype: Literal["uint16", "uint32"] = Field("uint16", description="dtype of .bin tokens")
-    tokenizer: str = Field("bytes", description="'bytes' or a path to a local tokenizer.json; "
-                           "the model's vocabulary size is the tokenizer's")
+    tokenizer: str = Field(
+        "bytes", description="'bytes' or a local tokenizer.json (it sets the vocabulary size)")
     jsonl_field: str = Field("text", description="field holding the text in .jsonl records")
     text_column: str = Field("text", description="source=parquet|arrow: the string column "
                              "holding each document's text")
-    split: str = Field("train", description="source=arrow, a save_to_disk folder of several "
-                       "splits (dataset_dict.json): the split to read")
+    split: str = Field(
+        "train", description="source=arrow with several splits (dataset_dict.json): the split to "
+        "read")
     unit_rows: int = Field(
-        4096, ge=1, description="source=parquet|arrow: rows per unit, the piece of the corpus "
-        "that workers divide, the eval split holds out and a resume returns to. Row groups "
-        "(Parquet) and record batches (Arrow) of more rows are cut into units of this many; "
-        "reaching a unit cut from inside a Parquet row group decodes the rows before it")
+        4096, ge=1, description="parquet/arrow: rows per unit, the piece that workers divide, "
+        "eval holds out and resume returns to")
     shard_index: int | None = Field(
-        None, ge=0, description="with shard_count: this node's shard. Shards split the "
-        "training data strictly: no two read the same unit in an epoch (builtin, text, bin: "
-        "draw windows from their own contiguous share of the tokens). Unset: each worker "
-        "walks the shared order from a start of its own (dilonode/train/stream.py says what "
-        "each way guarantees)")
+        None, ge=0, description="this node's shard (with shard_count): shards never read the same "
+        "unit in an epoch; unset: each worker starts the shared order at its own place")
     shard_count: int | None = Field(
-        None, ge=1, description="with shard_index: how many shards the training data is "
-        "split into (every node of the swarm sets the same count, each its own index)")
+        None, ge=1, description="shards of the training data (the same on every node)")
     seq_len: int = Field(128, ge=2, description="tokens per training sequence")
-    batch_size: int = Field(8, ge=1, description="sequences per inner step per worker (a "
-                            "node with several ranks splits them evenly over its ranks)")
+    batch_size: int = Field(
+        8, ge=1, description="sequences per inner step per worker, split evenly over a node's "
+        "ranks")
     micro_batch_size: int | None = Field(
-        None, ge=1, description="sequences per forward/backward pass: a rank's share of "
-        "batch_size is cut into micro-batches whose gradients add up before the one AdamW "
-        "update of the inner step (gradient accumulation); None: the whole share at once")
+        None, ge=1, description="sequences per forward/backward pass, accumulated into the rank's "
+        "one AdamW update; unset: the rank's whole share")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out share of tokens "
                                  "(parquet, arrow: of units, at least one)")
     eval_batches: int = Field(8, ge=1, description="batches per evaluation")
-    seed: int = Field(0, description="base seed: the corpus' unit order (parquet, arrow); each "
-                      "worker's stream also mixes its identity")
+    seed: int = Field(
+        0, description="seed of the unit order (parquet, arrow); each worker also mixes in its "
+        "identity")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -193,21 +180,18 @@ class InnerOptConfig(_Frozen):
     beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW beta2")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
     warmup_steps: int = Field(
-        0, ge=0, description="linear warm-up over this many reference steps of the swarm "
-        "clock (a node paced by its own steps counts its own), then the schedule")
+        0, ge=0, description="linear warm-up, in reference steps, before the schedule")
     schedule: Literal["constant", "cosine", "wsd"] = Field(
-        "constant", description="after the warm-up: constant, a cosine down to "
-        "min_lr_ratio * lr at total_steps, or warm-up-stable-decay (constant, then a linear "
-        "decay over the last decay_fraction of the run); driven by the swarm clock, so every "
-        "node is at the same point of it")
+        "constant", description="after warm-up: constant, cosine to min_lr_ratio * lr, or wsd "
+        "(linear decay over the last decay_fraction); on the swarm clock")
     min_lr_ratio: float = Field(
         0.1, ge=0.0, le=1.0, description="where cosine and wsd end, as a share of lr")
     decay_fraction: float = Field(
         0.2, gt=0.0, le=1.0, description="wsd: the share of total_steps the decay takes")
     grad_clip: float = Field(1.0, ge=0.0, description="global norm clip; 0 disables")
     rewarm_steps: int = Field(
-        20, ge=0, description="after adopting a state with a fresh AdamW (joining, resuming), "
-        "warm the learning rate up again over this many steps; 0 disables")
+        20, ge=0, description="warm-up again after adopting a state with a fresh AdamW (join, "
+        "resume); 0 disables")
 
 
 def _int_or_auto(value: Any) -> Any:
@@ -220,56 +204,46 @@ class DilocoConfig(_Frozen):
     """The outer algorithm: DDP, DiLoCo, or Streaming DiLoCo (names from the papers)."""
 
     mode: Literal["ddp", "diloco", "streaming"] = Field(
-        "streaming", description="ddp averages gradients every step; diloco is P=1, tau=0, "
-        "alpha=0 whatever the fields below say; streaming uses them")
+        "streaming", description="ddp: average gradients every step; diloco: P=1, tau=0, alpha=0; "
+        "streaming: the fields below")
     sync_every: int = Field(30, ge=1, description="H: inner steps between syncs of a fragment")
     num_fragments: int = Field(3, ge=1, description="P: fragments synced on staggered offsets")
     fragment_pattern: Literal["strided", "sequential"] = Field(
         "strided", description="block i -> fragment i mod P (strided) or contiguous groups")
     fragment_sync_delay: Annotated[int | Literal["auto"], BeforeValidator(_int_or_auto)] = Field(
-        1, description="tau: inner steps between starting a sync and merging its "
-        "result; with pacing=time the least such delay, in reference steps of the swarm "
-        "clock (a result merges when it arrives, however long that takes, without "
-        "blocking: the overlap follows the links); 'auto' (pacing=time): half the narrowest "
-        "gap between two fragments' round starts, rounded up (5 at H = 30, P = 3)")
+        1, description="tau: inner steps from a sync's start to its merge; pacing=time: the least "
+        "delay (a later result merges on arrival); auto: half the narrowest gap between "
+        "fragments' rounds")
     fragment_update_alpha: float = Field(
         0.5, ge=0.0, le=1.0, description="alpha: w <- alpha*w + (1-alpha)*g_new on merge")
     outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer SGD momentum")
     outer_nesterov: bool = Field(True, description="Nesterov momentum for the outer step")
     outer_lr_schedule: Literal["constant", "cosine", "wsd"] = Field(
-        "constant", description="the outer learning rate over the run, by the reference "
-        "step each round starts at (the same on every member): constant, cosine or wsd as "
-        "inner.schedule (wsd decays over inner.decay_fraction), down to outer_min_lr_ratio")
+        "constant", description="outer learning rate by each round's start step, shaped as "
+        "inner.schedule, down to outer_min_lr_ratio")
     outer_min_lr_ratio: float = Field(
-        0.1, ge=0.0, le=1.0, description="where a decaying outer schedule ends, as a share "
-        "of outer_lr")
+        0.1, ge=0.0, le=1.0, description="end of a decaying outer schedule, as a share of "
+        "outer_lr")
     outer_state_on_cpu: bool = Field(
         True, description="keep global weights and outer momentum (float32) in host memory")
     pacing: Literal["time", "steps"] = Field(
-        "time", description="time: rounds open on a clock the swarm shares (one reference "
-        "step = step_seconds), so nodes of any speed meet in every round and contribute "
-        "the tokens they trained; steps: every node syncs after exactly H own steps "
-        "(equal speeds only)")
+        "time", description="time: rounds open on a shared swarm clock, so nodes of any speed "
+        "meet; steps: sync every H own steps (equal speeds only)")
     step_seconds: float | None = Field(
-        None, gt=0.0, description="pacing=time: seconds of one reference step when this node "
-        "starts the swarm's clock; unset: measured from this node's first steps. Nodes "
-        "joining later follow the clock already agreed")
+        None, gt=0.0, description="pacing=time: seconds per reference step if this node starts "
+        "the clock; unset: measured")
     min_round_seconds: float = Field(
-        5.0, gt=0.0, description="pacing=time: a proposed clock is never so fast that a "
-        "fragment's rounds come less than this many seconds apart (finding a group through "
-        "the DHT takes a second or two); rounds of a fast model then hold more steps")
+        5.0, gt=0.0, description="pacing=time: least seconds between a fragment's rounds "
+        "(matchmaking takes a second or two)")
     max_round_seconds: float = Field(
-        3600.0, gt=0.0, description="pacing=time: the swarm clock is never slowed so much that "
-        "a fragment's rounds come more than this many seconds apart")
+        3600.0, gt=0.0, description="pacing=time: most seconds between a fragment's rounds")
     retune_clock: bool = Field(
-        True, description="pacing=time: the swarm slows its clock when rounds take more than "
-        "half a round period on the links it measures (so results land before a fragment's "
-        "next round, never blocking training), and speeds it up again when they take far "
-        "less, within min_round_seconds..max_round_seconds")
+        True, description="pacing=time: slow the clock when rounds take over half a period on the "
+        "links, speed it up when far less")
     final_sync: bool = Field(
-        True, description="at the end of the run, one more round of every fragment trained "
-        "since its last, so the outer weights hold all training and every node ends equal")
+        True, description="end with one round of every fragment trained since its last, so all "
+        "nodes end equal")
 
     @model_validator(mode="after")
     def _check(self) -> DilocoConfig:
@@ -334,17 +308,16 @@ class AggregatorConfig(_Frozen):
     name: Literal["mean", "trimmed_mean", "centered_clip"] = Field(
         "mean", description="mean (the protocol's float32 mean), trimmed_mean, centered_clip")
     norm_bound: float = Field(
-        0.0, ge=0.0, description="reject a chunk whose L2 norm exceeds this times the median "
-        "norm of the members' chunks; 0 disables (NaN/Inf chunks are always rejected)")
+        0.0, ge=0.0, description="reject a chunk whose L2 norm exceeds this times the median; 0 "
+        "disables (NaN/Inf always rejected)")
     trim: int = Field(1, ge=0, description="trimmed_mean: values dropped at each end")
     clip_tau: float = Field(
-        1.0, gt=0.0, description="centered_clip: radius as a multiple of the median distance "
-        "of the members' chunks from their coordinate-wise median")
+        1.0, gt=0.0, description="centered_clip: radius in median distances from the "
+        "coordinate-wise median")
     clip_iters: int = Field(3, ge=1, le=100, description="centered_clip: iterations")
     max_weight_ratio: float = Field(
-        16.0, ge=0.0, description="reject a contribution claiming more than this many times "
-        "the (lower) median tokens of its round's members (rounds share a clock, so this is "
-        "a speed ratio: raise it for swarms whose GPUs differ more); 0: never")
+        16.0, ge=0.0, description="reject a contribution claiming over this times the round's "
+        "median tokens (a speed ratio); 0: never")
     ban_after: int = Field(
         3, ge=0, description="ban a peer rejected in this many rounds within ban_window; 0: never")
     ban_window: float = Field(600.0, gt=0.0, description="seconds over which rejections count")
@@ -376,8 +349,8 @@ class NetworkConfig(_Frozen):
     host: str = Field("127.0.0.1", description="address the DHT and data path listen on")
     port: int = Field(0, ge=0, le=65535, description="data path TCP port; 0 picks a free one")
     announce_host: str | None = Field(
-        None, description="address peers dial for the data path (default: host); set it when "
-        "host is 0.0.0.0 or behind a NAT port-forward")
+        None, description="address peers dial for the data path (default: host); needed for "
+        "0.0.0.0 or a NAT forward")
     dht_port: int = Field(0, ge=0, le=65535, description="DHT (libp2p) port; 0 picks one")
     identity_path: Path | None = Field(
         None, description="libp2p private key file: a stable peer id across restarts")
@@ -387,62 +360,42 @@ class NetworkConfig(_Frozen):
     allreduce_timeout: float = Field(30.0, gt=0.0, description="seconds per all-reduce attempt")
     max_attempts: int = Field(3, ge=1, le=10, description="attempts per round before skipping")
     chunk_numel: int = Field(
-        DEFAULT_CHUNK_NUMEL, ge=64, description="the most values per pipelined chunk (a "
-        "frame: 16 MiB in float32, 2 MiB in int4); each round cuts a member's part into 3 "
-        "chunks, at least 262,144 values and at most this many (a value at or below "
-        "262,144 is used as it is). Every chunk costs fixed CPU and, on a GPU, kernel "
-        "launches and a host sync: 4M-value chunks ran fastest on the 2-core box, and "
-        "larger ones faster still on a GPU host's loopback (docs/codec-results.md). "
-        "Matchmaking groups only nodes that set the same value")
+        DEFAULT_CHUNK_NUMEL, ge=64, description="most values per pipelined chunk: a part is cut "
+        "into 3 chunks, none under min(262,144, this) "
+        "(docs/reports/2026-11-27-allreduce-chunk-cpu.md); must match across a group")
     tcp_congestion: str = Field(
-        "cubic", pattern=congestion.NAME_PATTERN, description="TCP congestion control of "
-        "the data-plane and state-sync connections (a Linux name, as in "
-        "net.ipv4.tcp_available_congestion_control), or 'system' for the kernel's default. "
-        "A round is all-to-all, N-1 flows through each link at once, where loss-blind bbr "
-        "sent 19-40% of a round's bytes twice on the test bed at 10-20 Mbit/s and cubic "
-        "under 1% (dilonode/net/congestion.py). A name the kernel refuses (not built in, or not in "
-        "net.ipv4.tcp_allowed_congestion_control without CAP_NET_ADMIN) leaves the default, "
-        "with one warning")
+        "cubic", pattern=congestion.NAME_PATTERN, description="TCP congestion control of data and "
+        "state connections, or 'system'; cubic, since bbr resends in all-to-all rounds "
+        "(docs/reports/2026-11-29-wan-round-congestion.md)")
     bandwidth_mbps: float = Field(
-        100.0, gt=0.0, description="advertised bandwidth; weights this node's butterfly part "
-        "(its share of each round's traffic). A joiner whose state fetch measured a slower "
-        "link advertises that instead: this is the most a node claims")
+        100.0, gt=0.0, description="advertised bandwidth, weighting this node's share of round "
+        "traffic (a slower measured link lowers it)")
     min_peers: int = Field(
         1, ge=1, description="wait until this many peers (self included) are visible to start")
     start_timeout: float = Field(120.0, gt=0.0, description="longest wait for min_peers")
     max_clock_offset: float = Field(
-        3600.0, gt=0.0, description="seconds this host's clock may be off its peers': a node "
-        "measures the offset against the DHT peers it joins through and reads their time "
-        "(dilonode/swarm/swarm_time.py); further off, it stops with one line naming it")
+        3600.0, gt=0.0, description="most seconds this clock may be off its initial DHT peers' "
+        "before the node stops")
     peer_ttl: float = Field(15.0, gt=1.0, description="seconds a published peer record lives")
     p2p_fallback: bool = Field(
-        True, description="when a peer's data address cannot be reached, carry the frames "
-        "over a libp2p stream through the DHT's daemon (reaches peers behind NAT; more CPU)")
+        True, description="relay frames over libp2p streams when a peer's data address is "
+        "unreachable (NAT; more CPU)")
     reachable: Literal["auto", "public", "private"] = Field(
-        "auto", description="whether peers can dial this node: 'private' behind a NAT with "
-        "no port forward (DHT client mode, relay slots at the initial peers, peers reach its "
-        "data plane and state server by libp2p streams); 'auto' decides by the addresses: private "
-        "when listening on a non-global address, with no announce_host, while an initial "
-        "peer has a global one (dilonode/swarm/reachability.py)")
+        "auto", description="private: behind NAT without a forward (DHT client, relays, data and "
+        "state over libp2p); auto: private on a non-global address without announce_host when an "
+        "initial peer is global")
     leave_timeout: float = Field(
-        5.0, gt=0.0, description="seconds a stopping node waits for its in-flight rounds "
-        "before abandoning them (they are never half-applied)")
+        5.0, gt=0.0, description="seconds a stopping node waits for in-flight rounds (never "
+        "half-applied)")
     max_group_size: int = Field(
-        16, ge=2, le=64, description="most peers averaging one fragment round together. "
-        "With more live peers, matchmaking splits them into groups of at most this size "
-        "that change every round (dilonode/algo/groups.py), so connections, bytes and "
-        "DHT reads per node stay bounded as the swarm grows; with at most this many, one "
-        "group of all. 16 suits internet links")
+        16, ge=2, le=64, description="most peers in one fragment round; larger swarms split into "
+        "groups that change every round")
     mix_state_every: int = Field(
-        1, ge=0, le=1000, description="grouped swarms (more than max_group_size peers): "
-        "the members of a group also average their outer state (weights and momentum, "
-        "float32, about 16x an int4 round's bytes) in every n-th round of a fragment, so "
-        "replicas stay close to the swarm mean (docs/groups-results.md measures drift "
-        "and bytes); 0 never, and replicas then drift apart without bound")
+        1, ge=0, le=1000, description="grouped swarms: a group also averages its float32 outer "
+        "state every n-th round, keeping replicas near the mean; 0: never (they drift)")
     final_mix_rounds: int = Field(
-        3, ge=0, le=64, description="grouped swarms: at the end of the run, rounds that only "
-        "average outer states in rotating groups (each shrinks the replicas' spread about "
-        "sqrt(max_group_size)-fold) before the end-of-run check makes them identical")
+        3, ge=0, le=64, description="grouped swarms: end-of-run rounds averaging outer states in "
+        "rotating groups")
 
     @model_validator(mode="after")
     def _check(self) -> NetworkConfig:
@@ -464,14 +417,14 @@ class AuthConfig(_Frozen):
     """
 
     secret_file: Path | None = Field(
-        None, description="file holding the swarm secret (>= 16 bytes; use a random one, "
-        "e.g. `head -c 32 /dev/urandom | base64`); surrounding whitespace is ignored")
+        None, description="file holding the swarm secret (>= 16 bytes, e.g. `head -c 32 "
+        "/dev/urandom | base64`)")
     secret_env: str | None = Field(
         None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="environment variable holding the swarm secret, instead of secret_file")
     allowed_peers: tuple[str, ...] | None = Field(
-        None, description="peer ids (base58) or base64 libp2p public keys admitted to the "
-        "run, as `dilonode identity KEYFILE` prints them; unset: anyone holding the secret")
+        None, description="peer ids or base64 public keys admitted (`dilonode identity KEYFILE`); "
+        "unset: anyone with the secret")
 
     @model_validator(mode="after")
     def _check(self) -> AuthConfig:
@@ -500,9 +453,8 @@ class StatusConfig(_Frozen):
     port: int = Field(0, ge=0, le=65535, description="listen port; 0 picks a free one")
     history: int = Field(600, ge=10, le=100_000, description="points kept for the charts")
     peak_tflops: float = Field(
-        0.0, ge=0.0, description="dense bf16 peak of one of the node's devices in TFLOP/s, "
-        "for model FLOPs utilization (MFU); 0: from a table of common GPUs by the device's "
-        "name (dilonode/train/flops.py), none for a device not in it")
+        0.0, ge=0.0, description="dense bf16 TFLOP/s of one device, for MFU; 0: looked up by "
+        "device name")
 
 
 class AdmissionConfig(_Frozen):
@@ -512,19 +464,19 @@ class AdmissionConfig(_Frozen):
     raise_nofile: bool = Field(
         True, description="at start, raise the soft open-files limit to the hard limit")
     fd_reserve: int = Field(
-        0, ge=0, description="descriptors kept free of incoming connections (DHT, p2pd, "
-        "peers, checkpoints); 0: a quarter of the open-files limit, at least 256")
+        0, ge=0, description="descriptors kept from incoming connections; 0: a quarter of the "
+        "limit, at least 256")
     max_open: int = Field(
         0, ge=0, description="connections held at once per port; 0: sized from the "
         "open-files limit")
     max_pending: int = Field(
-        0, ge=0, description="connections still in their handshake per port; 0: sized from "
-        "the open-files limit")
+        0, ge=0, description="connections in their handshake per port; 0: sized from the "
+        "open-files limit")
     max_pending_per_source: int = Field(
         32, ge=1, description="connections still in their handshake per port from one address")
     log_interval: float = Field(
-        60.0, gt=0.0, description="seconds between summary lines of repeated peer-caused "
-        "events (the first of each address is logged in full)")
+        60.0, gt=0.0, description="seconds between summaries of repeated peer-caused events (each "
+        "address's first in full)")
 
 
 class SuperviseConfig(_Frozen):
@@ -542,37 +494,34 @@ class SuperviseConfig(_Frozen):
     check_interval: float = Field(
         2.0, gt=0.0, description="seconds between two health checks of every part")
     check_timeout: float = Field(
-        5.0, gt=0.0, description="seconds a part has to answer its health check before it "
-        "counts as down (a stopped process, a wedged loop)")
+        5.0, gt=0.0, description="seconds a part has to answer a health check")
     unanswered_checks: int = Field(
-        2, ge=1, description="health checks in a row that must run out of time before a part "
-        "counts as down (a dead process or a refused connection counts at once)")
+        2, ge=1, description="timed-out checks in a row before a part counts as down (a dead "
+        "process counts at once)")
     restart_timeout: float = Field(
         45.0, gt=0.0, description="seconds one restart may take (a DHT restart re-bootstraps)")
     backoff_initial: float = Field(
-        1.0, gt=0.0, description="seconds before the second restart of a part that stays "
-        "down (the first is immediate); doubled after each failed one")
+        1.0, gt=0.0, description="seconds before a part's second restart, doubled after each "
+        "failure")
     backoff_max: float = Field(30.0, gt=0.0, description="longest wait between restarts")
     give_up_after: float = Field(
-        120.0, gt=0.0, description="seconds a part may stay down before the node gives up: "
-        "checkpoint, then exit non-zero with the reason")
+        120.0, gt=0.0, description="seconds a part may stay down before the node checkpoints and "
+        "exits non-zero")
     max_outages: int = Field(
-        5, ge=1, description="outages of one part within outage_window the node rides out; "
-        "one more and it gives up (a part that keeps dying is not healing)")
+        5, ge=1, description="outages of one part within outage_window the node rides out")
     outage_window: float = Field(300.0, gt=0.0, description="seconds max_outages counts over")
     exit_grace: float = Field(
-        60.0, gt=0.0, description="seconds the node has to stop cleanly after giving up "
-        "before it exits hard (exit code 1)")
+        60.0, gt=0.0, description="seconds to stop cleanly after giving up before a hard exit "
+        "(code 1)")
     remerge: bool = Field(
-        True, description="when fewer peers are live than were seen recently, re-contact the "
-        "initial peers and the remembered ones (DHT re-merge after a partition)")
+        True, description="when fewer peers are live than recently, re-contact initial and "
+        "remembered peers")
     remember_for: float = Field(
         600.0, gt=0.0, description="seconds a peer not seen live is still looked for")
     remerge_backoff_max: float = Field(
         30.0, gt=0.0, description="longest wait between two re-contact attempts")
     alone_warn_rounds: int = Field(
-        3, ge=1, description="consecutive rounds alone while other peers are live before "
-        "the node warns (log, status endpoint, dashboard)")
+        3, ge=1, description="rounds alone in a row, with other peers live, before the node warns")
     alone_log_every: float = Field(
         60.0, gt=0.0, description="seconds between two repeats of the 'alone' warning log")
 
@@ -593,8 +542,7 @@ class CheckpointConfig(_Frozen):
     dir: Path | None = Field(
         None, description="checkpoint folder (default: paths.checkpoint_dir, else out_dir/ckpt)")
     every_steps: int = Field(
-        1000, ge=0, description="inner steps between checkpoints (written in the background); "
-        "0 disables periodic checkpoints")
+        1000, ge=0, description="inner steps between background checkpoints; 0 disables")
     keep: int = Field(3, ge=1, le=1000, description="newest checkpoints kept on disk")
     on_exit: bool = Field(True, description="also write one when the node stops cleanly")
 
@@ -603,8 +551,7 @@ class StateSyncConfig(_Frozen):
     """Live state recovery: serve our outer state to joiners, fetch it when we join."""
 
     enabled: bool = Field(
-        True, description="serve state to joiners and, on start, recover from live peers "
-        "that are ahead of us")
+        True, description="serve state to joiners; on start, recover from live peers ahead of us")
     host: str | None = Field(None, description="listen address (default: network.host)")
     port: int = Field(0, ge=0, le=65535, description="state TCP port; 0 picks a free one")
     chunk_bytes: int = Field(
@@ -617,14 +564,11 @@ class StateSyncConfig(_Frozen):
     snapshot_wait: float = Field(
         5.0, gt=0.0, description="seconds a server waits for a round boundary to snapshot")
     max_passes: int = Field(
-        6, ge=1, le=100, description="fetches that do not close in on the state (rounds "
-        "landing mid-fetch faster than it gets the rest) before publishing our record "
-        "anyway")
+        6, ge=1, le=100, description="fetches that fail to catch a moving state before our record "
+        "is published anyway")
     replay_rounds: int = Field(
-        16, ge=0, le=256, description="per fragment, the last rounds whose encoded results "
-        "a server keeps, so a joiner several rounds behind replays them on the chunks it "
-        "has instead of fetching those again; capped so that they never hold more bytes "
-        "than the fragment's outer state (int4: ~14 rounds); 0: none")
+        16, ge=0, le=256, description="per fragment, recent round results kept for joiners to "
+        "replay instead of refetching (at most the fragment's state bytes); 0: none")
 
     @model_validator(mode="after")
     def _check(self) -> StateSyncConfig:
@@ -640,8 +584,8 @@ class PathsConfig(_Frozen):
 
     out_dir: Path = Field(Path("runs/default"), description="logs, JSON/CSV metrics, plots")
     checkpoint_dir: Path | None = Field(None, description="checkpoints (default out_dir/ckpt)")
-    trace: bool = Field(False, description="write every round started and landed (own step, "
-                        "fragment, round, tokens, group size) to out_dir/trace.jsonl")
+    trace: bool = Field(
+        False, description="log every round started and landed to out_dir/trace.jsonl")
 
 
 class SimConfig(_Frozen):
@@ -649,12 +593,11 @@ class SimConfig(_Frozen):
 
     workers: int = Field(4, ge=1, le=256, description="M: virtual workers")
     speeds: tuple[float, ...] | None = Field(
-        None, description="relative speed of each worker (1: one reference step per inner "
-        "step; 0.25: four times slower), run on a virtual clock; unset: all equal, in "
-        "lockstep")
+        None, description="relative speed per worker on a virtual clock (0.25: four times "
+        "slower); unset: lockstep")
     latency: float = Field(
-        0.0, ge=0.0, description="virtual seconds (reference steps) from a round's last "
-        "contribution to its result reaching the members")
+        0.0, ge=0.0, description="virtual seconds from a round's last contribution to its result "
+        "arriving")
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
@@ -672,22 +615,18 @@ class DistConfig(_Frozen):
     ranks, one per device, synchronous inner steps, one peer to the swarm."""
 
     nproc: int = Field(
-        1, ge=1, le=256, description="ranks (processes) of this node, one per device; "
-        "`dilonode run --nproc N`, or the world size when launched under torchrun")
+        1, ge=1, le=256, description="ranks of this node, one per device (`--nproc N` or "
+        "torchrun's world size)")
     strategy: Literal["auto", "ddp", "fsdp"] = Field(
-        "auto", description="ddp: a replica per rank; fsdp: FSDP2 fully_shard per "
-        "transformer block; auto: ddp when the model's training state fits on one device, "
-        "else fsdp")
+        "auto", description="ddp: a replica per rank; fsdp: FSDP2 per block; auto: ddp if the "
+        "training state fits one device")
     timeout: float = Field(
-        600.0, gt=0.0, description="seconds a collective inside the node (an inner step, an "
-        "outer-state exchange) may take before the node gives up and stops")
+        600.0, gt=0.0, description="seconds an in-node collective may take before the node stops")
     share_codec: bool = Field(
-        True, description="every rank encodes its slice of the node's contribution with the "
-        "round's codec, in parallel, and the leader sends those bytes (CPU nodes; a CUDA "
-        "leader encodes on its GPU instead)")
+        True, description="ranks encode their slices in parallel, the leader sends them (CPU "
+        "nodes)")
     stop_grace: float = Field(
-        20.0, gt=0.0, description="seconds the launcher gives rank 0 to leave the swarm "
-        "after another rank died, before killing every rank")
+        20.0, gt=0.0, description="seconds rank 0 gets to leave the swarm after another rank died")
 
 
 class RunConfig(_Frozen):
@@ -696,10 +635,9 @@ class RunConfig(_Frozen):
     run_id: str = Field("dilonode-default", min_length=1, max_length=128,
                         pattern=r"^[A-Za-z0-9._-]+$", description="swarm run identifier")
     seed: int = Field(0, description="seed for model init (identical on every worker)")
-    total_steps: int = Field(300, ge=1, description="length of the run in reference steps: "
-                             "inner steps per worker with diloco.pacing = steps; with "
-                             "pacing = time, steps of the swarm clock (about one step of "
-                             "the node that started it), so faster nodes train more")
+    total_steps: int = Field(
+        300, ge=1, description="run length in reference steps: own inner steps (pacing=steps) or "
+        "swarm clock steps (pacing=time)")
     eval_every: int = Field(50, ge=1, description="inner steps between evaluations")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="cuda with bf16 autocast when available, else cpu")
