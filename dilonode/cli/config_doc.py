@@ -2,7 +2,7 @@
 
 `render()` walks `dilonode.config.RunConfig`: the run's own fields first, then one section
 per component model (`[model]`, `[data]`, ...; a model nested in a component gets its own
-`[a.b]` section), each a table of field, type (with its bounds), default and description,
+`[a.b]` section), each a list of fields: name, default, type with its bounds, description,
 the description taken from `Field(description=...)` or else the docstring under the field.
 docs/configuration.md is this output, so the page cannot drift from the code:
 
@@ -146,8 +146,16 @@ def _default(field: FieldInfo) -> str:
     return "unset" if field.default is None else _value(field.default)
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+def _entry(model: type[BaseModel], name: str, field: FieldInfo) -> str:
+    """One field as one list item: name, default, type with bounds, description."""
+    # An unset default already says that None is allowed.
+    kind = _type_name(field.annotation, with_none=field.default is not None)
+    if bounds := _bounds(field):
+        kind += f", {bounds}"
+    default = _default(field)
+    head = f"`{name}` ({kind}, {default})" if default in ("unset", "required", "(computed)") \
+        else f"`{name}` = `{default}` ({kind})"
+    return f"- {head}: {_description(model, name, field) or '(no description)'}"
 
 
 def _section(section: str, model: type[BaseModel]) -> list[str]:
@@ -156,16 +164,8 @@ def _section(section: str, model: type[BaseModel]) -> list[str]:
     if model.__doc__:
         # The summary paragraph only: the rest of a docstring is for readers of the code.
         lines += [" ".join(inspect.cleandoc(model.__doc__).split("\n\n")[0].split()), ""]
-    lines += ["| field | type | default | description |", "|---|---|---|---|"]
-    for name, field in model.model_fields.items():
-        if _is_model(field.annotation):
-            continue
-        # An unset default already says that None is allowed.
-        kind = _type_name(field.annotation, with_none=field.default is not None)
-        if bounds := _bounds(field):
-            kind += f", {bounds}"
-        desc = _description(model, name, field) or "(no description)"
-        lines.append(f"| `{name}` | {_cell(kind)} | `{_cell(_default(field))}` | {_cell(desc)} |")
+    lines += [_entry(model, name, field) for name, field in model.model_fields.items()
+              if not _is_model(field.annotation)]
     return lines + [""]
 
 

@@ -21,19 +21,20 @@ def test_every_field_of_every_model_has_a_description():
     assert config_doc.undocumented() == []
 
 
-def test_every_component_has_a_section_and_every_field_a_row():
+def test_every_component_has_a_section_and_every_field_an_entry():
     page = config_doc.render()
     for section, model in config_doc.models():
         assert f"## `[{section}]`: `{model.__name__}`" in page or not section
         for name, field in model.model_fields.items():
             nested = isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-            assert nested or f"| `{name}` |" in page, f"{section}.{name} has no row"
+            assert nested or f"\n- `{name}` " in page, f"{section}.{name} has no entry"
 
 
 class _Inner(BaseModel):
     """A nested component."""
 
     depth: int = Field(2, ge=1, le=8, description="how deep | how far")
+    limit: int | None = Field(None, ge=0, description="optional")
 
 
 class _Outer(BaseModel):
@@ -48,10 +49,11 @@ class _Outer(BaseModel):
 def test_a_nested_model_gets_its_own_section_and_docstrings_count():
     assert [s for s, _ in config_doc.models(_Outer)] == ["", "inner"]
     assert config_doc.undocumented(_Outer) == ["bare"]
-    assert "| `mode` | str | `\"a\"` | Set by a docstring under the field. |" in \
+    assert '- `mode` = `"a"` (str): Set by a docstring under the field.' in \
         config_doc._section("", _Outer)
-    assert "| `depth` | int, >= 1, <= 8 | `2` | how deep \\| how far |" in \
-        config_doc._section("inner", _Inner)
+    inner = config_doc._section("inner", _Inner)
+    assert "- `depth` = `2` (int, >= 1, <= 8): how deep | how far" in inner
+    assert "- `limit` (int, >= 0, unset): optional" in inner
 
 
 def test_check_and_write(tmp_path, capsys):
