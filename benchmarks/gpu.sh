@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures, in stages that each take less than 10 minutes on one H100 host with 16
-# cores (docs/gpu-plan.md gives the order, the minutes and what each writes):
+# cores (benchmarks/README.md lists what each runs; reports in docs/reports/):
 #
 #   bash benchmarks/gpu.sh STAGE [STAGE ...]       # figures in runs/gpu/ (RESULTS)
 #
@@ -9,7 +9,7 @@
 #                   runs/carry/pysrc-pack: carry runs/carry (about 32 MB)
 #   setup           carried wheels installed into /tmp/site-py3XX when imports fail, the
 #                   corpus unpacked from its pack and checked (every invocation does this)
-#   codecs          issue 16: device codecs bit for bit on the GPU, what one chunk's copies,
+#   codecs          device codecs bit for bit on the GPU, what one chunk's copies,
 #                   hashes and codecs cost (benchmarks/gpu/datapath_costs.py), 4 peers
 #                   all-reducing 50M and 500M values against gloo float32 and ideal 1/10
 #                   Gbit/s links
@@ -20,13 +20,13 @@
 #                   corpus (benchmarks/gpu/quality.py); quality-table joins their reports
 #   swarm-start     bootstrap + 4 `dilonode run` on the GPU for 11 minutes, detached, then
 #                   waits up to SWARM_WAIT_S (480) s; swarm-collect waits for the end (up to
-#                   540 s) and writes the figures. Two device calls, the second at once.
+#                   540 s) and writes the figures: two commands, the second right after the first.
 #   swarm           swarm-start and swarm-collect in one go (hosts without a time limit)
 #   all             codecs memory quality-ddp quality-diloco quality-int4 quality-fp4 swarm
 #
 # Env: PYTHON (default .venv/bin/python, else python3), RESULTS (runs/gpu), PACK_TO (after
-# every stage, RESULTS is also packed there as gpu-results.tar.gz with summary.txt: the
-# device tool's $OUT), CORPUS (runs/corpus/pysrc), CORPUS_PACK (runs/carry/pysrc-pack),
+# every stage, RESULTS is also packed there as gpu-results.tar.gz with summary.txt: a folder
+# that comes back from a remote host), CORPUS (runs/corpus/pysrc), CORPUS_PACK (runs/carry/pysrc-pack),
 # WHEELS (runs/carry/whl), SITE (/tmp/site-py3XX: where they are installed), SMOKE=1 (every
 # stage at toy sizes on the CPU: the tests),
 # QUALITY_ARGS (more gpu_quality.py arguments, e.g. "--batch-size 8": use the same for every
@@ -156,7 +156,8 @@ stage_codecs() {
   bench cuda_500m --device cuda --numel 500000000 --codecs int4,float32 \
     --rounds "${ROUNDS_500M:-2}"
   # Every chunk costs kernel launches and host syncs on the GPU path; the daemon's default
-  # (network.chunk_numel) comes from this sweep (docs/codec-results.md).
+  # (network.chunk_numel) comes from this sweep
+  # (docs/reports/2026-11-28-gpu-allreduce-h200.md).
   local c
   for c in ${CODEC_CHUNKS:-262144 1048576 2097152 4194304 8388608 16777216}; do
     bench "cuda_50m_chunk$c" --device cuda --numel 50000000 --codecs int4 --rounds 5 \

@@ -18,7 +18,7 @@ Parts and how they are broken (from outside the node, no hook inside it):
 | data, state, status | destroy the listening socket (`ss -K`) | drop what comes to its port |
 | partition | - | `Testbed.partition(*sides)`, `heal()` after |
 
-The invariant (issue 20): every node either ends with exit code 0, and then all such nodes
+The invariant: every node either ends with exit code 0, and then all such nodes
 hold identical outer weights (`outer_digest` in their summaries), or exits non-zero with a
 one-line reason as the last line of its stderr. Never exit 0 with different weights.
 """

@@ -1,4 +1,4 @@
-"""What a node needs, to size machines (issue 15 section 2): parameters, host RAM of the outer
+"""What a node needs, to size machines: parameters, host RAM of the outer
 state, GPU memory of training, for the `150m` and `1b` presets.
 
     python -m benchmarks.gpu.memory estimate --md runs/gpu/memory-estimate.md   # any CPU

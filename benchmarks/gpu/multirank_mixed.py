@@ -1,5 +1,5 @@
-"""A swarm of a 1-rank node on a GPU and a 2-rank node on the CPU (issue 19's GPU check):
-both must end with the same outer weights and pass the end-of-run agreement.
+"""A swarm of a 1-rank node on a GPU and a 2-rank node on the CPU: both must end with the
+same outer weights and pass the end-of-run agreement.
 
     python -m benchmarks.gpu.multirank_mixed --out runs/bench/multirank_mixed   # needs CUDA
 

@@ -1,4 +1,4 @@
-"""Quality at GPU scale (issue 15 section 2): DDP vs DiLoCo vs Streaming DiLoCo with int4 and
+"""Quality at GPU scale: DDP vs DiLoCo vs Streaming DiLoCo with int4 and
 fp4 exchange, in the simulator (4 workers on one GPU, the same Worker and algorithm code as
 the daemon), preset `150m`, bf16 autocast, on the Python-source corpus (`corpus.py`).
 

@@ -1,9 +1,10 @@
-"""A real swarm on one GPU (issue 15 section 2): a bootstrap peer and 4 `dilonode run` processes
+"""A real swarm on one GPU: a bootstrap peer and 4 `dilonode run` processes
 sharing the GPU for at least 10 minutes, preset `150m`, Streaming DiLoCo with int4 exchange,
 on the Python-source corpus; per node tokens/s, compute utilization, bytes, round latency and
 the end-of-run agreement, and the GPU's utilization and memory sampled every 5 s.
 
-A device command may run 10 minutes, so the run outlives the command that starts it:
+A remote command may be limited to 10 minutes, so the run outlives the command that starts
+it:
 
     python -m benchmarks.gpu.swarm start                # config, swarm and sampler, detached
     python -m benchmarks.gpu.swarm wait --max-s 480      # exit 0 when done, 3 while running

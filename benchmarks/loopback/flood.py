@@ -2,8 +2,8 @@
 
 Runs a 2-node local swarm (`dilonode.cli.local_swarm.LocalSwarm`) twice in one invocation, the
 same run without and with a flood: once node-0 has done `--flood-at` of its steps, a
-flooder thread opens `--connections` idle TCP connections (default 20,000; issue 20 asks
-for 20,000 or twice the node's open-files limit) to node-0's three public ports (data
+flooder thread opens `--connections` idle TCP connections (default 20,000, or pass
+twice the node's open-files limit) to node-0's three public ports (data
 plane, state sync, status; a third each), from `--sources` loopback addresses, sends
 nothing, and holds every connection until the node closes it or the run ends. Reports
 each node's compute utilization and steps per second, what the flooder saw (refused at

@@ -1,6 +1,6 @@
 """Memory per rank of a node on N local devices: outer state and inner model, DDP vs FSDP2.
 
-Two parts (docs/multigpu-results.md):
+Two parts (docs/reports/2026-11-25-multirank-memory.md):
 
 * `--table`: what each rank holds for a preset (150m, 1b) at 1, 2 and 4 ranks, computed
   from the layouts the code uses (`train/ranks.py`: outer slices, FSDP2 dim-0 shards of the

@@ -236,7 +236,7 @@ def bytes_per_value(codec: str, block_size: int) -> float:
 
 def markdown(summary: dict[str, dict[str, Any]], runner: Runner, args: argparse.Namespace,
              lr: float) -> str:
-    """The sweep and the table as Markdown, for docs/benchmarks.md."""
+    """The sweep and the table as Markdown, for a report in docs/reports/."""
     out = []
     if args.sweep:
         out += ["| inner lr | " + " | ".join(LABELS[r] for r in args.sweep_rows) + " |",

@@ -1,4 +1,4 @@
-"""Chaos matrix (issue 20): for each supervised part of a node (DHT process, p2pd, data
+"""Chaos matrix: for each supervised part of a node (DHT process, p2pd, data
 listener, state-sync server, status server) a kill -9 and a 30 s stop mid-run, in a swarm of
 3 nodes on loopback; and a 2|2 network partition of 30 s on the WAN test bed (4 nodes at
 100 Mbit/s), then healed, with the DHT re-merge on and, as a control, off.

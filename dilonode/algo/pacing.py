@@ -178,9 +178,9 @@ class TimePacer:
         waits included: how fast this worker gets through reference steps' worth of work,
         what the swarm clock should not outrun (`retune_step_seconds`). Until the window is
         full, over the steps after the first two (they carry warm-up) once there are
-        `pace_first` of them, None before: a clock proposed from one node's first steps
-        ran 30-40% ahead of the nodes on the test bed, and waiting for a full window left
-        it there for the first 130-160 reference steps (docs/autotune-results.md)."""
+        `pace_first` of them, None before: a clock proposed from one node's first steps runs
+        ahead of the nodes (evaluations, waits and contention come later), and waiting for
+        a full window would leave it there for the run's first rounds."""
         b = self._boundaries
         if b.maxlen is None:
             return None
@@ -302,12 +302,12 @@ def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
     * throughput (`step_times`: live nodes' wall seconds per own step, `TimePacer.pace_s`;
       empty when the clock's rate was set by hand): one reference step is one step of the
       fastest node, so a run of N reference steps trains N of its steps. A clock proposed
-      from a node's first steps ran 12-23% ahead of the nodes on a shared host
-      (docs/autotune-results.md): evaluations, waits and contention come later.
+      from a node's first steps runs ahead of the nodes: evaluations, waits and contention
+      come later.
       `behind`: each live node's reference steps minus its own steps. A pace alone keeps
       the rate but never gives back the steps a clock already ran ahead (its first rate,
-      paces that are averages, the 5% band), so the steps a run trains followed one node's
-      first measurement (544-705 in runs of 600 on the test bed, fewer on 4 of 5 seeds).
+      paces that are averages, the 5% band), so the steps a run trains would follow one
+      node's first measurement.
       While even the node furthest along is behind, the clock runs slower than its pace
       by that lag over two round periods (at most `_CATCH_UP_MAX`). Nodes ahead of the
       clock do not speed it up past the pace.

@@ -20,8 +20,8 @@ compute the same bits; they differ in where:
   section 5.1). Off a GPU, bytes go into page-locked (pinned) host memory, 4x faster than
   pageable, and a result chunk is hashed on every core: a GPU host's cores have little
   else to do while it trains, and one core's BLAKE3 took a third of a 50M-value int4
-  round (docs/codec-results.md). A float32 result chunk is hashed from its payload, which
-  holds the values' bytes, with no copy off the device.
+  round (docs/reports/2026-11-28-gpu-allreduce-h200.md). A float32 result chunk is hashed
+  from its payload, which holds the values' bytes, with no copy off the device.
 
 Either path takes an `encoded` contribution (`algo/spliced.SplicedEncoding`: the node's
 ranks encoded their slices in parallel): chunks it covers are sent as it has them, the

@@ -54,8 +54,8 @@ class NetworkCollective:
     so a result is valid only until the next `begin` of the same fragment (the trainer
     lands each round before it starts that fragment's next one). A fresh 40 MB result per
     round costs ~10,000 page faults; reusing it cut a 10M-value round's CPU by ~10%
-    (docs/benchmarks.md). `keep_encoded=True`: results also carry the encoded values
-    (`ReduceResult.encoded`), which the node serves to joiners.
+    (docs/reports/2026-11-23-allreduce-result-buffer.md). `keep_encoded=True`: results
+    also carry the encoded values (`ReduceResult.encoded`), which the node serves to joiners.
     """
 
     def __init__(self, peer_id: str, run_id: str, form_group: FormGroup,

@@ -6,7 +6,7 @@ carries N-1 flows and its downlink takes N-1 senders. BBR (version 1, what Linux
 queue: on the test bed at 10 and 20 Mbit/s it sent a fifth to two fifths of a round's
 bytes twice and a round took 1.34-1.39x the line rate's time, against under 1% and
 1.13-1.17x with `cubic`; at 100 Mbit/s nothing was lost and bbr's pacing was 0.026 s a
-round faster (docs/benchmarks.md, "Rounds against the line rate"). `cubic`, Linux's
+round faster (docs/reports/2026-11-29-wan-round-congestion.md). `cubic`, Linux's
 default, backs off on loss; the node asks for it on its data-plane and state-sync sockets
 unless told otherwise. A kernel may refuse a name: not built in, or not in
 `net.ipv4.tcp_allowed_congestion_control` for a process without CAP_NET_ADMIN. The socket

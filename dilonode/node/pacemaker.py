@@ -156,9 +156,8 @@ class Pacemaker:
         # As if our part were an equal one, though our weight may now be smaller: while we
         # fetch, the clock must also leave our link room for the results of every round
         # that lands meanwhile (B / rate each), or the fetch chases them pass after pass
-        # while our peers wait for our first round. Counting the smaller part (1.07 B
-        # against 1.6 B here) set a 22% faster clock, and in that run the joiner took 20 s
-        # from its publish to its first round, its peers waiting (docs/autotune-results.md).
+        # while our peers wait for our first round. Counting the smaller part would set a
+        # faster clock than the link allows (docs/reports/2026-11-29-slow-joiner.md).
         busy = link_busy_seconds(sizes, peers, rate_Bps)
         log.info("link: state sync moved %.2f MB/s; a round of every fragment with %d peers "
                  "takes %.1f s of it (published until our rounds measure it)",

@@ -2,7 +2,7 @@
 
 During a partition each side's DHT drops the other side's nodes from its routing tables, and
 after the heal nothing makes them meet again: both halves went on training in their own
-groups to the end of the run (issue 20). libp2p's routing-table refresh re-dials known peers;
+groups to the end of the run. libp2p's routing-table refresh re-dials known peers;
 this does the same for hivemind's DHT:
 
 * every `interval` seconds it reads the live peer records and notes who is live, and asks

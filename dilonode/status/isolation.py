@@ -1,8 +1,8 @@
 """`AloneWatch`: notices a node that keeps averaging alone while its swarm is alive.
 
 A node cut off from its peers (a dead p2pd, a partition, a firewall) goes on training and
-"averages" every round with itself; before, nothing said so (issue 20: 13 rounds closed with
-1 member, no warning, exit code 0). `on_round(group_size, live_peers)` is called for every
+"averages" every round with itself, and without this watch would end with exit code 0
+having never said so. `on_round(group_size, live_peers)` is called for every
 landed round with the number of *other* peers whose records are live; after
 `warn_after` rounds in a row alone while some are live, the node logs
 "alone for N rounds while M peers are live" at WARNING (again at most every `log_every`

@@ -62,7 +62,7 @@ def _use_fd_sharing() -> None:
     shared tensors with one torch_shm_manager process over a socket. A DHT process killed
     in the middle of such a registration crashed the manager ("terminate called after
     throwing an instance of 'std::system_error'"), and from then on every DHT call of the
-    node raised "Broken pipe" (issue 20). With file descriptors there is no manager to
+    node raised "Broken pipe". With file descriptors there is no manager to
     crash; a call costs about 2 ms more (a descriptor is handed over per request).
     """
     import torch.multiprocessing

@@ -9,8 +9,8 @@ streams to `DataPlane.accept_stream` (and, with `serve_state`, one for the state
 `accept_stream`), and offers `open(peer_id)` as the plane's `fallback`, tried when a direct
 connection fails or at once for a peer behind a NAT, and `open_state(peer_id)` for state
 sync. Over either path both ends run the same authenticating handshake and per-frame MACs
-(`dilonode.net.channel`); libp2p's own transport security comes on top. Bulk data
-costs more CPU this way (docs/benchmarks.md), so it is only the fallback.
+(`dilonode.net.channel`); libp2p's own transport security comes on top. Bulk data costs
+more CPU this way (docs/reports/2026-11-22-p2p-stream.md), so it is only the fallback.
 
 Usage, on the plane's event loop::
 

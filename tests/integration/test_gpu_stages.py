@@ -1,6 +1,6 @@
 """benchmarks/gpu.sh end to end at toy sizes on the CPU (`SMOKE=1`): the memory, quality and
-swarm stages through the script itself, so the commands docs/gpu-plan.md gives a GPU session
-cannot rot. The swarm stage starts a real bootstrap and 2 `dilonode run` processes. One
+swarm stages through the script itself, so the commands a GPU host runs cannot
+rot. The swarm stage starts a real bootstrap and 2 `dilonode run` processes. One
 quality stage: the others differ only in `--method`, and
 tests/unit/test_gpu_bench.py runs every method through gpu_quality.py's entry point.
 """

@@ -1,12 +1,12 @@
 """After a 2|2 network partition heals, the two halves of the swarm's DHT find each other
-again (`swarm/remerge.py`): on the WAN test bed, a bootstrap and four training nodes (nano
+again (`node/remerge.py`): on the WAN test bed, a bootstrap and four training nodes (nano
 model) at 100 Mbit/s; node-2 and node-3 are cut off from the bootstrap and node-0/node-1 for
-15 s, then the cut is removed, and every node must read all peers live again within a
-bound. Without the re-merge they never did (issue 20; benchmarks/testbed/chaos.py runs that
-control). Then the halves, which trained apart, must become one model again: the chain
-check at matchmaking leaves the half whose state does not stand out of a round, that half
-adopts the standing state, and every node ends the run with identical outer weights (the
-end-of-run agreement check says so, exit 0).
+15 s, then the cut is removed, and every node must read all peers live again within a bound
+(without the re-merge they do not: benchmarks/testbed/chaos.py runs that control). Then the
+halves, which trained apart, must become one model again: the chain check at matchmaking
+leaves the half whose state does not stand out of a round, that half adopts the standing
+state, and every node ends the run with identical outer weights (the end-of-run agreement
+check says so, exit 0).
 
 Needs root (network namespaces, iptables); skipped with the reason otherwise.
 """

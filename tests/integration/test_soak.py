@@ -1,6 +1,6 @@
 """Soak: 4 nodes, many fragment rounds on loopback while every core is kept busy.
 
-`make test` runs 3 x 45 rounds (about 35 s); the soak of docs/benchmarks.md runs
+`make test` runs 3 x 45 rounds (about 35 s); the soak of docs/reports/2026-11-23-soak.md runs
 3 x 334, over 1,000 rounds: `DILONODE_SOAK_ROUNDS=334 pytest -q -s tests/integration/test_soak.py`.
 
 Every completed round is checked exactly: its result must equal the butterfly average,
