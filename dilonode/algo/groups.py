@@ -18,8 +18,8 @@ The rule for round r of fragment p, among n live peers, groups of at most M:
   round-robin, so sizes differ by at most one and none exceeds M. Every member derives the
   same split from the roster the leader publishes.
 
-With n <= M there is one key (index 0, the key rounds used before groups existed) and no
-split: a single group, exactly as before. `mixes(round, every)` says which rounds also
+With n <= M there is one key (index 0, the key of an ungrouped swarm's rounds) and no
+split: a single group of everyone. `mixes(round, every)` says which rounds also
 average the members' outer states (`algo/mixing.py`); every member derives it from the
 round number. Pure: no I/O, no clock.
 """

@@ -444,7 +444,7 @@ class DataPlane:
         self.host = host
         self.port = port
         self.gate = gate or Admission().gate("data")
-        self.gate.log.logger = log  # its lines are this module's, as before
+        self.gate.log.logger = log  # its lines are logged as this module's
         self.stats: dict[str, int] = dict.fromkeys(
             ("bytes_in", "bytes_in_direct", "bytes_out", "frames_in", "frames_out",
              "connections_in", "connections_out", "rejected_connections", "rejected_hellos",

@@ -42,7 +42,7 @@ def bind_listener(host: str, port: int, *, backlog: int = 256,
     (options set there are inherited by accepted sockets). OSError if it cannot bind."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                flags=socket.AI_PASSIVE)
-    # A name ("localhost") or no host listens on IPv4 as before; an IPv6 literal on IPv6.
+    # A name ("localhost") or no host listens on IPv4; an IPv6 literal on IPv6.
     v6 = ":" in (host or "")
     family, kind, proto, _, addr = min(infos, key=lambda i: (i[0] == socket.AF_INET) == v6)
     sock = socket.socket(family, kind, proto)

@@ -224,7 +224,7 @@ class _RoundRunner:
     def __init__(self, swarm: _Swarm, r: int, leaving: dict[str, float]) -> None:
         self.swarm, self.r, self.cfg = swarm, r, swarm.cfg
         self.leaving = leaving
-        # Only a swarm larger than M averages in groups and mixes states (else: as before).
+        # Only a swarm larger than M averages in groups and mixes states (else: one group).
         self.mixing = grouped(len(swarm.live()), self.cfg.max_group_size) and \
             mixes(r, self.cfg.mix_every)
         self.pgs: dict[str, torch.Tensor] = {}

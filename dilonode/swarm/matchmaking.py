@@ -399,7 +399,7 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
     (asked at every poll) names peers known dead now (they hung up on our data plane): a
     follower whose leader is among them blames it at once instead of waiting for its roster.
     `key_index` is our key in a grouped swarm (`algo.groups.key_index`) and
-    `max_group_size` bounds every group (None: one group of everyone, as before).
+    `max_group_size` bounds every group (None: one group of everyone).
     `nobody_else` (the caller's peer records hold no live peer but us) closes a group of one
     at the first read that finds no other entry, instead of waiting a window for a peer that
     is not there (a joiner whose record appears later waits for this round to land anyway);

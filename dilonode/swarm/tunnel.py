@@ -37,7 +37,7 @@ connection when p2pd holds one, and otherwise goes through a `Relay`:
   a live record in the run.
 
 The plane keeps calling the same `open`, so a re-attached tunnel needs no rewiring; it
-serves the state server's streams and the relay again as before.
+serves the state server's streams and the relay again.
 
 `import hivemind` happens in `start()`, never at module import.
 """

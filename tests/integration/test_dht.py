@@ -274,7 +274,7 @@ def test_attacker_cannot_hide_a_peers_record(boot: SwarmDHT, peers: list[SwarmDH
                             host_maddrs=[f"/ip4/{HOST}/tcp/0"], shutdown_timeout=1.0)
     try:
         later = get_dht_time() + 600  # outlives the victim's record
-        subkeys = [victim.peer_id,  # the plain subkey readers used to trust
+        subkeys = [victim.peer_id,  # a plain subkey, with no owner
                    victim.peer_id + signer.local_public_key.decode(),  # signed, wrong owner
                    owner_subkey(victim.credentials.identity)]  # the victim's, unsigned
         for subkey in subkeys:

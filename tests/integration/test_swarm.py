@@ -84,7 +84,7 @@ def _wait_no_process_with(text: str, timeout: float) -> None:
 def test_signal_stops_a_node_cleanly_within_seconds(tmp_path, sig, when):
     # A lone node: a short window keeps its rounds (each waits the whole window) quick.
     # "waiting for peers": it waits for a second peer that never comes (min_peers = 2);
-    # a stop used to go unheard there until network.start_timeout ran out.
+    # a stop must be heard there, not only once network.start_timeout runs out.
     network = {"matchmaking_window": 1.0}
     if when == "waiting for peers":
         network["min_peers"] = 2

@@ -1,6 +1,6 @@
 """Adopting a state (a join, a re-sync) does not spike the loss: a worker that has trained
 keeps its AdamW moments, a fresh one warms its learning rate up again. Measured side by side
-with the old behaviour (a fresh AdamW at full learning rate), on the held-out loss of the
+with the naive way (a fresh AdamW at full learning rate), on the held-out loss of the
 worker's own weights, which a training batch's loss is too noisy to show."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _rise(losses: list[float], steps: int = AFTER) -> float:
 def _assert_no_spike(new: list[float], old: list[float]) -> None:
     """Zeroed moments at full learning rate spike the loss within a few steps (`old`, which
     must, at this learning rate); adopting the right way must not: no rise over the first
-    3 steps, and over the whole window at most half the old way's rise (later steps wander
+    3 steps, and over the whole window at most half the naive way's rise (later steps wander
     at this high rate, by amounts that differ from one CPU's float rounding to another's)."""
     assert _rise(old) > 0.03, old
     assert _rise(new, 3) <= 0.01, new
@@ -58,7 +58,7 @@ def _assert_no_spike(new: list[float], old: list[float]) -> None:
 def _adopt(cfg, state, trained: int, old_way: bool = False):
     """Held-out losses of a worker that trains `trained` steps, adopts `state`, then trains
     AFTER steps (index 0: right after adopting); and its learning rates. `old_way`: a
-    fresh AdamW at full learning rate, as before."""
+    fresh AdamW at full learning rate (the naive way)."""
     data = load_data(cfg.data)
     batches = data.eval_batches(cfg.data.seq_len, cfg.data.batch_size, 4)
     w = Worker(cfg, data, LocalGroup(1, get_codec("int4")).view(0), identity=7)

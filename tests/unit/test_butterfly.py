@@ -81,7 +81,7 @@ def test_round_chunk_hand_values():
     assert round_chunk_numel(50_000_000, 4, CAP, 64) == 4_166_720
     assert round_chunk_numel(500_000_000, 4, CAP, 64) == CAP  # capped: 30 chunks a part
     assert round_chunk_numel(10_000_000, 4, CAP, 64) == 833_344
-    # A small fragment (the test bed's 2.3M values): the floor, as the old fixed default.
+    # A small fragment (the test bed's 2.3M values): the floor.
     assert round_chunk_numel(2_300_000, 4, CAP, 64) == CHUNK_FLOOR
     # A configured chunk at or below the floor is used as it is (tests, small frames).
     assert round_chunk_numel(10_000_000, 4, 4096, 64) == 4096

@@ -227,7 +227,7 @@ def test_float32_decode_shared_is_a_checked_view_of_the_payload() -> None:
         decode_shared(codec, bytes(bad), meta)
     with pytest.raises(CodecError, match="must be 4000 bytes"):
         decode_shared(codec, payload[:-4], meta)
-    for name in ("bfloat16", "int4"):  # the others decode into fresh memory as before
+    for name in ("bfloat16", "int4"):  # the others decode into fresh memory
         other = get_codec(name, 64)
         p, m = other.encode(x)
         assert torch.equal(decode_shared(other, p, m), other.decode(p, m))

@@ -1,5 +1,5 @@
 """The grouping rule (algo/groups.py) and the state-mixing arithmetic (algo/mixing.py):
-bounded, deterministic, rotating groups; a single group, as before, with at most M peers;
+bounded, deterministic, rotating groups; a single group with at most M peers;
 mixing the pre-step states of a group is mixing its post-step states (the outer step is
 linear)."""
 

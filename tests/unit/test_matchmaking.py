@@ -1,6 +1,6 @@
 """Matchmaking over an in-memory board: one leader closes each group, so every member runs the
 same group even when peers register at different times, and a joiner appearing mid-window
-no longer splits the round into mismatching views.
+does not split the round into mismatching views.
 
 Peers run `form_group` in threads with staggered starts; what is asserted holds for any
 interleaving (the property the protocol guarantees), so the staggering only makes the old

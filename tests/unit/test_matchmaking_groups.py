@@ -1,6 +1,6 @@
 """Matchmaking in a grouped swarm, over the in-memory board: a key with more registrations
 than `max_group_size` is split by its one leader into bounded groups every member derives
-alike; chains that differ leave nobody out; a swarm of at most M is one group as before."""
+alike; chains that differ leave nobody out; a swarm of at most M is one group."""
 
 from __future__ import annotations
 

@@ -297,7 +297,7 @@ def test_time_pacer_gives_a_first_pace_after_pace_first_steps_leaving_out_the_wa
             assert pacer.pace_s is None, step
         else:
             assert pacer.pace_s == pytest.approx(0.25), step
-    # Once the window is full, every step in it counts, as before.
+    # Once the window is full, every step in it counts.
     for step in range(42, 80):
         pacer.at_step(step)
         t[0] += 0.5
