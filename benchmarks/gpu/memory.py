@@ -48,7 +48,8 @@ from dilonode.algo.fragments import assign_fragments
 from dilonode.algo.outer import OuterState
 from dilonode.config import ModelConfig, RunConfig, load_config
 from dilonode.fmt import human_bytes
-from dilonode.train.model import build_model, lm_loss, resolve_model_dims
+from dilonode.train.memory import saved_bytes as model_saved_bytes
+from dilonode.train.model import build_model, resolve_model_dims
 
 GiB = 1 << 30
 VOCAB = 256
@@ -101,21 +102,7 @@ def saved_bytes(preset: str, n_layers: int, seq_len: int, batch: int = 1) -> int
     autocast (CPU), for `n_layers` blocks of the preset's width."""
     torch.manual_seed(0)
     model = build_model(model_cfg(preset, n_layers=n_layers, max_seq_len=seq_len), VOCAB)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params and s.device.type != "meta":
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    x = torch.randint(0, VOCAB, (batch, seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = lm_loss(model, x, x)
-    del loss
-    return sum(seen.values())
+    return model_saved_bytes(model, VOCAB, seq_len, batch)
 
 
 def activation_per_token(preset: str, t1: int = 128, t2: int = 256) -> tuple[float, float]:

@@ -7,7 +7,9 @@ string an option keeps.
 
 from __future__ import annotations
 
-__all__ = ["floats", "ints", "names"]
+from collections.abc import Iterable
+
+__all__ = ["chosen", "floats", "ints", "names"]
 
 
 def names(text: str) -> list[str]:
@@ -23,3 +25,13 @@ def floats(text: str) -> list[float]:
 def ints(text: str) -> list[int]:
     """`names(text)` as ints (seeds, delays)."""
     return [int(item) for item in names(text)]
+
+
+def chosen(text: str, known: Iterable[str], what: str) -> list[str]:
+    """`names(text)`, each of which must be one of `known`; otherwise exit with one line,
+    `what` (the program and its option, "wan.py: --runs") naming where it came from."""
+    known = list(known)
+    items = names(text)
+    if bad := [item for item in items if item not in known]:
+        raise SystemExit(f"{what} {','.join(bad)}: not one of {','.join(known)}")
+    return items

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.args import names
+from benchmarks.harness.args import chosen
 from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
 from testbed.hosts import swarm_on_testbed, unavailable_reason
@@ -219,9 +219,7 @@ def main() -> None:
     args = ap.parse_args()
     if (reason := unavailable_reason(nat=True)) is not None:
         sys.exit(f"nat.py: {reason}")
-    pairs = names(args.pairs)
-    if bad := [p for p in pairs if p not in PAIRS]:
-        sys.exit(f"nat.py: --pairs {','.join(bad)}: not one of {','.join(PAIRS)}")
+    pairs = chosen(args.pairs, PAIRS, "nat.py: --pairs")
     rows = []
     for rep in range(args.repeats):
         for pair in pairs:

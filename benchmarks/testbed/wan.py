@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.args import floats, names
+from benchmarks.harness.args import chosen, floats
 from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
 from testbed.hosts import swarm_on_testbed, unavailable_reason
@@ -138,9 +138,7 @@ def main() -> None:
     args = ap.parse_args()
     if (reason := unavailable_reason()) is not None:
         sys.exit(f"wan.py: {reason}")
-    runs = names(args.runs)
-    if bad := [n for n in runs if n not in RUNS]:
-        sys.exit(f"wan.py: --runs {','.join(bad)}: not one of {','.join(RUNS)}")
+    runs = chosen(args.runs, RUNS, "wan.py: --runs")
     rows = []
     for rate in floats(args.rates):
         for name in runs:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.args import floats, ints, names
+from benchmarks.harness.args import chosen, floats, ints, names
 from benchmarks.harness.results import save_rows, write_json, write_text
 from benchmarks.harness.timing import median_seconds
 
@@ -20,6 +20,12 @@ def test_comma_lists_drop_blanks_and_empty_items():
     assert names("") == []
     with pytest.raises(ValueError):
         ints("0,x")
+
+
+def test_chosen_items_must_be_known_and_a_bad_one_is_named():
+    assert chosen("b, a", {"a": 1, "b": 2}, "x.py: --runs") == ["b", "a"]
+    with pytest.raises(SystemExit, match=r"^x.py: --runs c,d: not one of a,b$"):
+        chosen("a,c,d", ["a", "b"], "x.py: --runs")
 
 
 def test_median_seconds_counts_only_the_timed_calls():
