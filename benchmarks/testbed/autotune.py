@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.args import floats, names
+from benchmarks.harness.options import add_tcp_congestion, tcp_congestion
 from benchmarks.harness.results import save_rows
 from benchmarks.testbed.reeval import eval_run
 from dilonode.config import load_config
@@ -68,15 +69,10 @@ def run_config(args: argparse.Namespace, name: str, rate: float, out: Path) -> A
         "codec": {"name": "int4"},
         "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 45.0,
                     "allreduce_timeout": 60.0, "bandwidth_mbps": rate, "peer_ttl": 60.0,
-                    **_congestion(args)},
+                    **tcp_congestion(args)},
         "status": {"enabled": False},
         "paths": {"out_dir": str(out)},
     })
-
-
-def _congestion(args: argparse.Namespace) -> dict[str, str]:
-    """network.tcp_congestion as --tcp-congestion says, or the config's default."""
-    return {} if args.tcp_congestion is None else {"tcp_congestion": args.tcp_congestion}
 
 
 def run(args: argparse.Namespace, name: str, rate: float) -> dict[str, Any]:
@@ -209,8 +205,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=30, help="also the progress events' "
                     "interval, on which the slow joiner starts")
-    ap.add_argument("--tcp-congestion", help="network.tcp_congestion of every node "
-                    "(default: the config's, cubic; 'system': the kernel's default)")
+    add_tcp_congestion(ap)
     ap.add_argument("--out", type=Path, default=Path("runs/bench/autotune"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.args import floats
+from benchmarks.harness.options import add_tcp_congestion, tcp_congestion
 from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
 from testbed.hosts import swarm_on_testbed, unavailable_reason
@@ -46,8 +47,7 @@ def run_config(args: argparse.Namespace, rate: float) -> Any:
         # A window that outlasts the peers' drift (see benchmarks/testbed/wan.py).
         "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 45.0,
                     "allreduce_timeout": 60.0, "bandwidth_mbps": rate, "peer_ttl": 60.0,
-                    **({} if args.tcp_congestion is None
-                       else {"tcp_congestion": args.tcp_congestion})},
+                    **tcp_congestion(args)},
         "statesync": {"request_timeout": 60.0, "recover_timeout": 600.0,
                       **({} if args.replay_rounds is None
                          else {"replay_rounds": args.replay_rounds})},
@@ -121,8 +121,7 @@ def main() -> None:
     ap.add_argument("--replay-rounds", type=int, help="statesync.replay_rounds of every node "
                     "(default: the config's; 1: a joiner replays at most the last round, so "
                     "it fetches the state itself)")
-    ap.add_argument("--tcp-congestion", help="network.tcp_congestion of every node "
-                    "(default: the config's, cubic; 'system': the kernel's default)")
+    add_tcp_congestion(ap)
     ap.add_argument("--out", type=Path, default=Path("runs/bench/join"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
