@@ -60,7 +60,7 @@ whence the main table routes them out of the leg. Nothing is proxied: TCP keeps 
 end round trip. `testbed/linkem.py` compiles and runs it (SCHED_FIFO where allowed); it
 ends with the bed (`close()`, SIGTERM, its owner's death closing its stdin) and `sweep`
 removes what is left. `python -m testbed.hosts up --hosts 3 --delay 40 --loss 0.01` holds
-one up. What was measured, and with which commands: testbed/README.md.
+one up. What was measured, and with which commands: docs/reports/2026-12-02-testbed-linkem.md.
 
 Names carry a tag unique to the run (`dtb` + 5 hex digits) and the owner's pid, so parallel
 runs never clash and `python -m testbed.hosts sweep` can remove what a SIGKILLed owner left.
