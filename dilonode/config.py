@@ -76,7 +76,7 @@ class ModelConfig(_Frozen):
 
     kind: Literal["builtin", "factory", "hf_llama", "hf"] = Field(
         "builtin", description="builtin Llama-style decoder, a `module:function` factory, a "
-        "transformers Llama from the preset, or a local Hugging Face model (`path`)")
+        "transformers Llama from the preset, or a local HF model (`path`)")
     preset: Literal["nano", "tiny", "small", "150m", "1b"] = Field(
         "tiny", description="size preset for builtin/hf_llama; explicit fields below override it")
     factory: str | None = Field(
@@ -92,14 +92,13 @@ class ModelConfig(_Frozen):
     max_seq_len: int | None = Field(None, ge=8, description="longest sequence for rotary cache")
     tie_embeddings: bool = Field(True, description="share token embedding and output head")
     activation_checkpointing: bool = Field(
-        False, description="recompute each block in the backward pass from its input (builtin and "
-        "supporting HF models): ~one block's activations, ~1/3 more compute")
+        False, description="recompute each block from its input in the backward pass: ~one "
+        "block's activations, ~1/3 more compute")
     loss_chunk_tokens: int | Literal["auto"] = Field(
-        "auto", description="tokens per loss chunk, so whole float32 logits never exist (builtin "
-        "models); 0: unchunked; auto: 1024 from an 8192-token vocabulary, else 0")
+        "auto", description="tokens per loss chunk, so whole float32 logits never exist; 0: "
+        "unchunked; auto: 1024 from an 8192-token vocabulary, else 0")
     compile: bool = Field(
-        False, description="torch.compile the model (the first steps take longer while it "
-        "compiles)")
+        False, description="torch.compile the model (the first steps take longer)")
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -120,7 +119,7 @@ class DataConfig(_Frozen):
 
     source: Literal["builtin", "text", "bin", "parquet", "arrow"] = Field(
         "builtin", description="embedded corpus, .txt/.jsonl folder, .bin token shards, Parquet "
-        "file or folder, or a `datasets` save_to_disk folder; parquet and arrow are streamed")
+        "file or folder, or `datasets` save_to_disk folder (the last two streamed)")
     path: Path | None = Field(None, description="folder or file for every source but builtin")
     bin_dtype: Literal["uint16", "uint32"] = Field("uint16", description="dtype of .bin tokens")
     tokenizer: str = Field(
@@ -136,7 +135,7 @@ class DataConfig(_Frozen):
         "eval holds out and resume returns to")
     shard_index: int | None = Field(
         None, ge=0, description="this node's shard (with shard_count): shards never read the same "
-        "unit in an epoch; unset: each worker starts the shared order at its own place")
+        "unit in an epoch; unset: each worker starts the shared order elsewhere")
     shard_count: int | None = Field(
         None, ge=1, description="shards of the training data (the same on every node)")
     seq_len: int = Field(128, ge=2, description="tokens per training sequence")
@@ -144,8 +143,8 @@ class DataConfig(_Frozen):
         8, ge=1, description="sequences per inner step per worker, split evenly over a node's "
         "ranks")
     micro_batch_size: int | None = Field(
-        None, ge=1, description="sequences per forward/backward pass, accumulated into the rank's "
-        "one AdamW update; unset: the rank's whole share")
+        None, ge=1, description="sequences per forward/backward pass, accumulated into one AdamW "
+        "update; unset: the rank's whole share")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out share of tokens "
                                  "(parquet, arrow: of units, at least one)")
     eval_batches: int = Field(8, ge=1, description="batches per evaluation")
@@ -183,7 +182,7 @@ class InnerOptConfig(_Frozen):
         0, ge=0, description="linear warm-up, in reference steps, before the schedule")
     schedule: Literal["constant", "cosine", "wsd"] = Field(
         "constant", description="after warm-up: constant, cosine to min_lr_ratio * lr, or wsd "
-        "(linear decay over the last decay_fraction); on the swarm clock")
+        "(linear decay over the last decay_fraction), on the swarm clock")
     min_lr_ratio: float = Field(
         0.1, ge=0.0, le=1.0, description="where cosine and wsd end, as a share of lr")
     decay_fraction: float = Field(
@@ -211,9 +210,8 @@ class DilocoConfig(_Frozen):
     fragment_pattern: Literal["strided", "sequential"] = Field(
         "strided", description="block i -> fragment i mod P (strided) or contiguous groups")
     fragment_sync_delay: Annotated[int | Literal["auto"], BeforeValidator(_int_or_auto)] = Field(
-        1, description="tau: inner steps from a sync's start to its merge; pacing=time: the least "
-        "delay (a later result merges on arrival); auto: half the narrowest gap between "
-        "fragments' rounds")
+        1, description="tau: inner steps from a sync's start to its merge (pacing=time: the "
+        "least, a later result merging on arrival); auto: half the gap between fragments' rounds")
     fragment_update_alpha: float = Field(
         0.5, ge=0.0, le=1.0, description="alpha: w <- alpha*w + (1-alpha)*g_new on merge")
     outer_lr: float = Field(0.7, gt=0.0, description="outer Nesterov SGD learning rate")
@@ -229,7 +227,7 @@ class DilocoConfig(_Frozen):
         True, description="keep global weights and outer momentum (float32) in host memory")
     pacing: Literal["time", "steps"] = Field(
         "time", description="time: rounds open on a shared swarm clock, so nodes of any speed "
-        "meet; steps: sync every H own steps (equal speeds only)")
+        "meet; steps: every H own steps (equal speeds only)")
     step_seconds: float | None = Field(
         None, gt=0.0, description="pacing=time: seconds per reference step if this node starts "
         "the clock; unset: measured")
@@ -360,12 +358,11 @@ class NetworkConfig(_Frozen):
     allreduce_timeout: float = Field(30.0, gt=0.0, description="seconds per all-reduce attempt")
     max_attempts: int = Field(3, ge=1, le=10, description="attempts per round before skipping")
     chunk_numel: int = Field(
-        DEFAULT_CHUNK_NUMEL, ge=64, description="most values per pipelined chunk: a part is cut "
-        "into 3 chunks, none under min(262,144, this) "
-        "(docs/reports/2026-11-27-allreduce-chunk-cpu.md); must match across a group")
+        DEFAULT_CHUNK_NUMEL, ge=64, description="most values per pipelined chunk; parts are cut "
+        "into 3 chunks of at least min(262,144, this); must match across a group")
     tcp_congestion: str = Field(
         "cubic", pattern=congestion.NAME_PATTERN, description="TCP congestion control of data and "
-        "state connections, or 'system'; cubic, since bbr resends in all-to-all rounds "
+        "state connections, or 'system'; cubic, as bbr resends in all-to-all rounds "
         "(docs/reports/2026-11-29-wan-round-congestion.md)")
     bandwidth_mbps: float = Field(
         100.0, gt=0.0, description="advertised bandwidth, weighting this node's share of round "
@@ -381,8 +378,8 @@ class NetworkConfig(_Frozen):
         True, description="relay frames over libp2p streams when a peer's data address is "
         "unreachable (NAT; more CPU)")
     reachable: Literal["auto", "public", "private"] = Field(
-        "auto", description="private: behind NAT without a forward (DHT client, relays, data and "
-        "state over libp2p); auto: private on a non-global address without announce_host when an "
+        "auto", description="private: behind NAT without a forward (DHT client; data and state "
+        "over libp2p relays); auto: private on a non-global address without announce_host when an "
         "initial peer is global")
     leave_timeout: float = Field(
         5.0, gt=0.0, description="seconds a stopping node waits for in-flight rounds (never "
@@ -392,7 +389,7 @@ class NetworkConfig(_Frozen):
         "groups that change every round")
     mix_state_every: int = Field(
         1, ge=0, le=1000, description="grouped swarms: a group also averages its float32 outer "
-        "state every n-th round, keeping replicas near the mean; 0: never (they drift)")
+        "state every n-th round; 0: never (replicas drift)")
     final_mix_rounds: int = Field(
         3, ge=0, le=64, description="grouped swarms: end-of-run rounds averaging outer states in "
         "rotating groups")
@@ -568,7 +565,7 @@ class StateSyncConfig(_Frozen):
         "is published anyway")
     replay_rounds: int = Field(
         16, ge=0, le=256, description="per fragment, recent round results kept for joiners to "
-        "replay instead of refetching (at most the fragment's state bytes); 0: none")
+        "replay instead of refetching; 0: none")
 
     @model_validator(mode="after")
     def _check(self) -> StateSyncConfig:
