@@ -378,9 +378,9 @@ class NetworkConfig(_Frozen):
         True, description="relay frames over libp2p streams when a peer's data address is "
         "unreachable (NAT; more CPU)")
     reachable: Literal["auto", "public", "private"] = Field(
-        "auto", description="private: behind NAT without a forward (DHT client; data and state "
-        "over libp2p relays); auto: private on a non-global address without announce_host when an "
-        "initial peer is global")
+        "auto", description="private: behind NAT without a forward (DHT client, relay slots at "
+        "the initial peers, data and state over libp2p streams); auto: private on a non-global "
+        "address without announce_host when an initial peer is global")
     leave_timeout: float = Field(
         5.0, gt=0.0, description="seconds a stopping node waits for in-flight rounds (never "
         "half-applied)")
