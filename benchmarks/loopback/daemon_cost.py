@@ -44,7 +44,8 @@ from benchmarks.harness import ROOT, module_argv
 from benchmarks.harness.results import write_json
 from dilonode.config import RunConfig, load_config
 
-__all__ = ["breakdown", "extra_per_step", "main", "plain_loop", "spread", "summarize"]
+__all__ = ["breakdown", "cpu_per_step", "extra_per_step", "main", "plain_loop", "spread",
+           "summarize"]
 
 # The node's phases of a training step (`LoopReport.phases`), in the table's order.
 PARTS = ("step", "start", "apply", "wait", "hooks")
@@ -113,6 +114,7 @@ def breakdown(summary: dict[str, Any]) -> dict[str, float]:
     ms = {k: 1e3 * float(ph[f"{k}_s"]) / steps for k in PARTS}
     total = 1e3 * float(summary["train_s"]) / steps
     return ms | {"rest": max(total - sum(ms.values()), 0.0), "total": total,
+                 "train_cpu": 1e3 * float(ph["train_cpu_s"]) / steps,
                  "other_cpu": 1e3 * float(ph["other_cpu_s"]) / steps}
 
 
@@ -138,6 +140,8 @@ def summarize(rows: list[dict[str, Any]], target: float = 0.98) -> dict[str, Any
     c = _mean_parts([x for r in rows for x in r["c"]])
     ba = spread([r["b_over_a"] for r in rows])
     return {"b_over_a": ba, "c_over_b": spread([r["c_over_b"] for r in rows]),
+            "b_over_a_cpu": spread([r["b_over_a_cpu"] for r in rows]),
+            "c_over_b_cpu": spread([r["c_over_b_cpu"] for r in rows]),
             "target_b_over_a": target, "met": ba["median"] >= target,
             "b_ms": b, "c_ms": c, "c_extra_ms": extra_per_step(b, c)}
 
@@ -151,7 +155,14 @@ def row_of(rep: int, plain: dict[str, float], alone: dict[str, Any],
             "c_tokens_per_s": [s["tokens_per_s"] for s in pair],
             "b_over_a": round(alone["tokens_per_s"] / plain["tokens_per_s"], 4),
             "c_over_b": round(c_rate / alone["tokens_per_s"], 4),
-            "b": breakdown(alone), "c": [breakdown(s) for s in pair]}
+            "b": (b := breakdown(alone)), "c": (c := [breakdown(s) for s in pair]),
+            "b_over_a_cpu": round(plain["cpu_ms"] / cpu_per_step(b), 4),
+            "c_over_b_cpu": round(cpu_per_step(b) / statistics.fmean(map(cpu_per_step, c)), 4)}
+
+
+def cpu_per_step(parts: dict[str, float]) -> float:
+    """A node's CPU milliseconds per inner step, all its threads (a breakdown)."""
+    return parts["train_cpu"] + parts["other_cpu"]
 
 
 # ------------------------------------------------------------------ processes
@@ -228,31 +239,40 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ output
 
 
+def _spread(x: dict[str, float]) -> str:
+    return f"{x['median']:.3f} (min {x['min']:.3f}, max {x['max']:.3f})"
+
+
 def _ms(parts: dict[str, float]) -> str:
     return " / ".join(f"{parts[k]:.1f}" for k in (*PARTS, "rest"))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| repeat | (a) plain tok/s | (b) alone tok/s | (c) 2 nodes tok/s | b/a | c/b |",
-             "|" + "---|" * 6]
+    lines = ["| repeat | (a) plain tok/s | (b) alone tok/s | (c) 2 nodes tok/s | b/a | c/b | "
+             "b/a by CPU | c/b by CPU |", "|" + "---|" * 8]
     for r in rows:
         c_rate = " / ".join(f"{x:,.0f}" for x in r["c_tokens_per_s"])
         lines.append(f"| {r['repeat']} | {r['a_tokens_per_s']:,.0f} | "
                      f"{r['b_tokens_per_s']:,.0f} | {c_rate} | {r['b_over_a']:.3f} | "
-                     f"{r['c_over_b']:.3f} |")
+                     f"{r['c_over_b']:.3f} | {r['b_over_a_cpu']:.3f} | "
+                     f"{r['c_over_b_cpu']:.3f} |")
     s = summarize(rows)
-    ba, cb = s["b_over_a"], s["c_over_b"]
-    lines += ["", f"b/a median {ba['median']:.3f} (min {ba['min']:.3f}, max {ba['max']:.3f}): "
-              f"target >= {s['target_b_over_a']:.2f} {'met' if s['met'] else 'NOT met'}; "
-              f"c/b median {cb['median']:.3f} (min {cb['min']:.3f}, max {cb['max']:.3f})", "",
-              "ms per inner step (mean over repeats and nodes), step / start / apply / wait / "
-              "hooks / rest; other threads' CPU:", "",
-              "| run | total | step / start / apply / wait / hooks / rest | other cpu |",
-              "|---|---|---|---|"]
+    lines += ["", f"b/a median {_spread(s['b_over_a'])}: target >= "
+              f"{s['target_b_over_a']:.2f} {'met' if s['met'] else 'NOT met'}; "
+              f"c/b median {_spread(s['c_over_b'])}; by CPU time (tokens per CPU second, "
+              f"all the node's threads): b/a {_spread(s['b_over_a_cpu'])}, "
+              f"c/b {_spread(s['c_over_b_cpu'])}", "",
+              "ms per inner step (mean over repeats and nodes); CPU ms of the training "
+              "thread and of the other threads:", "",
+              "| run | total | step / start / apply / wait / hooks / rest | training cpu | "
+              "other cpu |", "|---|---|---|---|---|"]
     a_ms = statistics.fmean(r["a_step_ms"] for r in rows)
-    lines.append(f"| (a) plain | {a_ms:.1f} | {a_ms:.1f} / - / - / - / - / - | - |")
+    a_cpu = statistics.fmean(r["a_cpu_ms"] for r in rows)
+    lines.append(f"| (a) plain | {a_ms:.1f} | {a_ms:.1f} / - / - / - / - / - | {a_cpu:.1f} "
+                 "| - |")
     for name, p in (("(b) alone", s["b_ms"]), ("(c) 2 nodes", s["c_ms"])):
-        lines.append(f"| {name} | {p['total']:.1f} | {_ms(p)} | {p['other_cpu']:.1f} |")
+        lines.append(f"| {name} | {p['total']:.1f} | {_ms(p)} | {p['train_cpu']:.1f} | "
+                     f"{p['other_cpu']:.1f} |")
     extra = ", ".join(f"{k} {v:+.1f}" for k, v in s["c_extra_ms"].items())
     lines += ["", f"(c) beyond (b), ms per step: {extra}"]
     return "\n".join(lines)
@@ -269,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(plain_loop(cfg)), flush=True)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="small", help="model preset (model.preset)")
-    ap.add_argument("--steps", type=int, default=300, help="inner steps of every run")
+    ap.add_argument("--preset", default="tiny", help="model preset (model.preset)")
+    ap.add_argument("--steps", type=int, default=150, help="inner steps of every run")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--sync-every", type=int, default=50, help="H (two fragments)")
