@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The GPU figures, in stages that each take less than 10 minutes on one H100 host with 16
+<<<<<<< HEAD
 # cores (benchmarks/README.md lists what each runs; reports in docs/reports/):
+=======
+# cores, run in the order below (docs/operations.md, "GPU check"):
+>>>>>>> t42
 #
 #   bash benchmarks/gpu.sh STAGE [STAGE ...]       # figures in runs/gpu/ (RESULTS)
 #
@@ -15,6 +19,13 @@
 #                   Gbit/s links
 #   memory          peak GPU memory, host RSS and step time of one node, 150m and 1b; the
 #                   CPU estimate beside it; projected minutes of the quality stages
+#   memory-1b       one node of the 1b preset at a 32K vocabulary, 8 x 1024 tokens per inner
+#                   step, checkpointed, micro-batches of 2, outer state in host RAM:
+#                   torch.cuda.max_memory_allocated beside `dilonode memory`'s estimate
+#                   (target <= 22 GB) in memory-1b.json
+#   daemon-cost     benchmarks/loopback/daemon_cost.py --device cuda: tokens/s of a plain
+#                   AdamW loop, `dilonode run` alone and 2 nodes (sharing the GPU), 150m,
+#                   alternated 3 times (target: alone >= 98% of plain) in daemon-cost.json
 #   quality-ddp, quality-diloco, quality-int4, quality-fp4
 #                   the simulator, 4 workers x 2,000 steps of 150m with bf16 autocast on the
 #                   corpus (benchmarks/gpu/quality.py); quality-table joins their reports
@@ -22,7 +33,8 @@
 #                   waits up to SWARM_WAIT_S (480) s; swarm-collect waits for the end (up to
 #                   540 s) and writes the figures: two commands, the second right after the first.
 #   swarm           swarm-start and swarm-collect in one go (hosts without a time limit)
-#   all             codecs memory quality-ddp quality-diloco quality-int4 quality-fp4 swarm
+#   all             codecs memory memory-1b daemon-cost quality-ddp quality-diloco
+#                   quality-int4 quality-fp4 swarm
 #
 # Env: PYTHON (default .venv/bin/python, else python3), RESULTS (runs/gpu), PACK_TO (after
 # every stage, RESULTS is also packed there as gpu-results.tar.gz with summary.txt: a folder
@@ -202,6 +214,49 @@ stage_memory() {
   cat "$RESULTS/memory.md" >> "$SUMMARY"
 }
 
+stage_memory_1b() {
+  need_gpu memory-1b || return 0
+  local args=(--preset 1b --vocab 32000 --batch-size 8 --seq-len 1024 --micro-batch 2
+    --steps 6 --device cuda)
+  [ "$SMOKE" = 1 ] && args=(--preset nano --vocab 512 --batch-size 4 --seq-len 32
+    --micro-batch 2 --steps 3 --device cpu)
+  log "## memory-1b: $PY -m benchmarks.gpu.memory node ${args[*]} --checkpointing"
+  # Builtin data: the memory does not depend on the tokens; model.vocab_size pads to 32K.
+  "$PY" -m benchmarks.gpu.memory node "${args[@]}" --checkpointing --data builtin \
+    --estimate --json "$RESULTS/memory-1b.json" 2>&1 | tee "$RESULTS/memory-1b.log" \
+    | live memory-1b.log >/dev/null
+  "$PY" - "$RESULTS/memory-1b.json" <<'EOF' | tee -a "$SUMMARY"
+import json, sys
+r = json.load(open(sys.argv[1]))
+est = r["estimate_device_bytes"] / 1e9
+peak = r.get("gpu_peak_allocated_bytes")
+if peak is None:
+    print(f"{r['preset']} on {r['device']}: estimate {r['estimate_device_bytes']:,} bytes "
+          "(no GPU peak on the CPU)")
+else:
+    verdict = "met" if peak <= 22e9 else "NOT met"
+    print(f"{r['preset']}, vocabulary {r['vocab_size']}, {r['batch_size']} x {r['seq_len']} "
+          f"tokens, micro-batches of {r['micro_batch_size']}, checkpointed: "
+          f"max_memory_allocated {peak / 1e9:.2f} GB, reserved "
+          f"{r['gpu_peak_reserved_bytes'] / 1e9:.2f} GB, estimate {est:.2f} GB "
+          f"(measured / estimate {r['measured_over_estimate']:.3f}); host peak RSS "
+          f"{r['host_peak_rss_bytes'] / 1e9:.1f} GB; target <= 22 GB {verdict}")
+EOF
+}
+
+stage_daemon_cost() {
+  need_gpu daemon-cost || return 0
+  local args=(--device cuda --preset 150m --batch-size 8 --seq-len 512 --steps 200
+    --sync-every 50 --repeats 3)
+  [ "$SMOKE" = 1 ] && args=(--device cpu --preset nano --batch-size 2 --seq-len 32
+    --steps 12 --sync-every 6 --repeats 1)
+  log "## daemon-cost: $PY -m benchmarks.loopback.daemon_cost ${args[*]}"
+  "$PY" -m benchmarks.loopback.daemon_cost "${args[@]}" --json "$RESULTS/daemon-cost.json" \
+    --md "$RESULTS/daemon-cost.md" 2>&1 | tee "$RESULTS/daemon-cost.log" \
+    | live daemon-cost.log >/dev/null
+  cat "$RESULTS/daemon-cost.md" >> "$SUMMARY"
+}
+
 stage_quality() {  # method
   need_gpu "quality-$1" || return 0
   local args=(--data "$CORPUS" --max-s "${QUALITY_MAX_S:-540}")
@@ -261,6 +316,8 @@ run_stage() {
     setup) stage_setup ;;
     codecs) stage_codecs ;;
     memory) stage_memory ;;
+    memory-1b) stage_memory_1b ;;
+    daemon-cost) stage_daemon_cost ;;
     quality-ddp|quality-diloco|quality-int4|quality-fp4) stage_quality "${1#quality-}" ;;
     quality-table) stage_quality_table ;;
     swarm-start) stage_swarm_start ;;
@@ -274,7 +331,8 @@ run_stage() {
 stages=()
 for s in "$@"; do
   if [ "$s" = all ]; then
-    stages+=(codecs memory quality-ddp quality-diloco quality-int4 quality-fp4 swarm)
+    stages+=(codecs memory memory-1b daemon-cost quality-ddp quality-diloco quality-int4
+      quality-fp4 swarm)
   else
     stages+=("$s")
   fi

@@ -23,6 +23,8 @@ host RSS, and the median time of an inner step; from the quality settings' step 
 projects each quality stage's minutes (`gpu_quality.py`), and it times one 4-worker average
 of the whole model through the quality runs' `DeviceGroup` (float32: DDP, every step; int4).
 Without CUDA `gpu` prints why and exits 0; `node --device cpu` is its CPU equivalent.
+`node --estimate` measures one config (`--vocab`, `--micro-batch`, `--checkpointing`: the
+gpu.sh stage memory-1b) beside `dilonode memory`'s estimate of it.
 """
 
 from __future__ import annotations
@@ -175,11 +177,15 @@ def estimate_md(rows: dict[str, Any]) -> str:
 
 
 def node_config(preset: str, batch: int, seq_len: int, outer_cpu: bool, device: str,
-                data: str, steps: int) -> RunConfig:
+                data: str, steps: int, vocab: int | None = None, micro_batch: int | None = None,
+                checkpointing: bool = False) -> RunConfig:
     src = {"source": "builtin"} if data == "builtin" else {"source": "bin", "path": data}
     return load_config(overrides={
-        "seed": 0, "total_steps": steps, "device": device, "model": {"preset": preset},
-        "data": {**src, "seq_len": seq_len, "batch_size": batch, "eval_batches": 4},
+        "seed": 0, "total_steps": steps, "device": device,
+        "model": {"preset": preset, "vocab_size": vocab,
+                  "activation_checkpointing": checkpointing},
+        "data": {**src, "seq_len": seq_len, "batch_size": batch, "eval_batches": 4,
+                 "micro_batch_size": micro_batch},
         "inner": {"lr": 4e-4, "warmup_steps": 2},
         "diloco": {"mode": "streaming", "sync_every": steps,
                    "num_fragments": min(6, resolve_model_dims(model_cfg(preset))["n_layers"]),
@@ -234,6 +240,24 @@ def run_node(cfg: RunConfig) -> dict[str, Any]:
         out |= {"gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                 "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                 "gpu": torch.cuda.get_device_name(0)}
+    return out
+
+
+def beside_estimate(cfg: RunConfig, measured: dict[str, Any]) -> dict[str, Any]:
+    """`estimate_memory` of the config the node ran (`dilonode memory`), and the measured
+    peak (`torch.cuda.max_memory_allocated`) against it when the node ran on a GPU."""
+    from dilonode.train.data import load_data
+    from dilonode.train.memory import estimate_memory
+
+    vocab = cfg.model.vocab_size or load_data(cfg.data).vocab_size
+    est = estimate_memory(cfg, vocab, fused_optimizer=cfg.device == "cuda")
+    out: dict[str, Any] = {"vocab_size": vocab, "micro_batch_size": cfg.data.micro_batch_size,
+                           "activation_checkpointing": cfg.model.activation_checkpointing,
+                           "estimate": est.as_dict(),
+                           "estimate_device_bytes": est.device_bytes}
+    peak = measured.get("gpu_peak_allocated_bytes")
+    if peak:
+        out["measured_over_estimate"] = round(peak / est.device_bytes, 4)
     return out
 
 
@@ -343,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     nd.add_argument("--outer-on-gpu", action="store_true")
     nd.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     nd.add_argument("--data", default="runs/corpus/pysrc", help="shards or 'builtin'")
+    nd.add_argument("--vocab", type=int, help="model.vocab_size (pads the data's)")
+    nd.add_argument("--micro-batch", type=int, help="data.micro_batch_size")
+    nd.add_argument("--checkpointing", action="store_true",
+                    help="model.activation_checkpointing")
+    nd.add_argument("--estimate", action="store_true", help="`dilonode memory`'s estimate "
+                    "of the same config beside the measurement")
+    nd.add_argument("--json", type=Path, help="also write the result here")
     g = sub.add_parser("gpu", help="every case of GPU_CASES on this GPU")
     g.add_argument("--data", default="runs/corpus/pysrc")
     g.add_argument("--case-timeout", type=float, default=240.0)
@@ -354,8 +385,13 @@ def main(argv: list[str] | None = None) -> int:
             print("skipped: torch sees no CUDA GPU", file=sys.stderr)
             return 0
         cfg = node_config(args.preset, args.batch_size, args.seq_len, not args.outer_on_gpu,
-                          args.device, args.data, args.steps)
-        print(json.dumps(run_node(cfg)), flush=True)
+                          args.device, args.data, args.steps, args.vocab, args.micro_batch,
+                          args.checkpointing)
+        out = run_node(cfg)
+        if args.estimate:
+            out |= beside_estimate(cfg, out)
+        write_json(args.json, out)
+        print(json.dumps(out), flush=True)
         return 0
     if args.cmd == "gpu" and not torch.cuda.is_available():
         print("benchmarks/gpu/memory.py gpu: skipped, torch sees no CUDA GPU")

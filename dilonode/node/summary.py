@@ -63,6 +63,9 @@ class NodeSummary:
     tokens_per_s: float = 0.0
     mfu: float | None = None
     train_s: float = 0.0
+    # Where train_s went (`LoopReport.phases`: train_step, starting rounds, applying results,
+    # waiting, the per-step hook; CPU of the training thread and of the other threads).
+    phases: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of_run(cls, rep: Any, worker: Any, *, peer_id: str, worker_id: str,
@@ -90,6 +93,7 @@ class NodeSummary:
             late_rounds=st.late, diverged_rounds=st.diverged,
             grouped=worker.grouped, largest_group=st.largest_group,
             tokens_per_s=round(tokens_per_s, 1), train_s=round(rep.train_s, 3),
+            phases={k: round(v, 4) for k, v in getattr(rep, "phases", {}).items()},
             mfu=None if share is None else round(share, 4), **node)
 
 

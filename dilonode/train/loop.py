@@ -17,7 +17,10 @@ import torch
 
 from dilonode.train.worker import Interrupted, Worker
 
-__all__ = ["LoopReport", "train_loop"]
+__all__ = ["PHASES", "LoopReport", "train_loop"]
+
+
+PHASES = ("step_s", "start_s", "apply_s", "wait_s", "hooks_s", "train_cpu_s", "other_cpu_s")
 
 
 @dataclass
@@ -34,6 +37,11 @@ class LoopReport:
     # included, evaluations and the end-of-run rounds not (what tokens/s is measured over).
     train_s: float = 0.0
     eval_s: float = 0.0  # evaluations inside the loop
+    # Where `train_s` went, in seconds (`PHASES`): train_step, starting rounds, applying
+    # results, blocked on a result, the per-step hook (status, checkpoints); and the CPU
+    # time of the training thread and of the process's other threads meanwhile (the
+    # network thread: codecs, hashing, transport), which on a single core is taken from it.
+    phases: dict[str, float] = field(default_factory=dict)
     eval_history: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss)
     stopped_early: bool = False
 
@@ -60,7 +68,10 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
     t_start = time.perf_counter()
     worker.should_stop = stop.is_set
     worker.end_step = total_steps
-    wait0 = worker.stats.sync_wait_s
+    st = worker.stats
+    wait0, start0, apply0 = st.sync_wait_s, st.start_s, st.apply_s
+    cpu0, proc0 = time.thread_time(), time.process_time()
+    hooks_s = 0.0
     eval_s = 0.0  # the last evaluation's duration
     while not stop.is_set() and not worker.at_end():
         t0 = time.perf_counter()
@@ -85,8 +96,15 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
             eval_s = time.perf_counter() - t_eval
             rep.eval_s += eval_s
         if on_step:
+            t_hook = time.perf_counter()
             on_step(worker, rep)
+            hooks_s += time.perf_counter() - t_hook
         rep.train_s = time.perf_counter() - t_start - rep.eval_s
+        train_cpu, proc = time.thread_time() - cpu0, time.process_time() - proc0
+        rep.phases = {"step_s": rep.step_s, "start_s": st.start_s - start0,
+                      "apply_s": st.apply_s - apply0, "wait_s": rep.sync_wait_s,
+                      "hooks_s": hooks_s, "train_cpu_s": train_cpu,
+                      "other_cpu_s": max(proc - train_cpu, 0.0)}
     rep.stopped_early = stop.is_set()
     rep.steps, rep.tokens = worker.step, worker.stats.tokens
     t0 = time.perf_counter()

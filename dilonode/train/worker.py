@@ -124,6 +124,10 @@ class WorkerStats:
     retried: int = 0  # rounds that needed more than one attempt
     dropped: list[str] = field(default_factory=list)  # recent "peer: reason" exclusions
     sync_wait_s: float = 0.0  # time the training thread spent blocked on a sync result
+    # The training thread's compute for rounds: starting them (pseudo-gradient, handing it
+    # to the collective) and applying results (outer step, merge into the local weights).
+    start_s: float = 0.0
+    apply_s: float = 0.0
     abandoned: int = 0  # rounds left unfinished when stopping (drain timeout)
     missed: int = 0  # rounds this worker's pacer jumped over (paused, or slower than H)
     diverged: int = 0  # rounds matchmaking left us out of: our outer state differed
@@ -398,6 +402,7 @@ class Worker:
         if f.pending is not None:
             raise RuntimeError(f"fragment {p} round {r} started while round "
                                f"{f.pending.round} is still in flight")
+        t0 = time.perf_counter()
         local = self.ranks.local_flat(p, f.params)  # [slice_p]
         delta = pseudo_gradient(f.outer.weights, local)
         missed, tokens = f.claim(r)
@@ -414,6 +419,7 @@ class Worker:
         request = self._request(f, SyncKey("fragment", p, r), float(tokens))
         f.launched(r, self.ranks.begin(self.collective, request, delta, state=f.packed),
                    self.step)
+        self.stats.start_s += time.perf_counter() - t0
 
     def _request(self, f: FragmentState, key: SyncKey, weight: float = 1.0) -> RoundRequest:
         """Round `key` of fragment `f`, with what matchmaking compares: the fragment's chain
@@ -581,6 +587,13 @@ class Worker:
     @node_op
     def _apply_round(self, p: int, r: int, result: ReduceResult) -> None:
         """Apply round r's result to fragment p (every rank: its slice of the mean)."""
+        t0 = time.perf_counter()
+        try:
+            self._apply_result(p, r, result)
+        finally:
+            self.stats.apply_s += time.perf_counter() - t0
+
+    def _apply_result(self, p: int, r: int, result: ReduceResult) -> None:
         result = self.ranks.localize(p, result)
         f = self.frags[p]
         if f.take_landing().mix:
