@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures, in stages that each take less than 10 minutes on one H100 host with 16
-<<<<<<< HEAD
-# cores (benchmarks/README.md lists what each runs; reports in docs/reports/):
-=======
 # cores, run in the order below (docs/operations.md, "GPU check"):
->>>>>>> t42
 #
 #   bash benchmarks/gpu.sh STAGE [STAGE ...]       # figures in runs/gpu/ (RESULTS)
 #
