@@ -91,3 +91,14 @@ def test_a_sparse_swarm_with_error_feedback_ends_bit_identical():
     assert dense.workers_agree
     # 5% of the values, with a scale per 64 of them either way.
     assert 0 < report.bytes_sent_per_worker < 0.1 * dense.bytes_sent_per_worker
+
+
+def test_the_benchmark_counts_shared_positions_at_the_density_and_the_union_above_k():
+    from benchmarks.micro.sparse_allreduce import measure
+
+    int4 = get_codec("int4", 64)
+    m = measure(4, 4 * 4096, 0.03, 0.0, int4)
+    assert m["shared_randk"] == 2 * 3 * int4.encoded_size(123)  # 3 peers, one chunk each
+    assert m["dense"] == 2 * 3 * int4.encoded_size(4096)
+    assert 3.0 < m["union_over_k"] <= 4.0  # four independent sets barely overlap
+    assert m["topk_union"] > m["topk_resparse"] > m["shared_randk"]
