@@ -24,7 +24,7 @@ import torch
 from dilonode.algo.outer import OuterState
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.schedule import SyncPlan
-from dilonode.config import RunConfig
+from dilonode.config import CodecConfig, RunConfig
 
 __all__ = ["OuterCopy", "WorkerState", "adoption_step", "config_digest", "fragment_names",
            "reusable_fragments", "settled_step", "snapshot_error", "tensor_names"]
@@ -36,8 +36,22 @@ def config_digest(cfg: RunConfig) -> str:
     parts = {"model": _model_part(cfg),
              "diloco": cfg.diloco.effective().model_dump(mode="json",
                                                          exclude={"step_seconds"}),
-             "codec": cfg.codec.model_dump(mode="json"), "seed": cfg.seed}
+             "codec": _codec_part(cfg), "seed": cfg.seed}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+# Codec fields whose default leaves a config's digest as it is without them (checkpoints of
+# dense runs without error feedback keep resuming).
+_CODEC_DEFAULTS = {k: CodecConfig.model_fields[k].default
+                   for k in ("kind", "topk_density", "error_feedback", "error_decay")}
+
+
+def _codec_part(cfg: RunConfig) -> dict[str, object]:
+    part = cfg.codec.model_dump(mode="json")
+    for key, default in _CODEC_DEFAULTS.items():
+        if part.get(key) == default:
+            del part[key]
+    return part
 
 
 def _model_part(cfg: RunConfig) -> dict[str, object]:
