@@ -117,3 +117,11 @@ def test_a_sparse_round_hands_the_collective_only_its_values(tmp_path):
         n = w.frags[p].outer.weights.numel()
         assert k == sparse_numel(n, 0.1) < n
     assert all(f.sparse_positions is None for f in w.frags)  # every round landed
+
+
+def test_the_config_digest_counts_the_new_codec_fields_only_off_their_defaults():
+    plain = config_digest(nano_config(None))
+    assert config_digest(nano_config(None, codec={"kind": "dense", "error_decay": 1.0})) == plain
+    for codec in ({"error_feedback": True}, {"kind": "randk"},
+                  {"kind": "randk", "topk_density": 0.1}):
+        assert config_digest(nano_config(None, codec=codec)) != plain, codec

@@ -3,6 +3,8 @@ of the independent top-k form, and a simulated swarm whose members end bit-ident
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -102,3 +104,15 @@ def test_the_benchmark_counts_shared_positions_at_the_density_and_the_union_abov
     assert m["dense"] == 2 * 3 * int4.encoded_size(4096)
     assert 3.0 < m["union_over_k"] <= 4.0  # four independent sets barely overlap
     assert m["topk_union"] > m["topk_resparse"] > m["shared_randk"]
+
+
+def test_robust_aggregation_runs_on_the_shared_positions():
+    from dilonode.sim.training import simulate
+    from tests.support.config import nano_config
+
+    cfg = nano_config(None, total_steps=12, eval_every=12, sim={"workers": 4},
+                      aggregator={"name": "trimmed_mean", "trim": 1},
+                      codec={"name": "int4", "kind": "randk", "topk_density": 0.1,
+                             "error_feedback": True})
+    report = simulate(cfg)
+    assert report.workers_agree and math.isfinite(report.final_eval_loss)
