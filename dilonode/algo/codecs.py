@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from dilonode.algo import kernels
+from dilonode.algo import lowbit_codecs as lowbit
 from dilonode.algo.codec_table import (
     CODEC_NAMES,
     CODECS,
@@ -752,13 +753,43 @@ _BLOCK_ARITHMETIC: dict[tuple[str, int], type[_BlockCodec]] = {
 }
 
 
-def _block_class(spec: CodecSpec) -> type[_BlockCodec]:
-    assert spec.quantizer is not None, spec
-    return _BLOCK_ARITHMETIC[(spec.quantizer, spec.bits)]
+class _PackedCodec(_BlockCodec):
+    """int2 and sign1 (`lowbit_codecs.py`): `bits`-wide codes, 8 / bits a byte; the
+    reference passes only."""
+
+    _units: np.ndarray  # (2**bits,) unit value of each code, NaN: never sent
+
+    def __init__(self, spec: CodecSpec, block_size: int, fast: bool = False) -> None:
+        super().__init__(spec, block_size, fast=False)  # no compiled kernels for these
+
+    def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: np.ndarray) -> None:
+        codes = (lowbit.sign1_codes(x) if self._spec.quantizer == "sign"
+                 else lowbit.int2_codes(self._safe_divide(x, scale)))
+        out[:] = lowbit.pack_codes(codes, self._spec.bits)
+
+    def _dequantize(self, payload: np.ndarray, out: np.ndarray) -> None:
+        why = lowbit.unit_values(payload, self._spec.bits, self._units, out)
+        if why is not None:
+            raise CodecError(f"{self.name} data{why}")
 
 
+class _Int2Codec(_PackedCodec):
+    _units = lowbit.INT2_UNITS
+
+
+class _Sign1Codec(_PackedCodec):
+    _units = lowbit.SIGN1_UNITS
+
+    def block_scales(self, x: torch.Tensor) -> torch.Tensor:
+        if not bool(torch.isfinite(x).all()):
+            _raise_non_finite(x)
+        return lowbit.mean_abs_scales(x, self.block_size)  # (n_blocks,) mean |x|
+
+
+_BLOCK_ARITHMETIC.update({("int", 2): _Int2Codec, ("sign", 1): _Sign1Codec})
 # Every block codec of the table has its arithmetic here (a new layout needs a class).
-_BLOCK_CLASSES = {name: _block_class(spec) for name, spec in CODECS.items() if spec.is_block}
+_BLOCK_CLASSES = {name: _BLOCK_ARITHMETIC[(spec.quantizer or "", spec.bits)]
+                  for name, spec in CODECS.items() if spec.is_block}
 
 
 def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *,
@@ -778,7 +809,9 @@ def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *,
     if bs < 2:
         raise CodecError(f"block_size must be >= 2 for {name}, got {bs}")
     if bs % spec.codes_per_byte:
-        raise CodecError(f"block_size must be even for {name} (two values per byte), got {bs}")
+        need = "even" if spec.codes_per_byte == 2 else f"a multiple of {spec.codes_per_byte}"
+        raise CodecError(f"block_size must be {need} for {name} ({spec.codes_per_byte} values "
+                         f"per byte), got {bs}")
     return _BLOCK_CLASSES[name](spec, bs, fast=not reference)
 
 
@@ -806,6 +839,8 @@ def max_abs_error_bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:
     scale = _per_element(codec.block_scales(x).double(), x.numel(), codec.block_size)
     if codec._spec.quantizer == "fp4":
         return _fp4_half_gap(ax, scale) * scale * (1 + 2.0**-16) + 2.0**-149
+    if codec._spec.quantizer == "sign":  # | |x| - scale | <= max(|x|, scale)
+        return torch.maximum(ax, scale) * (1 + 2.0**-16) + 2.0**-149
     return scale * (0.5 + 2.0**-16) + codec.qmax * 2.0**-149
 
 

@@ -24,7 +24,7 @@ import torch
 from dilonode.algo.outer import OuterState
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.schedule import SyncPlan
-from dilonode.config import RunConfig
+from dilonode.config import CodecConfig, RunConfig
 
 __all__ = ["OuterCopy", "WorkerState", "adoption_step", "config_digest", "fragment_names",
            "reusable_fragments", "settled_step", "snapshot_error", "tensor_names"]
@@ -36,8 +36,22 @@ def config_digest(cfg: RunConfig) -> str:
     parts = {"model": _model_part(cfg),
              "diloco": cfg.diloco.effective().model_dump(mode="json",
                                                          exclude={"step_seconds"}),
-             "codec": cfg.codec.model_dump(mode="json"), "seed": cfg.seed}
+             "codec": _codec_part(cfg), "seed": cfg.seed}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+# Codec fields whose default leaves a config's digest as it is without them (checkpoints of
+# dense runs without error feedback keep resuming).
+_CODEC_DEFAULTS = {k: CodecConfig.model_fields[k].default
+                   for k in ("kind", "topk_density", "error_feedback", "error_decay")}
+
+
+def _codec_part(cfg: RunConfig) -> dict[str, object]:
+    part = cfg.codec.model_dump(mode="json")
+    for key, default in _CODEC_DEFAULTS.items():
+        if part.get(key) == default:
+            del part[key]
+    return part
 
 
 def _model_part(cfg: RunConfig) -> dict[str, object]:
@@ -130,12 +144,17 @@ class WorkerState:
     replays: dict[int, tuple[EncodedResult, ...]] = field(default_factory=dict)
     # Per fragment, the hash chain of the rounds applied (algo/chain.py); () if unknown.
     chains: tuple[str, ...] = ()
+    # fragment p -> the exporting worker's error-feedback residual [numel_p] (what it has
+    # not sent yet, algo/error_feedback.py): its own debt, checkpointed, never served to
+    # joiners (a joiner owes nothing); empty without error feedback.
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def capture(cls, step: int, rounds: list[int], outer: Sequence[OuterState | OuterCopy],
                 reuse: WorkerState | None = None, taken_at: int | None = None,
                 replays: dict[int, tuple[EncodedResult, ...]] | None = None,
-                chains: list[str] | None = None) -> WorkerState:
+                chains: list[str] | None = None,
+                residuals: dict[int, torch.Tensor] | None = None) -> WorkerState:
         """A copy of `outer` (so training may go on while it is written or served).
 
         Fragments whose counters equal those in `reuse` (an earlier capture) have not changed
@@ -155,7 +174,7 @@ class WorkerState:
             tensors[f"outer.{p}.momentum"] = momentum.detach().to("cpu", copy=True)
         return cls(step, tuple(rounds), tuple(st.steps for st in outer), tensors,
                    step if taken_at is None else taken_at, dict(replays or {}),
-                   tuple(chains or ()))
+                   tuple(chains or ()), dict(residuals or {}))
 
     @property
     def num_fragments(self) -> int:

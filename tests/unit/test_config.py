@@ -104,3 +104,36 @@ def test_example_configs_load():
     assert len(paths) >= 4
     for path in paths:
         load_config(path)
+
+
+@pytest.mark.parametrize("items,expected", [
+    (["codec.name='float32'", "codec.error_feedback=true"],
+     "codec.error_feedback = true with codec.name = float32 and codec.kind = dense"),
+    (["codec.error_decay=0.5"], "codec.error_decay = 0.5 needs codec.error_feedback = true"),
+    (["codec.topk_density=0.1"], "codec.topk_density = 0.1 needs codec.kind = randk"),
+    (["codec.kind='randk'", "codec.topk_density=0"], "codec.topk_density = 0: Input should"),
+    (["codec.error_feedback=true", "codec.error_decay=0"], "codec.error_decay = 0: Input"),
+    (["codec.kind='topk'"], "codec.kind = 'topk': Input should be 'dense' or 'randk'"),
+    (["codec.name='int2'", "codec.block_size=6"], "codec.block_size = 6: must be a multiple "
+                                                  "of 4 for int2"),
+    (["codec.name='sign1'", "codec.block_size=12"], "codec.block_size = 12: must be a "
+                                                    "multiple of 8 for sign1"),
+    (["codec.kind='randk'", "dist.nproc=2"], "codec.kind = randk with dist.nproc = 2"),
+    (["codec.error_feedback=true", "diloco.mode='ddp'"],
+     "codec.error_feedback = true with diloco.mode = ddp"),
+])
+def test_wrong_codec_combinations_stop_with_one_line_naming_the_fields(items, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=parse_overrides(items))
+    assert "\n" not in str(info.value) and expected in str(info.value)
+
+
+def test_sparse_and_error_feedback_settings_load_and_survive_a_dump():
+    cfg = load_config(overrides=parse_overrides([
+        "codec.name='int2'", "codec.kind='randk'", "codec.topk_density=0.01",
+        "codec.error_feedback=true", "codec.error_decay=0.95"]))
+    assert (cfg.codec.kind, cfg.codec.topk_density, cfg.codec.error_decay) == \
+        ("randk", 0.01, 0.95)
+    dense = load_config()
+    assert load_config(overrides=dense.model_dump()) == dense  # a dump sets every field
+    assert load_config(overrides=cfg.model_dump()) == cfg
