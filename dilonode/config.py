@@ -403,6 +403,10 @@ class NetworkConfig(_Frozen):
         "under 1% (dilonode/net/congestion.py). A name the kernel refuses (not built in, or not in "
         "net.ipv4.tcp_allowed_congestion_control without CAP_NET_ADMIN) leaves the default, "
         "with one warning")
+    socket_buffer_bytes: Annotated[int | Literal["auto"], BeforeValidator(_int_or_auto)] = Field(
+        "auto", description="send and receive buffer of each data-plane connection, bytes "
+        "(0: the kernel's autotuning); 'auto': 2 x bandwidth_mbps x 500 ms, 4-256 MiB, the "
+        "bandwidth-delay product of a 500 ms round trip twice over")
     bandwidth_mbps: float = Field(
         100.0, gt=0.0, description="advertised bandwidth; weights this node's butterfly part "
         "(its share of each round's traffic). A joiner whose state fetch measured a slower "
