@@ -405,7 +405,7 @@ class NetworkConfig(_Frozen):
         "with one warning")
     socket_buffer_bytes: Annotated[int | Literal["auto"], BeforeValidator(_int_or_auto)] = Field(
         "auto", description="send and receive buffer of each data-plane connection, bytes "
-        "(0: the kernel's autotuning); 'auto': 2 x bandwidth_mbps x 500 ms, 4-256 MiB, the "
+        "(0: the kernel's autotuning); 'auto': 2 x bandwidth_mbps x 500 ms, 4-64 MiB, the "
         "bandwidth-delay product of a 500 ms round trip twice over")
     bandwidth_mbps: float = Field(
         100.0, gt=0.0, description="advertised bandwidth; weights this node's butterfly part "

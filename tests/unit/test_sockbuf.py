@@ -12,11 +12,12 @@ from dilonode.net.sockbuf import AUTOTUNE, BufferPlan, KernelLimits
 
 
 def test_the_product_has_headroom_and_bounds():
-    # 1 Gbit/s x 500 ms = 62.5 MB, twice over.
-    assert sockbuf.bdp_bytes(1000, 0.5) == 125_000_000
+    # 200 Mbit/s x 500 ms = 12.5 MB, twice over.
+    assert sockbuf.bdp_bytes(200, 0.5) == 25_000_000
     assert sockbuf.bdp_bytes(100) == 12_500_000
+    assert sockbuf.bdp_bytes(1000) == 64 << 20
     assert sockbuf.bdp_bytes(1, 0.01) == 4 << 20
-    assert sockbuf.bdp_bytes(100_000, 1.0) == 256 << 20
+    assert sockbuf.bdp_bytes(100_000, 1.0) == 64 << 20
     with pytest.raises(ValueError, match="rate_mbps"):
         sockbuf.bdp_bytes(0)
 
