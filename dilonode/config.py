@@ -394,6 +394,10 @@ class NetworkConfig(_Frozen):
         "cubic", pattern=congestion.NAME_PATTERN, description="TCP congestion control of data and "
         "state connections, or 'system'; cubic, as bbr resends in all-to-all rounds "
         "(docs/reports/2026-11-29-wan-round-congestion.md)")
+    socket_buffer_bytes: Annotated[int | Literal["auto"], BeforeValidator(_int_or_auto)] = Field(
+        "auto", description="send and receive buffer of each data-plane connection, bytes "
+        "(0: the kernel's autotuning); 'auto': 2 x bandwidth_mbps x 500 ms, 4-64 MiB, the "
+        "bandwidth-delay product of a 500 ms round trip twice over")
     bandwidth_mbps: float = Field(
         100.0, gt=0.0, description="advertised bandwidth, weighting this node's share of round "
         "traffic (a slower measured link lowers it)")

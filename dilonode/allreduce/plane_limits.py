@@ -43,7 +43,8 @@ class PlaneLimits:
     """Bytes of frames waiting in registered inboxes above which the plane stops reading
     its sockets; reading resumes at half."""
     socket_buffer_bytes: int = 4 << 20
-    """SO_SNDBUF and SO_RCVBUF of every connection; 0 leaves the kernel's autotuning."""
+    """Send and receive buffer bytes every connection aims for (`dilonode.net.sockbuf`:
+    forced, set or autotuned, whichever reaches furthest); 0 leaves the kernel's autotuning."""
     max_idle_inbound: int = 0
     """Open accepted connections above which idle ones of peers with no round here close
     (and a sender forgets closed connection objects past as many peers); 0: no bound."""

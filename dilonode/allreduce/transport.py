@@ -71,7 +71,7 @@ from dilonode.allreduce.inbox import (
     parse_address,
 )
 from dilonode.allreduce.plane_limits import PlaneLimits
-from dilonode.net import congestion
+from dilonode.net import congestion, sockbuf
 from dilonode.net.admission import Admission, Gate, Ticket
 from dilonode.net.aio import bounded
 from dilonode.net.auth import Credentials
@@ -433,6 +433,7 @@ class DataPlane:
             raise ValueError(f"DataPlane: credentials of {auth.peer_id}@{auth.run_id} for "
                              f"{peer_id}@{run_id}")
         self.limits = limits if limits is not None else PlaneLimits()
+        self._kernel: sockbuf.KernelLimits | None = None  # read at the first socket
         self.auth = auth
         self.fallback = fallback
         # Peers to reach by the fallback only (set by the node from peer records), and
@@ -546,10 +547,9 @@ class DataPlane:
             return
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        buffer = self.limits.socket_buffer_bytes
-        if buffer:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
+        if self._kernel is None:
+            self._kernel = sockbuf.limits()
+        sockbuf.apply(sock, self.limits.socket_buffer_bytes, self._kernel)
         congestion.apply(sock, self.limits.tcp_congestion)
 
     # ------------------------------------------------------------------ rounds

@@ -46,6 +46,7 @@ from dilonode.allreduce.network_collective import NetworkCollective
 from dilonode.allreduce.plane_limits import PlaneLimits, PlaneOptions
 from dilonode.allreduce.retry import RoundPolicy
 from dilonode.config import RunConfig
+from dilonode.net import sockbuf
 from dilonode.net.admission import Admission
 from dilonode.node.end_of_run import EndOfRun
 from dilonode.node.forming import GroupFormer
@@ -176,7 +177,10 @@ class Node:
         assert self.dht is not None
         net = self.cfg.network
         # Rotating groups: idle peers' connections close (max_idle_inbound).
+        buffer = net.socket_buffer_bytes
         limits = PlaneLimits(tcp_congestion=net.tcp_congestion,
+                             socket_buffer_bytes=(sockbuf.bdp_bytes(net.bandwidth_mbps)
+                                                  if buffer == "auto" else buffer),
                              max_idle_inbound=4 * net.max_group_size)
         options: PlaneOptions = {"limits": limits, "auth": self.dht.credentials,
                                  "gate": self.admission.gate("data")}
