@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.sim import quality
+import pytest
+
+from benchmarks.sim import frontier_plot, quality
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,4 +28,52 @@ def test_quality_bench_tiny(tmp_path: Path) -> None:
     # 4 steps of DDP against 2 DiLoCo rounds of the whole model: 2x fewer bytes.
     assert abs(summary["diloco-fp32"]["ratio_vs_ddp"] - 2.0) < 1e-9
     assert summary["s-int4-a0.5"]["ratio_vs_ddp"] > summary["diloco-fp32"]["ratio_vs_ddp"]
+    assert png.stat().st_size > 0
+
+
+NANO = ["--preset", "nano", "--workers", "2", "--steps", "4", "--sync-every", "2",
+        "--seq-len", "16", "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1",
+        "--warmup", "0"]
+
+
+def test_rows_are_named_by_codec_density_and_error_feedback() -> None:
+    r = quality.row("s-int4-a0.5")
+    assert (r.mode, r.codec, r.alpha, r.density, r.error_feedback) == (
+        "streaming", "int4", 0.5, None, False)
+    assert quality.row("s-fp32-a0").codec == "float32"
+    for bad, words in (("s-int9-a0.5", "not in the codec table"), ("nope", "unknown row"),
+                       ("s-int4-top0-a0.5", "top-k percentage")):
+        with pytest.raises(ValueError, match=words):
+            quality.row(bad)
+    frontier = quality.frontier_rows()
+    assert frontier[:2] == ["diloco-fp32", "s-int4-a0.5"] and frontier[-1] == "ddp"
+    assert quality.parse_args(["--methods", "s-int4*,ddp"]).rows == [
+        "s-int4-a0.5", "s-int4-a0", "ddp"]
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--methods", "s-zz*"])
+
+
+def test_each_row_keeps_its_own_lr_and_no_run_summarizes(tmp_path: Path, capsys) -> None:
+    out, png = tmp_path / "f.json", tmp_path / "f.png"
+    quality.main([*NANO, "--seed-list", "0", "--lrs", "1e-3,4e-3",
+                  "--methods", "diloco-fp32,s-int4-a0.5", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    runs = doc["runs"]
+    assert len(runs) == 4  # 2 rows x 2 lrs, seed 0
+    for key in ("diloco-fp32", "s-int4-a0.5"):
+        best = min((r for r in runs.values() if r["row"] == key),
+                   key=lambda r: r["report"]["final_eval_loss"])
+        assert doc["summary"][key]["lr"] == best["lr"]
+    # Without DDP's run its bytes come from DiLoCo's: 4 steps against 2 rounds of fp32.
+    assert doc["summary"]["diloco-fp32"]["ratio_vs_ddp"] == pytest.approx(2.0)
+    assert doc["summary"]["diloco-fp32"]["ddp_bytes_from"].startswith("DiLoCo fp32")
+    capsys.readouterr()
+    doc = quality.main([*NANO, "--seed-list", "0,1", "--lrs", "1e-3,4e-3", "--no-run",
+                        "--methods", "diloco-fp32,s-int4-a0.5,ddp", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "--no-run" in text and "rows without a run: ddp" in text
+    assert doc["summary"]["s-int4-a0.5"]["seeds"] == [0]
+    assert doc["summary"]["s-int4-a0.5"]["missing_seeds"] == [1]
+    assert len(json.loads(out.read_text())["runs"]) == 4  # nothing ran
+    frontier_plot.main([str(out), "--out", str(png)])
     assert png.stat().st_size > 0
