@@ -3,6 +3,7 @@ running as the simulator changes (the real benchmark takes hours)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -77,3 +78,14 @@ def test_each_row_keeps_its_own_lr_and_no_run_summarizes(tmp_path: Path, capsys)
     assert len(json.loads(out.read_text())["runs"]) == 4  # nothing ran
     frontier_plot.main([str(out), "--out", str(png)])
     assert png.stat().st_size > 0
+
+
+def test_wan_streaming_run_takes_the_codec_of_a_row(tmp_path: Path) -> None:
+    from benchmarks.testbed import wan
+
+    args = argparse.Namespace(steps=4, preset="nano", seq_len=16, batch_size=2, sync_every=2,
+                              fragments=2, tau=1, ddp_steps=2, codec="int8", block_size=32)
+    cfg = wan.run_config(args, "streaming", 10.0, tmp_path)
+    assert (cfg.codec.name, cfg.codec.block_size) == ("int8", 32)
+    assert cfg.run_id == "wan-streaming-int8-10"
+    assert wan.run_config(args, "diloco", 10.0, tmp_path).codec.name == "float32"
