@@ -79,20 +79,19 @@ FRONTIER_DENSITIES = ("1.56", "3")
 
 
 def frontier_rows() -> list[str]:
-    """The frontier, cheapest bytes last: DiLoCo fp32 and int4 (the quality report's
-    rows), then every integer block codec of the codec table below 8 bits and top-k at
-    `FRONTIER_DENSITIES` over the 2-bit codec, each with and without error feedback, and
-    DDP. Rows this build cannot run (codec or option missing) are left out."""
+    """The frontier: DiLoCo fp32 and int4 (the quality report's rows), then every integer
+    or sign block codec of the codec table below 8 bits and top-k at `FRONTIER_DENSITIES`
+    over the 2-bit codec, each with error feedback, then without, and DDP. Rows this build
+    cannot run (codec or option missing) are left out."""
     from dilonode.algo.codec_table import CODECS
 
-    keys = ["diloco-fp32", "s-int4-a0.5"]
-    low = [n for n, s in CODECS.items() if s.quantizer == "int" and s.bits < 8]
-    for name in sorted(low, key=lambda n: -CODECS[n].bits):
-        keys += [f"s-{name}-ef-a0.5", f"s-{name}-a0.5"]
+    low = [n for n, s in CODECS.items() if s.quantizer in ("int", "sign") and s.bits < 8]
+    variants = [f"s-{n}" for n in sorted(low, key=lambda n: -CODECS[n].bits)]
     if "int2" in CODECS:
-        for pct in FRONTIER_DENSITIES:
-            keys += [f"s-int2-top{pct}-ef-a0.5", f"s-int2-top{pct}-a0.5"]
-    keys.append("ddp")
+        variants += [f"s-int2-top{pct}" for pct in FRONTIER_DENSITIES]
+    # In the order they are worth running: error feedback first, then the twins without.
+    keys = ["diloco-fp32", "s-int4-a0.5", *(f"{v}-ef-a0.5" for v in variants),
+            *(f"{v}-a0.5" for v in variants), "ddp"]
     out = []
     for key in dict.fromkeys(keys):
         try:
