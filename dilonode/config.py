@@ -309,6 +309,9 @@ def _known_codec(value: str) -> str:
     return value
 
 
+_DEFAULT_DENSITY = 0.03
+
+
 class CodecConfig(_Frozen):
     """How pseudo-gradients are quantized on the wire; sums are always float32."""
 
@@ -317,13 +320,40 @@ class CodecConfig(_Frozen):
         f"{', '.join(CODEC_NAMES)}", json_schema_extra={"enum": list(CODEC_NAMES)})
     block_size: int = Field(
         DEFAULT_BLOCK_SIZE, ge=2, le=1 << 20,
-        description=f"values per absmax scale ({'/'.join(BLOCK_CODEC_NAMES)}); even")
+        description=f"values per absmax scale ({'/'.join(BLOCK_CODEC_NAMES)}); even, a "
+        "multiple of 4 for int2 and of 8 for sign1")
+    kind: Literal["dense", "randk"] = Field(
+        "dense", description="dense: every value travels; randk: per chunk of "
+        "`algo.sparse.SPARSE_CHUNK` values only topk_density of them, at positions every "
+        "member draws alike from (run seed, fragment, round), in codec.name (docs/rounds.md)")
+    topk_density: float = Field(
+        _DEFAULT_DENSITY, gt=0.0, le=1.0, description="randk: fraction of each chunk's values sent")
+    error_feedback: bool = Field(
+        False, description="carry what the codec (and randk) did not send into the next "
+        "round of the fragment (a residual per fragment, checkpointed; a joiner starts at 0)")
+    error_decay: float = Field(
+        1.0, gt=0.0, le=1.0, description="error_feedback: the residual kept is this times "
+        "the part not sent (1: all of it; SparseLoCo's beta)")
 
     @model_validator(mode="after")
     def _check(self) -> CodecConfig:
-        if self.block_size % 2:
-            raise ValueError(f"codec.block_size = {self.block_size}: must be even "
-                             "(two 4-bit values share a byte)")
+        per = CODECS[self.name].codes_per_byte
+        if self.block_size % 2 or self.block_size % per:
+            need = "even (two 4-bit values share a byte)" if per <= 2 else \
+                f"a multiple of {per} for {self.name} ({per} values share a byte)"
+            raise ValueError(f"codec.block_size = {self.block_size}: must be {need}")
+        lossless = self.name == "float32" and self.kind == "dense"
+        if self.error_feedback and lossless:
+            raise ValueError("codec.error_feedback = true with codec.name = float32 and "
+                             "codec.kind = dense: nothing is lost to feed back; use a lossy "
+                             "codec or codec.kind = randk")
+        if self.error_decay != 1.0 and not self.error_feedback:
+            raise ValueError(f"codec.error_decay = {self.error_decay} needs "
+                             "codec.error_feedback = true")
+        # (compared with the default, not "was it set": a config dump sets every field)
+        if self.topk_density != _DEFAULT_DENSITY and self.kind == "dense":
+            raise ValueError(f"codec.topk_density = {self.topk_density} needs "
+                             "codec.kind = randk (dense sends every value)")
         return self
 
 
@@ -723,6 +753,12 @@ class RunConfig(_Frozen):
     @model_validator(mode="after")
     def _check_ranks(self) -> RunConfig:
         n = self.dist.nproc
+        c = self.codec
+        if (c.kind != "dense" or c.error_feedback) and (n > 1 or self.diloco.mode == "ddp"):
+            what = "codec.kind = randk" if c.kind != "dense" else "codec.error_feedback = true"
+            where = f"dist.nproc = {n}" if n > 1 else "diloco.mode = ddp"
+            raise ValueError(f"{what} with {where}: sparse rounds and error feedback work on "
+                             "a one-rank node's fragment rounds only")
         if n > 1 and self.diloco.mode == "ddp":
             raise ValueError(f"dist.nproc = {n}: diloco.mode = ddp averages every gradient "
                              "with the swarm; use streaming or diloco with several ranks")

@@ -32,9 +32,14 @@ with atheris.instrument_imports(include=["dilonode"]):
     from dilonode.wire.framing import FrameDecoder, decode_message
 
 VECTORS = Path(__file__).resolve().parents[1] / "protocol" / "vectors"
-# Small blocks (16 bytes of int8 codes, 4 of 4-bit ones), so that short payloads hold
-# several.
-CODECS = [(name, 64 if name in FLOAT_CODEC_NAMES else 16 // SPECS[name].codes_per_byte)
+# Small blocks, so that short payloads hold several.
+def _small_block(per: int) -> int:
+    """A small block size that is a multiple of `per` codes per byte: 16 int8 values, 8
+    4-bit ones, 4 int2 ones, 8 sign1 ones."""
+    return per * max(1, 16 // per // per)
+
+
+CODECS = [(name, 64 if name in FLOAT_CODEC_NAMES else _small_block(SPECS[name].codes_per_byte))
           for name in CODEC_NAMES]
 CREDS = Credentials(Identity.generate(), "fuzz-run")
 

@@ -46,11 +46,13 @@ class CodecSpec:
     float_dtype: Literal["float32", "bfloat16", "float16"] | None
     """The IEEE type (a `torch` dtype name) whose raw little-endian values are the payload;
     None for a block codec."""
-    quantizer: Literal["int", "fp4"] | None
+    quantizer: Literal["int", "fp4", "sign"] | None
     """A block codec's levels: "int" is symmetric integers in [-qmax, qmax], "fp4" a sign
-    and a 3-bit exponent (magnitudes 0 and 2**-6 .. 1); None for a float codec."""
+    and a 3-bit exponent (magnitudes 0 and 2**-6 .. 1), "sign" one bit, +-scale with the
+    block's mean magnitude as its scale; None for a float codec."""
     qmax: float
-    """A block codec's largest quantized magnitude: scale = block absmax / qmax."""
+    """A block codec's largest quantized magnitude: scale = block absmax / qmax ("sign":
+    1, its scale is the block's mean |x|)."""
     default_block_size: int
     """Values per scale when none is given; 1 for a float codec (no scales)."""
     summary: str
@@ -63,7 +65,8 @@ class CodecSpec:
 
     @property
     def codes_per_byte(self) -> int:
-        """Codes packed into one payload byte (block codecs: 1 for 8 bits, 2 for 4)."""
+        """Codes packed into one payload byte (block codecs: 1 for 8 bits, 2 for 4, 4 for 2,
+        8 for 1): a block size must be a multiple of it."""
         return max(1, 8 // self.bits)
 
     def payload_bytes(self, numel: int) -> int:
@@ -77,7 +80,7 @@ def _float(name: Literal["float32", "bfloat16", "float16"], bits: int,
                      default_block_size=1, summary=summary)
 
 
-def _block(name: str, bits: int, quantizer: Literal["int", "fp4"], qmax: float,
+def _block(name: str, bits: int, quantizer: Literal["int", "fp4", "sign"], qmax: float,
            summary: str) -> CodecSpec:
     return CodecSpec(name=name, bits=bits, float_dtype=None, quantizer=quantizer, qmax=qmax,
                      default_block_size=DEFAULT_BLOCK_SIZE, summary=summary)
@@ -90,6 +93,8 @@ CODECS: Mapping[str, CodecSpec] = MappingProxyType({spec.name: spec for spec in 
     _block("int8", 8, "int", 127.0, "blockwise absmax int8 in [-127, 127]"),
     _block("int4", 4, "int", 7.0, "blockwise absmax int4 in [-7, 7], two per byte"),
     _block("fp4", 4, "fp4", 1.0, "blockwise absmax sign + 3-bit exponent, two per byte"),
+    _block("int2", 2, "int", 1.0, "blockwise absmax ternary {-1, 0, 1}, four per byte"),
+    _block("sign1", 1, "sign", 1.0, "blockwise sign times the block's mean |x|, eight per byte"),
 )})
 """Every codec by name, in the order help texts and tests list them."""
 

@@ -754,11 +754,12 @@ _BLOCK_ARITHMETIC: dict[tuple[str, int], type[_BlockCodec]] = {
 
 def _block_class(spec: CodecSpec) -> type[_BlockCodec]:
     assert spec.quantizer is not None, spec
+    if not _BLOCK_ARITHMETIC.keys() >= {("int", 2), ("sign", 1)}:
+        # The 2- and 1-bit codecs build on the classes above (imported here, not at the top,
+        # because their module imports this one).
+        from dilonode.algo.lowbit_codecs import Int2Codec, Sign1Codec
+        _BLOCK_ARITHMETIC.update({("int", 2): Int2Codec, ("sign", 1): Sign1Codec})
     return _BLOCK_ARITHMETIC[(spec.quantizer, spec.bits)]
-
-
-# Every block codec of the table has its arithmetic here (a new layout needs a class).
-_BLOCK_CLASSES = {name: _block_class(spec) for name, spec in CODECS.items() if spec.is_block}
 
 
 def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *,
@@ -778,8 +779,10 @@ def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *,
     if bs < 2:
         raise CodecError(f"block_size must be >= 2 for {name}, got {bs}")
     if bs % spec.codes_per_byte:
-        raise CodecError(f"block_size must be even for {name} (two values per byte), got {bs}")
-    return _BLOCK_CLASSES[name](spec, bs, fast=not reference)
+        need = "even" if spec.codes_per_byte == 2 else f"a multiple of {spec.codes_per_byte}"
+        raise CodecError(f"block_size must be {need} for {name} ({spec.codes_per_byte} values "
+                         f"per byte), got {bs}")
+    return _block_class(spec)(spec, bs, fast=not reference)
 
 
 def max_abs_error_bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:
@@ -806,6 +809,8 @@ def max_abs_error_bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:
     scale = _per_element(codec.block_scales(x).double(), x.numel(), codec.block_size)
     if codec._spec.quantizer == "fp4":
         return _fp4_half_gap(ax, scale) * scale * (1 + 2.0**-16) + 2.0**-149
+    if codec._spec.quantizer == "sign":  # | |x| - scale | <= max(|x|, scale)
+        return torch.maximum(ax, scale) * (1 + 2.0**-16) + 2.0**-149
     return scale * (0.5 + 2.0**-16) + codec.qmax * 2.0**-149
 
 

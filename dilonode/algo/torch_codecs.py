@@ -34,6 +34,7 @@ from dilonode.algo.codecs import (
     CodecMeta,
     get_codec,
 )
+from dilonode.algo.lowbit_codecs import halving_sum
 
 __all__ = ["decode_torch", "encode_chunks_torch", "encode_torch"]
 
@@ -117,12 +118,29 @@ def _encode_block_rows(codec: Codec, x: torch.Tensor) -> torch.Tensor:
     if nb * bs != m:  # a short last block: zeros change neither its absmax nor its codes
         x = torch.nn.functional.pad(x, (0, nb * bs - m))
     blocks = x.view(rows, nb, bs)  # (R, nb, bs)
-    scale = _scales(codec, blocks)  # (R, nb)
+    spec = _spec(codec)
+    scale = (_mean_abs(codec, blocks, m) if spec.quantizer == "sign"
+             else _scales(codec, blocks))  # (R, nb)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero block: 0/1 = 0
     ratio = blocks / safe[..., None]  # (R, nb, bs), IEEE division by a tensor
-    codes = _codes(_spec(codec), blocks, ratio).view(rows, nb * bs)[:, :m]  # (R, m)
-    payload = codes.view(torch.uint8) if _spec(codec).bits == 8 else _pack_nibbles(codes)
+    codes = _codes(spec, blocks, ratio).view(rows, nb * bs)[:, :m]  # (R, m)
+    payload = (codes.view(torch.uint8) if spec.bits == 8 else _pack_nibbles(codes)
+               if spec.bits == 4 else _pack_bits(codes, spec.bits))
     return torch.cat([scale.view(torch.uint8), payload], dim=1)  # (R, 4 nb + payload)
+
+
+def _mean_abs(codec: Codec, blocks: torch.Tensor, m: int) -> torch.Tensor:
+    """(R, nb, bs) zero-padded rows of m values -> (R, nb) float32 mean |x| per block, by
+    the passes of `lowbit_codecs.mean_abs_scales` (float64, pairwise, one rounding)."""
+    if not bool(torch.isfinite(blocks).all()):
+        _raise_reference(codec, blocks.reshape(-1))
+    rows, nb, bs = blocks.shape
+    width = 1 << max(bs - 1, 0).bit_length()
+    a = torch.nn.functional.pad(blocks.abs().double(), (0, width - bs))  # (R, nb, width)
+    counts = torch.full((nb,), float(bs), dtype=torch.float64, device=blocks.device)
+    if m % bs:
+        counts[-1] = float(m % bs)
+    return (halving_sum(a) / counts).to(torch.float32)  # (R, nb)
 
 
 def _scales(codec: Codec, blocks: torch.Tensor) -> torch.Tensor:
@@ -142,6 +160,8 @@ def _scales(codec: Codec, blocks: torch.Tensor) -> torch.Tensor:
 def _codes(spec: CodecSpec, blocks: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     """(R, nb, bs) values and values/scale -> (R, nb, bs) int8 codes (4-bit ones in the low
     nibble)."""
+    if spec.quantizer == "sign":
+        return (blocks < 0).to(torch.int8)
     if spec.quantizer == "fp4":
         r = ratio.abs_()
         code = torch.zeros(r.shape, dtype=torch.uint8, device=r.device)
@@ -160,6 +180,19 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
         u = torch.nn.functional.pad(u, (0, 1))  # zero padding nibble
     pairs = u.view(u.shape[0], -1, 2)  # (R, m / 2, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(R, m) int8 codes -> (R, ceil(m * bits / 8)) uint8, as `lowbit_codecs.pack_codes`."""
+    per = 8 // bits
+    u = codes.view(torch.uint8) & ((1 << bits) - 1)  # (R, m)
+    if u.shape[1] % per:
+        u = torch.nn.functional.pad(u, (0, per - u.shape[1] % per))
+    groups = u.view(u.shape[0], -1, per)  # (R, bytes, per)
+    out = groups[..., 0].clone()
+    for j in range(1, per):
+        out |= groups[..., j] << (bits * j)
+    return out
 
 
 def _raise_reference(codec: Codec, x: torch.Tensor) -> None:
@@ -211,6 +244,16 @@ def _decode_block(codec: Codec, data: torch.Tensor, meta: CodecMeta) -> torch.Te
         q = payload.view(torch.int8)  # (n,)
         bad |= (q == -128).any()
         unit = q.to(torch.float32)
+    elif spec.bits < 4:
+        shifts = torch.arange(0, 8, spec.bits, dtype=torch.uint8, device=payload.device)
+        codes = ((payload[:, None] >> shifts) & ((1 << spec.bits) - 1)).view(-1)  # (8 P / bits,)
+        bad |= (codes[n:] != 0).any()  # padding codes
+        codes = codes[:n]
+        if spec.quantizer == "int":  # 2-bit two's complement; 0b10 (-2) is refused
+            bad |= (codes == 2).any()
+            unit = ((codes ^ 2).to(torch.int8) - 2).to(torch.float32)
+        else:  # sign: 1 is negative
+            unit = 1.0 - 2.0 * codes.to(torch.float32)
     else:
         nib = torch.stack([payload & 15, payload >> 4], dim=1).view(-1)  # (2P,) uint8
         if n % 2:

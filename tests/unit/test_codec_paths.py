@@ -26,7 +26,7 @@ from dilonode.algo.butterfly import (
     reduction_steps,
     weight_coefficients,
 )
-from dilonode.algo.codec_table import CODEC_NAMES, FLOAT_CODEC_NAMES
+from dilonode.algo.codec_table import CODEC_NAMES, CODECS, FLOAT_CODEC_NAMES
 from dilonode.algo.codecs import CodecError, CodecMeta, get_codec
 from dilonode.algo.torch_codecs import decode_torch, encode_chunks_torch, encode_torch
 from dilonode.allreduce.datapath import HostPath, TorchPath, chunk_hash
@@ -59,7 +59,9 @@ def _inputs(name: str) -> st.SearchStrategy[np.ndarray]:
 def _block_size(name: str) -> st.SearchStrategy[int]:
     if name in FLOAT_CODEC_NAMES:
         return st.just(64)
-    return st.sampled_from([2, 4, 64] if name != "int8" else [2, 3, 64])
+    per = CODECS[name].codes_per_byte
+    return st.sampled_from([b for b in ([2, 4, 8, 64] if name != "int8" else [2, 3, 64])
+                            if b % per == 0])
 
 
 # ------------------------------------------------------------------ codecs, bit for bit
@@ -133,8 +135,12 @@ def test_golden_payloads_through_every_implementation() -> None:
     assert seen >= {"int4", "int8", "float32", "fp4"}
 
 
+def _small_block(name: str) -> int:
+    return max(4, CODECS[name].codes_per_byte)
+
+
 def _corrupt(name: str) -> list[tuple[bytes, CodecMeta]]:
-    codec = get_codec(name, 4)
+    codec = get_codec(name, _small_block(name))
     x = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])
     data, meta = codec.encode(x)
     bad = []
@@ -151,11 +157,11 @@ def _corrupt(name: str) -> list[tuple[bytes, CodecMeta]]:
             body[8] = 0x80  # -128
             bad.append((bytes(body), meta))
         else:
-            body[-1] |= 0xF0  # padding nibble of the odd count
+            body[-1] |= 0xF0  # padding nibble (codes, bits) after the last value
             bad.append((bytes(body), meta))
-            if name == "int4":
+            if name in ("int4", "int2"):
                 body = bytearray(data)
-                body[8] = 0x08
+                body[8] = 0x08 if name == "int4" else 0x02  # -8 / -2: outside the range
                 bad.append((bytes(body), meta))
     bad.append((data[:-1], meta))
     return bad
@@ -164,12 +170,13 @@ def _corrupt(name: str) -> list[tuple[bytes, CodecMeta]]:
 @pytest.mark.parametrize("name", CODEC_NAMES)
 def test_every_implementation_refuses_bad_payloads_alike(name: str) -> None:
     for data, meta in _corrupt(name):
+        bs = _small_block(name)
         with pytest.raises(CodecError) as ref_err:
-            get_codec(name, 4, reference=True).decode(data, meta)
+            get_codec(name, bs, reference=True).decode(data, meta)
         with pytest.raises(CodecError) as fast_err:
-            get_codec(name, 4).check(data, meta)
+            get_codec(name, bs).check(data, meta)
         with pytest.raises(CodecError) as dev_err:
-            decode_torch(get_codec(name, 4), _u8(data), meta)
+            decode_torch(get_codec(name, bs), _u8(data), meta)
         assert str(fast_err.value) == str(dev_err.value) == str(ref_err.value)
 
 

@@ -135,7 +135,13 @@ def test_message_fields_are_validated_cleanly(body: dict[str, Any]) -> None:
 
 # Small blocks (16 bytes of int8 codes, 4 of 4-bit ones), so that short payloads hold
 # several; and int4 at the default block size.
-_CODECS = [(name, 64 if name in FLOAT_CODEC_NAMES else 16 // CODECS[name].codes_per_byte)
+def _small_block(per: int) -> int:
+    """A small block size that is a multiple of `per` codes per byte: 16 int8 values, 8
+    4-bit ones, 4 int2 ones, 8 sign1 ones."""
+    return per * max(1, 16 // per // per)
+
+
+_CODECS = [(name, 64 if name in FLOAT_CODEC_NAMES else _small_block(CODECS[name].codes_per_byte))
            for name in CODEC_NAMES] + [("int4", 64)]
 
 
