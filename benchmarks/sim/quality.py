@@ -209,12 +209,14 @@ def sweep_table(runner: Runner, args: argparse.Namespace, picked: float) -> str:
 
 
 def bits_per_value(key: str, block_size: int) -> float:
-    """Bits one value costs on the wire: the codec's exact encoded size of 2**20 values
-    (scales included) over 2**20; top-k rows also carry their kept values' positions."""
+    """Bits one value of a fragment costs on the wire: the codec's exact encoded size of
+    2**20 values (scales included) over 2**20, times the share a rand-k row sends (its
+    positions are drawn alike by every member, so they do not travel)."""
     from dilonode.algo.codecs import get_codec
 
     r, n = row(key), 1 << 20
-    return get_codec(r.codec, block_size).encoded_size(n) * 8 / n
+    bits = get_codec(r.codec, block_size).encoded_size(n) * 8 / n
+    return bits * (r.density if r.density is not None else 1.0)
 
 
 def summarize(runner: Runner, args: argparse.Namespace,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness import methods
 from benchmarks.sim import frontier_plot, quality
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,15 +38,27 @@ NANO = ["--preset", "nano", "--workers", "2", "--steps", "4", "--sync-every", "2
         "--warmup", "0"]
 
 
-def test_rows_are_named_by_codec_density_and_error_feedback() -> None:
+def test_rows_are_named_by_codec_density_and_error_feedback(monkeypatch) -> None:
     r = quality.row("s-int4-a0.5")
     assert (r.mode, r.codec, r.alpha, r.density, r.error_feedback) == (
         "streaming", "int4", 0.5, None, False)
     assert quality.row("s-fp32-a0").codec == "float32"
     for bad, words in (("s-int9-a0.5", "not in the codec table"), ("nope", "unknown row"),
-                       ("s-int4-top0-a0.5", "top-k percentage")):
+                       ("s-int4-rand0-a0.5", "rand-k percentage")):
         with pytest.raises(ValueError, match=words):
             quality.row(bad)
+    # As on a build with error feedback and rand-k (dilonode/algo/{error_feedback,sparse}.py).
+    monkeypatch.setattr(methods.importlib.util, "find_spec", lambda name: object())
+    sparse = quality.row("s-int2-rand1.56-ef-a0.5")
+    assert (sparse.codec, sparse.density, sparse.error_feedback) == ("int2", 0.0156, True)
+    assert methods.codec_overrides(sparse, 64) == {
+        "name": "int2", "block_size": 64, "kind": "randk", "topk_density": 0.0156,
+        "error_feedback": True}
+    # Rows run what they say or not at all: a config field without its algorithm is refused.
+    monkeypatch.setattr(methods.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="error_feedback.py, which this build lacks"):
+        quality.row("s-int2-ef-a0.5")
+    monkeypatch.undo()
     frontier = quality.frontier_rows()
     assert frontier[:2] == ["diloco-fp32", "s-int4-a0.5"] and frontier[-1] == "ddp"
     assert quality.parse_args(["--methods", "s-int4*,ddp"]).rows == [
