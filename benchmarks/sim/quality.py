@@ -267,8 +267,9 @@ def ddp_bytes(summary: dict[str, dict[str, Any]],
     if "ddp" in summary:
         return summary["ddp"]["bytes_sent_per_worker"], "measured"
     if REFERENCE in summary and args.steps % args.sync_every == 0:
-        return (summary[REFERENCE]["bytes_sent_per_worker"] * args.steps / args.sync_every,
-                f"DiLoCo fp32 x {args.steps}/{args.sync_every}")
+        # steps / H rounds of DiLoCo against `steps` steps of DDP: H times the bytes.
+        return (summary[REFERENCE]["bytes_sent_per_worker"] * args.sync_every,
+                f"DiLoCo fp32 x H = {args.sync_every}")
     return None
 
 
@@ -332,7 +333,8 @@ def markdown(summary: dict[str, dict[str, Any]], runner: Runner, args: argparse.
         rounds = ", ".join(str(v) for v in s["rounds_per_fragment"].values()) or "-"
         per_seed = ", ".join(f"{v:.4f} (s{i})" for v, i in zip(s["losses"], s["seeds"],
                                                                strict=True))
-        ok = {None: "-", True: "yes", False: "no"}[within(s)]
+        ok = "-" if s is summary.get(REFERENCE) else {None: "-", True: "yes",
+                                                      False: "no"}[within(s)]
         out.append(f"| {s['label']} | {s['lr']:g} | {s['bits_per_value']:.3f} | "
                    f"{_fmt_bytes(s['bytes_sent_per_worker'])} | {ratio} | "
                    f"{s['mean']:.4f} ± {s['std']:.4f} | {per_seed} | {rel_s} | {ok} | "
