@@ -71,6 +71,9 @@ def plot(summary: dict[str, dict[str, Any]], path: Path, title: str = "") -> Non
         seeds = len(s["losses"])
         ax.annotate(f"{s['label']} ({seeds} seed{'s' if seeds > 1 else ''})", (x, y),
                     textcoords="offset points", xytext=(6, 3), fontsize=6.5, color=color)
+    xs = [s["bytes_sent_per_worker"] for s in summary.values()]
+    lo_x = min(xs + ([ddp / RATIOS[-1]] if ddp is not None else []))
+    ax.set_xlim(lo_x / 1.5, max(xs) * 4)  # room for the labels right of the points
     ax.set(xscale="log", xlabel="payload bytes sent per worker (log)",
            ylabel="final eval loss, outer weights (nats/byte)")
     ax.grid(alpha=0.3, which="both")
