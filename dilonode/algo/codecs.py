@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from dilonode.algo import kernels
+from dilonode.algo import lowbit_codecs as lowbit
 from dilonode.algo.codec_table import (
     CODEC_NAMES,
     CODECS,
@@ -752,14 +753,43 @@ _BLOCK_ARITHMETIC: dict[tuple[str, int], type[_BlockCodec]] = {
 }
 
 
-def _block_class(spec: CodecSpec) -> type[_BlockCodec]:
-    assert spec.quantizer is not None, spec
-    if not _BLOCK_ARITHMETIC.keys() >= {("int", 2), ("sign", 1)}:
-        # The 2- and 1-bit codecs build on the classes above (imported here, not at the top,
-        # because their module imports this one).
-        from dilonode.algo.lowbit_codecs import Int2Codec, Sign1Codec
-        _BLOCK_ARITHMETIC.update({("int", 2): Int2Codec, ("sign", 1): Sign1Codec})
-    return _BLOCK_ARITHMETIC[(spec.quantizer, spec.bits)]
+class _PackedCodec(_BlockCodec):
+    """int2 and sign1 (`lowbit_codecs.py`): `bits`-wide codes, 8 / bits a byte; the
+    reference passes only."""
+
+    _units: np.ndarray  # (2**bits,) unit value of each code, NaN: never sent
+
+    def __init__(self, spec: CodecSpec, block_size: int, fast: bool = False) -> None:
+        super().__init__(spec, block_size, fast=False)  # no compiled kernels for these
+
+    def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: np.ndarray) -> None:
+        codes = (lowbit.sign1_codes(x) if self._spec.quantizer == "sign"
+                 else lowbit.int2_codes(self._safe_divide(x, scale)))
+        out[:] = lowbit.pack_codes(codes, self._spec.bits)
+
+    def _dequantize(self, payload: np.ndarray, out: np.ndarray) -> None:
+        why = lowbit.unit_values(payload, self._spec.bits, self._units, out)
+        if why is not None:
+            raise CodecError(f"{self.name} data{why}")
+
+
+class _Int2Codec(_PackedCodec):
+    _units = lowbit.INT2_UNITS
+
+
+class _Sign1Codec(_PackedCodec):
+    _units = lowbit.SIGN1_UNITS
+
+    def block_scales(self, x: torch.Tensor) -> torch.Tensor:
+        if not bool(torch.isfinite(x).all()):
+            _raise_non_finite(x)
+        return lowbit.mean_abs_scales(x, self.block_size)  # (n_blocks,) mean |x|
+
+
+_BLOCK_ARITHMETIC.update({("int", 2): _Int2Codec, ("sign", 1): _Sign1Codec})
+# Every block codec of the table has its arithmetic here (a new layout needs a class).
+_BLOCK_CLASSES = {name: _BLOCK_ARITHMETIC[(spec.quantizer or "", spec.bits)]
+                  for name, spec in CODECS.items() if spec.is_block}
 
 
 def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *,
@@ -782,7 +812,7 @@ def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *,
         need = "even" if spec.codes_per_byte == 2 else f"a multiple of {spec.codes_per_byte}"
         raise CodecError(f"block_size must be {need} for {name} ({spec.codes_per_byte} values "
                          f"per byte), got {bs}")
-    return _block_class(spec)(spec, bs, fast=not reference)
+    return _BLOCK_CLASSES[name](spec, bs, fast=not reference)
 
 
 def max_abs_error_bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:

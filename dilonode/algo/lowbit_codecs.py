@@ -1,7 +1,8 @@
 """The 2-bit and 1-bit block codecs: int2 (ternary) and sign1 (sign times a block scale).
 
 Both are block codecs of `codecs.py` (float32 scales first, then the packed codes) with the
-reference arithmetic only (numpy and torch passes, no compiled kernels). Used with error
+reference arithmetic only (numpy and torch passes, no compiled kernels); this module holds
+their arithmetic, `codecs.py` the classes that frame and check it. Used with error
 feedback (`error_feedback.py`): at these widths most of a value is carried into the next
 round, not lost.
 
@@ -24,10 +25,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dilonode.algo.codec_table import CodecSpec
-from dilonode.algo.codecs import CodecError, _BlockCodec, _n_blocks
+__all__ = ["INT2_UNITS", "SIGN1_UNITS", "halving_sum", "int2_codes", "mean_abs_scales",
+           "pack_codes", "sign1_codes", "unit_values", "unpack_codes"]
 
-__all__ = ["Int2Codec", "Sign1Codec", "mean_abs_scales", "pack_codes", "unpack_codes"]
+# Unit value of each code (NaN: a code never sent, refused on decode).
+INT2_UNITS = np.array([0.0, 1.0, np.nan, -1.0], np.float32)  # two's complement, -2 refused
+SIGN1_UNITS = np.array([1.0, -1.0], np.float32)
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -63,7 +66,7 @@ def mean_abs_scales(x: torch.Tensor, block_size: int) -> torch.Tensor:
     Elementwise IEEE operations in a fixed order: the same bits on every device
     (`torch_codecs` runs the same passes). float64 cannot overflow on 2**20 float32 values."""
     n = x.numel()
-    nb = _n_blocks(n, block_size)
+    nb = -(-n // block_size)
     width = 1 << max(block_size - 1, 0).bit_length()  # next power of two >= block_size
     a = torch.zeros(nb * width, dtype=torch.float64).view(nb, width)  # (nb, width)
     full = torch.nn.functional.pad(x.abs().double(), (0, nb * block_size - n))
@@ -82,61 +85,29 @@ def halving_sum(a: torch.Tensor) -> torch.Tensor:
     return a[..., 0]
 
 
-class _PackedCodec(_BlockCodec):
-    """A block codec whose codes are `bits` wide, 8 / bits per byte."""
-
-    def __init__(self, spec: CodecSpec, block_size: int, fast: bool = False) -> None:
-        super().__init__(spec, block_size, fast=False)  # no compiled kernels for these
-
-    def _codes_of(self, x: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
-        """x: (n,), scale: (n_blocks,) -> (n,) uint8 codes."""
-        raise NotImplementedError
-
-    def _units(self) -> np.ndarray:
-        """(2**bits,) float32 unit value of each code (NaN marks a code never sent)."""
-        raise NotImplementedError
-
-    def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: np.ndarray) -> None:
-        out[:] = pack_codes(self._codes_of(x, scale), self._spec.bits)
-
-    def _dequantize(self, payload: np.ndarray, out: np.ndarray) -> None:
-        n = out.size
-        codes = unpack_codes(payload, self._spec.bits, n)
-        if codes[n:].any():
-            raise CodecError(f"{self.name} data: padding codes after the last value must be 0")
-        units = self._units()[codes[:n]]  # (n,)
-        if np.isnan(units).any():
-            raise CodecError(f"{self.name} data holds {int(np.isnan(units).sum())} "
-                             "code(s) 0b10 (-2), outside the range [-1, 1]")
-        np.copyto(out, units)
+def int2_codes(ratio: torch.Tensor) -> np.ndarray:
+    """(n,) x / block absmax -> (n,) uint8 2-bit codes of round(ratio) in [-1, 1]."""
+    q = ratio.round_().clamp_(-1, 1).to(torch.int8)  # (n,)
+    return (q.numpy().view(np.uint8) & 3).astype(np.uint8)
 
 
-_INT2_UNITS = np.array([0.0, 1.0, np.nan, -1.0], np.float32)  # two's complement, -2 refused
-_SIGN1_UNITS = np.array([1.0, -1.0], np.float32)
+def sign1_codes(x: torch.Tensor) -> np.ndarray:
+    """(n,) -> (n,) uint8 1 where x < 0 (zero and -0.0 are positive)."""
+    return (x < 0).numpy().astype(np.uint8)
 
 
-class Int2Codec(_PackedCodec):
-    """Ternary: round(x / absmax) in {-1, 0, 1}."""
-
-    def _codes_of(self, x: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
-        q = self._safe_divide(x, scale).round_().clamp_(-1, 1)  # (n,)
-        return (q.to(torch.int8).numpy().view(np.uint8) & 3).astype(np.uint8)
-
-    def _units(self) -> np.ndarray:
-        return _INT2_UNITS
-
-
-class Sign1Codec(_PackedCodec):
-    """sign(x) times the block's mean |x|."""
-
-    def block_scales(self, x: torch.Tensor) -> torch.Tensor:
-        if not bool(torch.isfinite(x).all()):
-            raise CodecError(f"refusing to encode {x.numel() - int(torch.isfinite(x).sum())} "
-                             f"non-finite value(s) (NaN/Inf) of {x.numel()}")
-        return mean_abs_scales(x, self.block_size)
-
-    def _codes_of(self, x: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
-        return (x < 0).numpy().astype(np.uint8)
-
-    def _units(self) -> np.ndarray:
-        return _SIGN1_UNITS
+def unit_values(payload: np.ndarray, bits: int, units: np.ndarray,
+                out: np.ndarray) -> str | None:
+    """Decode `payload`'s codes into `out` (n,) float32 unit values. A malformed payload
+    gives what is wrong, to follow "<codec> data" in an error (out is then undefined);
+    else None."""
+    n = out.size
+    codes = unpack_codes(payload, bits, n)
+    if codes[n:].any():
+        return ": padding codes after the last value must be 0"
+    values = units[codes[:n]]  # (n,)
+    bad = int(np.isnan(values).sum())
+    if bad:
+        return f" holds {bad} code(s) 0b10 (-2), outside the range [-1, 1]"
+    np.copyto(out, values)
+    return None

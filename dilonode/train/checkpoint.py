@@ -2,7 +2,8 @@
 
 A checkpoint is two or three files in one folder, named by the step:
 
-    ckpt-0000001200.safetensors   the `WorkerState` tensors (outer weights, outer momentum)
+    ckpt-0000001200.safetensors   the `WorkerState` tensors (outer weights, outer momentum,
+                                  error-feedback residuals when the run uses them)
     ckpt-0000001200.data.json     where the worker's data stream stood (`BatchStream.state`)
     ckpt-0000001200.json          run id, config digest, step, round counters, outer step
                                   counters, the sha256 of the other files (and the
@@ -57,6 +58,8 @@ FORMAT = 1
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _NAME = re.compile(r"^ckpt-(\d{10})\.json$")
 _DATA_SUFFIX = ".data.json"
+# Tensor name prefix of a fragment's error-feedback residual (`WorkerState.residuals`).
+_RESIDUAL = "residual."
 # Called with the name of each point a save passes ("tensors-written", "tensors-renamed",
 # "meta-written"); tests use it to kill or fail a save at a chosen point.
 FaultHook = Callable[[str], None]
@@ -110,7 +113,8 @@ def save_checkpoint(directory: Path, state: WorkerState, run_id: str, digest: st
     if state.taken_at is not None:
         state = dataclasses.replace(state, step=min(state.step, state.taken_at))
     stem = _stem(state.step)
-    blob = save({k: v.contiguous() for k, v in state.tensors.items()},
+    own = {f"{_RESIDUAL}{p}": r for p, r in state.residuals.items()}
+    blob = save({k: v.contiguous() for k, v in {**state.tensors, **own}.items()},
                 metadata={"run_id": run_id, "config_digest": digest})
     tensors, path = directory / f"{stem}.safetensors", directory / f"{stem}.json"
     data = directory / f"{stem}{_DATA_SUFFIX}"
@@ -187,7 +191,11 @@ def load_checkpoint(meta_path: Path, run_id: str, digest: str) -> WorkerState:
         raise ValueError(f"checkpoint {name}: tensors file is torn or corrupt (sha256 or size "
                          "does not match its metadata)")
     try:
-        return WorkerState.from_meta(meta["state"], load(blob))
+        tensors = load(blob)
+        residuals = {int(k.removeprefix(_RESIDUAL)): tensors.pop(k)
+                     for k in [k for k in tensors if k.startswith(_RESIDUAL)]}
+        state = WorkerState.from_meta(meta["state"], tensors)
+        return dataclasses.replace(state, residuals=residuals) if residuals else state
     except Exception as exc:  # a hash-valid file can still hold nonsense written by a bug
         raise ValueError(f"checkpoint {name}: {exc}") from None
 

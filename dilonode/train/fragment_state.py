@@ -1,6 +1,6 @@
 """What a `Worker` holds of one fragment: its parameters, its outer state, its round counter,
 the tokens it has trained on since its last round, the hash chain of the rounds applied, the
-results joiners may replay, and its round in flight.
+results joiners may replay, its error-feedback residual, and its round in flight.
 
 `Worker` keeps one `FragmentState` per fragment (`Worker.frags`, by fragment index) and
 its methods loop over them; the per-fragment bookkeeping lives here. Tensor work that
@@ -52,6 +52,13 @@ class FragmentState:
     # replay them (`keep_replay`).
     replays: list[tuple[int, EncodedResult]] = field(default_factory=list)
     pending: InFlight | None = None  # the round in flight
+    # Error feedback (algo/error_feedback.py): what this node has not sent yet of its
+    # pseudo-gradients, [slice] float32, None before its first round or after an adoption;
+    # and the residual from before the round in flight (restored if it is abandoned).
+    residual: torch.Tensor | None = None
+    residual_before: torch.Tensor | None = None
+    # A sparse round in flight: the positions its values sit at (algo/sparse.py).
+    sparse_positions: torch.Tensor | None = None
 
     def landed(self) -> int:
         """Rounds whose result is in the outer state: those started, less one in flight (a
@@ -75,14 +82,23 @@ class FragmentState:
         landing = self.pending
         assert landing is not None, f"fragment {self.index}: no round in flight to land"
         self.pending = None
+        self.residual_before = None
         return landing
+
+    def hold_residual(self, residual: torch.Tensor) -> None:
+        """The round starting now leaves `residual` unsent (kept until it lands or is
+        abandoned)."""
+        self.residual_before, self.residual = self.residual, residual
 
     def abandon(self) -> None:
         """Give the round in flight up unapplied (a node that is stopping): the counter goes
         back to its round, which the outer state never had."""
+        before = self.residual_before
         landing = self.take_landing()
+        self.sparse_positions = None
         if not landing.mix:
             self.next_round = landing.round
+            self.residual = before  # the round never carried anything
 
     def outer_step(self, r: int, result: ReduceResult, keep_rounds: int,
                    lr: float | None = None) -> torch.Tensor:
@@ -118,6 +134,7 @@ class FragmentState:
         it) chain; the replays kept and the tokens counted belong to the state left."""
         self.next_round, self.tokens_since = rounds, 0
         self.replays = []
+        self.residual = None  # a debt against the state left (a resume restores its own)
         if chain is not None:
             self.chain = chain
 

@@ -130,12 +130,17 @@ class WorkerState:
     replays: dict[int, tuple[EncodedResult, ...]] = field(default_factory=dict)
     # Per fragment, the hash chain of the rounds applied (algo/chain.py); () if unknown.
     chains: tuple[str, ...] = ()
+    # fragment p -> the exporting worker's error-feedback residual [numel_p] (what it has
+    # not sent yet, algo/error_feedback.py): its own debt, checkpointed, never served to
+    # joiners (a joiner owes nothing); empty without error feedback.
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def capture(cls, step: int, rounds: list[int], outer: Sequence[OuterState | OuterCopy],
                 reuse: WorkerState | None = None, taken_at: int | None = None,
                 replays: dict[int, tuple[EncodedResult, ...]] | None = None,
-                chains: list[str] | None = None) -> WorkerState:
+                chains: list[str] | None = None,
+                residuals: dict[int, torch.Tensor] | None = None) -> WorkerState:
         """A copy of `outer` (so training may go on while it is written or served).
 
         Fragments whose counters equal those in `reuse` (an earlier capture) have not changed
@@ -155,7 +160,7 @@ class WorkerState:
             tensors[f"outer.{p}.momentum"] = momentum.detach().to("cpu", copy=True)
         return cls(step, tuple(rounds), tuple(st.steps for st in outer), tensors,
                    step if taken_at is None else taken_at, dict(replays or {}),
-                   tuple(chains or ()))
+                   tuple(chains or ()), dict(residuals or {}))
 
     @property
     def num_fragments(self) -> int:

@@ -56,6 +56,7 @@ from dilonode.collective import (
     SyncKey,
 )
 from dilonode.config import InnerOptConfig, RunConfig
+from dilonode.train.contribution import Contributions
 from dilonode.train.data import TrainData
 from dilonode.train.device import autocast, pick_device
 from dilonode.train.fragment_state import FragmentState
@@ -255,6 +256,7 @@ class Worker:
         # differ between groups by design, the end of the run mixes states first.
         self.grouped = False
         self._mixes_done = 0  # end-of-run mixing rounds started
+        self.contributions = Contributions(cfg)  # error feedback and sparse rounds
         if self.algo.mode != "ddp":
             self._init_outer(list(names))
 
@@ -412,7 +414,8 @@ class Worker:
         # The node's contribution: the ranks' slices gathered on the leader. `state`: our
         # packed outer state, for the state round of a grouped swarm (`Ranks.begin`).
         request = self._request(f, SyncKey("fragment", p, r), float(tokens))
-        f.launched(r, self.ranks.begin(self.collective, request, delta, state=f.packed),
+        send = self.contributions.outgoing(f, r, delta)  # error feedback, sparse positions
+        f.launched(r, self.ranks.begin(self.collective, request, send, state=f.packed),
                    self.step)
 
     def _request(self, f: FragmentState, key: SyncKey, weight: float = 1.0) -> RoundRequest:
@@ -583,6 +586,8 @@ class Worker:
         """Apply round r's result to fragment p (every rank: its slice of the mean)."""
         result = self.ranks.localize(p, result)
         f = self.frags[p]
+        if f.pending is not None and not f.pending.mix:
+            result = self.contributions.incoming(f, result)  # a sparse mean at full size
         if f.take_landing().mix:
             self._land_mix(f, r, result)
             return
@@ -644,8 +649,13 @@ class Worker:
         chains = [f.chain for f in self.frags]
         need = self.ranks.fragments_to_gather(reuse, landed, [f.outer.steps for f in self.frags],
                                               chains)
+        # Residuals of the landed state: a round in flight holds the one from before it.
+        residuals = {f.index: r.clone() for f in self.frags
+                     if (r := f.residual_before if f.pending and not f.pending.mix
+                         else f.residual) is not None}
         return WorkerState.capture(step, landed, self._gather_outer(need), reuse,
-                                   taken_at=taken_at, replays=replays, chains=chains)
+                                   taken_at=taken_at, replays=replays, chains=chains,
+                                   residuals=residuals)
 
     @node_op
     def _gather_outer(self, need: list[int]) -> Sequence[OuterState | OuterCopy]:
@@ -714,6 +724,8 @@ class Worker:
             self.ranks.set_local(f.index, f.params, f.outer.weights)
             f.adopt_counters(state.rounds[f.index],
                              state.chains[f.index] if state.chains else None)
+            if (own := state.residuals.get(f.index)) is not None:  # a resumed checkpoint
+                f.residual = own.to(f.outer.weights.device, torch.float32, copy=True)
         fresh = not self.opt.state  # no moments yet: nothing to keep, re-warm instead
         if isinstance(self.pacer, StepPacer):
             self.step = self.stats.steps = state.step  # the schedule counts own steps

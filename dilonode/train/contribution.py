@@ -1,0 +1,74 @@
+"""What a worker sends of a fragment's pseudo-gradient and how it reads the round's result:
+error feedback (`algo/error_feedback.py`) and sparse rounds (`algo/sparse.py`).
+
+`Contributions.outgoing(f, r, delta)` turns round r's pseudo-gradient into the tensor the
+collective averages: delta plus the fragment's residual (error feedback), cut to the
+round's shared positions (codec.kind = randk); it stores the new residual (what the round
+will not carry) in the fragment. `incoming(f, result)` scatters a sparse round's mean back
+to the fragment's size. With codec.kind = dense and no error feedback both are identities.
+No networking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from dilonode.algo.codecs import all_finite, get_codec
+from dilonode.algo.error_feedback import carried, owed, remainder
+from dilonode.algo.sparse import gather, scatter, shared_positions
+from dilonode.collective import ReduceResult
+from dilonode.config import RunConfig
+from dilonode.train.fragment_state import FragmentState
+
+__all__ = ["Contributions"]
+
+
+class Contributions:
+    """A worker's error feedback and sparse rounds (module docstring)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg.codec
+        self.seed = cfg.seed
+        self.codec = get_codec(cfg.codec.name, cfg.codec.block_size)
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.kind != "dense" or self.cfg.error_feedback
+
+    def outgoing(self, f: FragmentState, r: int, delta: torch.Tensor) -> torch.Tensor:
+        """(n,) round r's pseudo-gradient of fragment f -> what the round averages: (n,),
+        or (K,) values at the round's positions (sparse)."""
+        if not self.active:
+            return delta
+        c = self.cfg
+        owe = owed(delta, f.residual) if c.error_feedback else delta  # (n,)
+        positions = None
+        send = owe
+        if c.kind == "randk":
+            positions = shared_positions(self.seed, f.index, r, owe.numel(), c.topk_density)
+            send = gather(owe, positions)  # (K,)
+        f.sparse_positions = positions
+        if c.error_feedback:
+            f.hold_residual(self._remainder(owe, send, positions))
+        return send
+
+    def _remainder(self, owe: torch.Tensor, send: torch.Tensor,
+                   positions: torch.Tensor | None) -> torch.Tensor:
+        if not all_finite(send):  # the round refuses it; the residual must stay finite
+            return torch.zeros_like(owe)
+        sent = carried(self.codec, send).to(owe.device)  # (K,) or (n,)
+        if positions is not None:
+            sent = scatter(sent, positions, owe.numel())  # (n,)
+        return remainder(owe, sent, self.cfg.error_decay)
+
+    def incoming(self, f: FragmentState, result: ReduceResult) -> ReduceResult:
+        """A landed fragment round's result at the fragment's size. A sparse round keeps no
+        encoded result: joiners behind it fetch the fragment instead of replaying it."""
+        positions, f.sparse_positions = f.sparse_positions, None
+        if positions is None:
+            return result
+        numel = f.outer.weights.numel()
+        mean = scatter(result.mean, positions, numel).to(f.outer.weights.device)
+        return replace(result, mean=mean, encoded=None)
