@@ -210,13 +210,18 @@ def sweep_table(runner: Runner, args: argparse.Namespace, picked: float) -> str:
 
 def bits_per_value(key: str, block_size: int) -> float:
     """Bits one value of a fragment costs on the wire: the codec's exact encoded size of
-    2**20 values (scales included) over 2**20, times the share a rand-k row sends (its
-    positions are drawn alike by every member, so they do not travel)."""
+    2**20 values (scales included) over 2**20; a rand-k row encodes only the values its
+    sparse round sends (`sparse_numel`; positions are drawn alike by every member, so they
+    do not travel)."""
     from dilonode.algo.codecs import get_codec
 
     r, n = row(key), 1 << 20
-    bits = get_codec(r.codec, block_size).encoded_size(n) * 8 / n
-    return bits * (r.density if r.density is not None else 1.0)
+    sent = n
+    if r.density is not None:
+        from dilonode.algo.sparse import sparse_numel
+
+        sent = sparse_numel(n, r.density)
+    return get_codec(r.codec, block_size).encoded_size(sent) * 8 / n
 
 
 def summarize(runner: Runner, args: argparse.Namespace,

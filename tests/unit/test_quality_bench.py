@@ -59,6 +59,9 @@ def test_rows_are_named_by_codec_density_and_error_feedback(monkeypatch) -> None
     with pytest.raises(ValueError, match="error_feedback.py, which this build lacks"):
         quality.row("s-int2-ef-a0.5")
     monkeypatch.undo()
+    assert quality.bits_per_value("s-int4-a0.5", 64) == 4.5  # 4 bits + a float32 per 64
+    # rand-k 1.56%: 64 of every 4096 values, each int2 (2 bits + a float32 per 64).
+    assert quality.bits_per_value("s-int2-rand1.56-ef-a0.5", 64) == 64 * 2.5 / 4096
     frontier = quality.frontier_rows()
     assert frontier[:2] == ["diloco-fp32", "s-int4-a0.5"] and frontier[-1] == "ddp"
     assert quality.parse_args(["--methods", "s-int4*,ddp"]).rows == [
