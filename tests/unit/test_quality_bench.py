@@ -64,8 +64,8 @@ def test_rows_are_named_by_codec_density_and_error_feedback(monkeypatch) -> None
     assert quality.bits_per_value("s-int2-rand1.56-ef-a0.5", 64) == 64 * 2.5 / 4096
     frontier = quality.frontier_rows()
     assert frontier[:2] == ["diloco-fp32", "s-int4-a0.5"] and frontier[-1] == "ddp"
-    assert quality.parse_args(["--methods", "s-int4*,ddp"]).rows == [
-        "s-int4-a0.5", "s-int4-a0", "ddp"]
+    assert quality.parse_args(["--methods", "s-fp*,ddp"]).rows == [
+        "s-fp32-a0.5", "s-fp4-a0.5", "s-fp32-a0", "s-fp4-a0", "ddp"]
     with pytest.raises(SystemExit):
         quality.parse_args(["--methods", "s-zz*"])
 
