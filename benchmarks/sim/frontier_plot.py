@@ -3,7 +3,8 @@ method, from the JSON of `benchmarks.sim.quality` (its `summary`).
 
 Each point is a row's mean over its seeds, the bar its min..max; the shaded band is
 DiLoCo fp32's mean up to 2% above it (the quality target), the dotted verticals 1,000x and
-3,000x fewer bytes than DDP. Filled markers have error feedback, open ones do not.
+3,000x fewer bytes than DDP. Filled markers have error feedback, open ones do not; a
+row more than 25% above DiLoCo fp32 is a triangle on the top edge with its loss written.
 
     python -m benchmarks.sim.frontier_plot runs/bench/frontier.json \
         --out docs/img/compression-frontier.png
@@ -19,6 +20,7 @@ from typing import Any
 REFERENCE = "diloco-fp32"
 BAND = 0.02
 RATIOS = (1000.0, 3000.0)
+OFF_SCALE = 0.25  # rows this far above DiLoCo fp32 are drawn on the top edge
 
 
 def _color(key: str) -> str:
@@ -26,7 +28,7 @@ def _color(key: str) -> str:
         return "black"
     if key == REFERENCE:
         return "tab:blue"
-    for part, color in (("-top", "tab:purple"), ("int1", "tab:brown"), ("int2", "tab:red"),
+    for part, color in (("-rand", "tab:purple"), ("sign1", "tab:brown"), ("int2", "tab:red"),
                         ("int4", "tab:orange"), ("fp4", "tab:pink"), ("fp32", "tab:green")):
         if part in key:
             return color
@@ -61,16 +63,35 @@ def plot(summary: dict[str, dict[str, Any]], path: Path, title: str = "") -> Non
             ax.axvline(ddp / ratio, color="gray", ls=":", lw=1)
             ax.text(ddp / ratio, 1.0, f" {ratio:,.0f}x", transform=ax.get_xaxis_transform(),
                     fontsize=7, color="gray", va="top")
+    # Rows far above the rest (a diverged run) sit on the top edge, their loss written out,
+    # so that the frontier itself keeps a readable scale.
+    means = sorted(s["mean"] for s in summary.values())
+    ceiling = (summary[REFERENCE]["mean"] if REFERENCE in summary else means[0]) * (1 + OFF_SCALE)
+    shown = [s for s in summary.values() if max(s["losses"]) <= ceiling]
+    top = max([max(s["losses"]) for s in shown] + [ceiling / (1 + OFF_SCALE) * (1 + BAND)])
+    bottom = min(min(s["losses"]) for s in shown) if shown else means[0]
+    pad = (top - bottom) * 0.12 or 0.01
+    ax.set_ylim(bottom - pad, top + 2 * pad)
+    off = 0
     for key, s in summary.items():
         x, y = s["bytes_sent_per_worker"], s["mean"]
         lo, hi = min(s["losses"]), max(s["losses"])
         color = _color(key)
         ef = "-ef" in key or key in ("ddp", REFERENCE)
+        seeds = len(s["losses"])
+        text = f"{s['label']} ({seeds} seed{'s' if seeds > 1 else ''})"
+        if hi > ceiling:
+            ax.plot([x], [top + 1.5 * pad], "^", color=color, ms=7,
+                    mfc=color if ef else "white")
+            ax.annotate(f"{text}: {y:.2f}, off the scale", (x, top + 1.5 * pad),
+                        textcoords="offset points", xytext=(6, -10 - 9 * off), fontsize=6.5,
+                        color=color)
+            off += 1
+            continue
         ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", color=color, ms=6,
                     mfc=color if ef else "white", capsize=3, lw=1)
-        seeds = len(s["losses"])
-        ax.annotate(f"{s['label']} ({seeds} seed{'s' if seeds > 1 else ''})", (x, y),
-                    textcoords="offset points", xytext=(6, 3), fontsize=6.5, color=color)
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(6, 3), fontsize=6.5,
+                    color=color)
     xs = [s["bytes_sent_per_worker"] for s in summary.values()]
     lo_x = min(xs + ([ddp / RATIOS[-1]] if ddp is not None else []))
     ax.set_xlim(lo_x / 1.5, max(xs) * 4)  # room for the labels right of the points
