@@ -1,5 +1,6 @@
 """WAN benchmark: 4 real nodes on the namespace test bed (testbed/hosts.py) behind `tbf` limits,
-Streaming DiLoCo (int4, overlapped) against plain DiLoCo (P=1, tau=0, fp32) and DDP.
+Streaming DiLoCo (overlapped; int4, or each codec of `--codecs`) against plain DiLoCo (P=1,
+tau=0, fp32) and DDP.
 
 For each link rate and each run: compute utilization (share of wall time the training thread
 was not blocked on a sync result; `step share` counts only time inside train_step), payload
@@ -7,6 +8,11 @@ bytes each node sent per round, and each fragment's round latency (sync start to
 result, matchmaking included). Needs root (network namespaces).
 
     sudo .venv/bin/python -m benchmarks.testbed.wan --rates 100,20 --json runs/bench/wan.json
+    sudo .venv/bin/python -m benchmarks.testbed.wan --rates 10 --runs streaming \
+        --codecs int4,int2-top1.56-ef --json runs/bench/wan-codecs.json
+
+`--codecs` names codecs as the quality benchmark's rows do without `s-` and the alpha
+(benchmarks/harness/methods.py): `int4`, `int2-ef`, `int2-top1.56-ef`.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.args import chosen, floats
+from benchmarks.harness.args import chosen, floats, names
+from benchmarks.harness.methods import codec_overrides, row
 from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
 from testbed.hosts import swarm_on_testbed, unavailable_reason
@@ -29,7 +36,8 @@ RUNS = {
                                        "num_fragments": a.fragments,
                                        "fragment_sync_delay": a.tau,
                                        "fragment_update_alpha": 0.5},
-                            "codec": {"name": "int4"}},
+                            "codec": codec_overrides(row(f"s-{a.codec}-a0.5"),
+                                                     a.block_size)},
     "diloco": lambda a: {"diloco": {"mode": "diloco", "sync_every": a.sync_every},
                          "codec": {"name": "float32"}},
     "ddp": lambda a: {"diloco": {"mode": "ddp"}, "codec": {"name": "float32"},
@@ -38,9 +46,14 @@ RUNS = {
 LABELS = {"streaming": "Streaming int4", "diloco": "DiLoCo fp32", "ddp": "DDP fp32"}
 
 
+def run_label(name: str, codec: str) -> str:
+    return f"Streaming {codec}" if name == "streaming" else LABELS[name]
+
+
 def run_config(args: argparse.Namespace, name: str, rate: float, out: Path) -> Any:
+    tag = f"{name}-{args.codec}" if name == "streaming" else name
     over: dict[str, Any] = {
-        "run_id": f"wan-{name}-{rate:g}", "seed": 0, "total_steps": args.steps,
+        "run_id": f"wan-{tag}-{rate:g}", "seed": 0, "total_steps": args.steps,
         "eval_every": 10**9, "device": "cpu",
         "model": {"preset": args.preset},
         "data": {"seq_len": args.seq_len, "batch_size": args.batch_size},
@@ -51,7 +64,7 @@ def run_config(args: argparse.Namespace, name: str, rate: float, out: Path) -> A
         "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 45.0,
                     "allreduce_timeout": 60.0, "bandwidth_mbps": rate, "peer_ttl": 60.0},
         "status": {"enabled": False},
-        "paths": {"out_dir": str(out / f"{name}-{rate:g}")},
+        "paths": {"out_dir": str(out / f"{tag}-{rate:g}")},
     }
     for key, value in RUNS[name](args).items():
         over[key] = {**over.get(key, {}), **value} if isinstance(value, dict) else value
@@ -68,7 +81,9 @@ def run(args: argparse.Namespace, name: str, rate: float) -> dict[str, Any]:
     if len(summaries) != args.nodes:
         raise RuntimeError(f"{name} at {rate} Mbit/s: only {sorted(summaries)} finished "
                            f"(logs in {cfg.paths.out_dir})")
-    return summarize(name, rate, list(summaries.values())) | {"wall_s": round(wall, 1)}
+    return summarize(name, rate, list(summaries.values())) | {
+        "wall_s": round(wall, 1), "codec": cfg.codec.name,
+        "label": run_label(name, args.codec)}
 
 
 def summarize(name: str, rate: float, nodes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -110,7 +125,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lat = ", ".join(f"{k}: {r['latency_mean_s'][k]:.2f} ({r['latency_max_s'][k]:.2f}) s"
                         for k in r["latency_mean_s"])
         out.append(
-            f"| {r['rate_mbit']:g} Mbit/s | {LABELS[r['run']]} | {r['steps']} "
+            f"| {r['rate_mbit']:g} Mbit/s | {r.get('label', LABELS[r['run']])} | {r['steps']} "
             f"| {r['utilization_mean'] * 100:.1f}% ({r['utilization_min'] * 100:.1f}%) "
             f"| {r['step_share_mean'] * 100:.1f}% | {r['s_per_step']:.3f} "
             f"| {r['bytes_per_node_per_round'] / 1e6:.3f} MB | {lat} | {r['skipped_rounds']} "
@@ -133,17 +148,29 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--codecs", default="int4",
+                    help="the streaming run's codecs, one run each: int4, int2-ef, "
+                    "int2-top1.56-ef (benchmarks/harness/methods.py)")
+    ap.add_argument("--block-size", type=int, default=64, help="values per block scale")
     ap.add_argument("--out", type=Path, default=Path("runs/bench/wan"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if (reason := unavailable_reason()) is not None:
         sys.exit(f"wan.py: {reason}")
     runs = chosen(args.runs, RUNS, "wan.py: --runs")
+    codecs = names(args.codecs)
+    for codec in codecs:
+        try:
+            row(f"s-{codec}-a0.5")
+        except ValueError as e:
+            sys.exit(f"wan.py: --codecs {codec}: {e}")
     rows = []
     for rate in floats(args.rates):
         for name in runs:
-            rows.append(run(args, name, rate))
-            print(json.dumps(rows[-1]), flush=True)
+            for codec in codecs if name == "streaming" else codecs[:1]:
+                args.codec = codec
+                rows.append(run(args, name, rate))
+                print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     save_rows(args.json, args, rows)
 

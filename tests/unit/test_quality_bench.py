@@ -3,10 +3,14 @@ running as the simulator changes (the real benchmark takes hours)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
-from benchmarks.sim import quality
+import pytest
+
+from benchmarks.harness import methods
+from benchmarks.sim import frontier_plot, quality
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,3 +31,77 @@ def test_quality_bench_tiny(tmp_path: Path) -> None:
     assert abs(summary["diloco-fp32"]["ratio_vs_ddp"] - 2.0) < 1e-9
     assert summary["s-int4-a0.5"]["ratio_vs_ddp"] > summary["diloco-fp32"]["ratio_vs_ddp"]
     assert png.stat().st_size > 0
+
+
+NANO = ["--preset", "nano", "--workers", "2", "--steps", "6", "--sync-every", "3",
+        "--seq-len", "16", "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1",
+        "--warmup", "0"]
+
+
+def test_rows_are_named_by_codec_density_and_error_feedback(monkeypatch) -> None:
+    r = quality.row("s-int4-a0.5")
+    assert (r.mode, r.codec, r.alpha, r.density, r.error_feedback) == (
+        "streaming", "int4", 0.5, None, False)
+    assert quality.row("s-fp32-a0").codec == "float32"
+    for bad, words in (("s-int9-a0.5", "not in the codec table"), ("nope", "unknown row"),
+                       ("s-int4-rand0-a0.5", "rand-k percentage")):
+        with pytest.raises(ValueError, match=words):
+            quality.row(bad)
+    # As on a build with error feedback and rand-k (dilonode/algo/{error_feedback,sparse}.py).
+    monkeypatch.setattr(methods.importlib.util, "find_spec", lambda name: object())
+    sparse = quality.row("s-int2-rand1.56-ef-a0.5")
+    assert (sparse.codec, sparse.density, sparse.error_feedback) == ("int2", 0.0156, True)
+    assert methods.codec_overrides(sparse, 64) == {
+        "name": "int2", "block_size": 64, "kind": "randk", "topk_density": 0.0156,
+        "error_feedback": True}
+    # Rows run what they say or not at all: a config field without its algorithm is refused.
+    monkeypatch.setattr(methods.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="error_feedback.py, which this build lacks"):
+        quality.row("s-int2-ef-a0.5")
+    monkeypatch.undo()
+    assert quality.bits_per_value("s-int4-a0.5", 64) == 4.5  # 4 bits + a float32 per 64
+    # rand-k 1.56%: 64 of every 4096 values, each int2 (2 bits + a float32 per 64).
+    assert quality.bits_per_value("s-int2-rand1.56-ef-a0.5", 64) == 64 * 2.5 / 4096
+    frontier = quality.frontier_rows()
+    assert frontier[:2] == ["diloco-fp32", "s-int4-a0.5"] and frontier[-1] == "ddp"
+    assert quality.parse_args(["--methods", "s-fp*,ddp"]).rows == [
+        "s-fp32-a0.5", "s-fp4-a0.5", "s-fp32-a0", "s-fp4-a0", "ddp"]
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--methods", "s-zz*"])
+
+
+def test_each_row_keeps_its_own_lr_and_no_run_summarizes(tmp_path: Path, capsys) -> None:
+    out, png = tmp_path / "f.json", tmp_path / "f.png"
+    quality.main([*NANO, "--seed-list", "0", "--lrs", "1e-3,4e-3",
+                  "--methods", "diloco-fp32,s-int4-a0.5", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    runs = doc["runs"]
+    assert len(runs) == 4  # 2 rows x 2 lrs, seed 0
+    for key in ("diloco-fp32", "s-int4-a0.5"):
+        best = min((r for r in runs.values() if r["row"] == key),
+                   key=lambda r: r["report"]["final_eval_loss"])
+        assert doc["summary"][key]["lr"] == best["lr"]
+    # Without DDP's run its bytes come from DiLoCo's: 6 steps against 2 rounds of fp32.
+    assert doc["summary"]["diloco-fp32"]["ratio_vs_ddp"] == pytest.approx(3.0)
+    assert doc["summary"]["diloco-fp32"]["ddp_bytes_from"].startswith("DiLoCo fp32")
+    capsys.readouterr()
+    doc = quality.main([*NANO, "--seed-list", "0,1", "--lrs", "1e-3,4e-3", "--no-run",
+                        "--methods", "diloco-fp32,s-int4-a0.5,ddp", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "--no-run" in text and "rows without a run: ddp" in text
+    assert doc["summary"]["s-int4-a0.5"]["seeds"] == [0]
+    assert doc["summary"]["s-int4-a0.5"]["missing_seeds"] == [1]
+    assert len(json.loads(out.read_text())["runs"]) == 4  # nothing ran
+    frontier_plot.main([str(out), "--out", str(png)])
+    assert png.stat().st_size > 0
+
+
+def test_wan_streaming_run_takes_the_codec_of_a_row(tmp_path: Path) -> None:
+    from benchmarks.testbed import wan
+
+    args = argparse.Namespace(steps=4, preset="nano", seq_len=16, batch_size=2, sync_every=2,
+                              fragments=2, tau=1, ddp_steps=2, codec="int8", block_size=32)
+    cfg = wan.run_config(args, "streaming", 10.0, tmp_path)
+    assert (cfg.codec.name, cfg.codec.block_size) == ("int8", 32)
+    assert cfg.run_id == "wan-streaming-int8-10"
+    assert wan.run_config(args, "diloco", 10.0, tmp_path).codec.name == "float32"
