@@ -47,7 +47,8 @@ def unpack(rev: str, into: Path) -> Path:
 
 def protocol_of(tree: Path | None) -> int:
     env = dict(os.environ, PYTHONPATH=str(tree)) if tree else None
-    out = subprocess.run([sys.executable, "-c", "import dilonode; print(dilonode.PROTOCOL_VERSION)"],
+    code = "import dilonode; print(dilonode.PROTOCOL_VERSION)"
+    out = subprocess.run([sys.executable, "-c", code],
                          cwd=tree or ROOT, env=env, capture_output=True, text=True, check=True)
     return int(out.stdout.strip())
 
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = tmp / "run"
     out.mkdir()
     cfg = nano_overrides(run_id="mixed-versions", total_steps=args.steps,
-                         network=dict(LOOPBACK_NETWORK, min_peers=args.current + 1),
+                         network=dict(LOOPBACK_NETWORK, min_peers=args.current),
                          diloco={"pacing": "steps"})
     cfg_path = out / "cfg.json"
     cfg_path.write_text(json.dumps(cfg))
@@ -145,7 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(res: dict[str, Any]) -> str:
-    head = "| node | release | protocol | exit | mismatch lines | first such line | crash | digest |"
+    head = ("| node | release | protocol | exit | mismatch lines | first such line | crash | "
+            "digest |")
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['node']} | {r['release']} | {r['protocol']} | {r['exit']} | "

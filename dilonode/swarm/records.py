@@ -40,6 +40,7 @@ from dilonode.net.auth import AuthError, Credentials, open_record, seal_record
 
 __all__ = [
     "MAX_RECORD_BYTES",
+    "VERSION_MISMATCH",
     "PEER_ID_PATTERN",
     "RUN_ID_PATTERN",
     "ClockRecord",
@@ -364,9 +365,12 @@ def decode_record(kind: type[R], raw: bytes, creds: Credentials) -> R:
     return record
 
 
+VERSION_MISMATCH = "not averaging with it"  # ends every protocol-version refusal
+
+
 def _version_line(kind: type, version: Any) -> str:
-    return (f"{kind.__name__}: protocol version {version!r} != {PROTOCOL_VERSION} (the peer "
-            f"speaks {version!r}, this node {PROTOCOL_VERSION}): not averaging with it")
+    return (f"protocol version {version!r} != {PROTOCOL_VERSION} (the peer speaks "
+            f"{version!r}, this node {PROTOCOL_VERSION}): {VERSION_MISMATCH}")
 
 
 def _parse(kind: type[R], raw: bytes, run_id: str) -> R:
