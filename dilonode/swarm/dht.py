@@ -653,7 +653,7 @@ class SwarmDHT:
             self.unauthorized_records += unauthorized
             # A peer of another protocol version fails every key's records alike: one
             # line per peer says it, not one per key.
-            seen = (("version", subkey, reason) if VERSION_MISMATCH in reason
+            seen = (("version", subkey, reason.partition(": ")[2]) if VERSION_MISMATCH in reason
                     else (key, subkey, reason))
             fresh = seen not in self._seen_rejections
             if fresh and len(self._seen_rejections) < _MAX_REMEMBERED_REJECTIONS:

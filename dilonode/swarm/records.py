@@ -369,8 +369,8 @@ VERSION_MISMATCH = "not averaging with it"  # ends every protocol-version refusa
 
 
 def _version_line(kind: type, version: Any) -> str:
-    return (f"protocol version {version!r} != {PROTOCOL_VERSION} (the peer speaks "
-            f"{version!r}, this node {PROTOCOL_VERSION}): {VERSION_MISMATCH}")
+    return (f"{kind.__name__}: protocol version {version!r} != {PROTOCOL_VERSION} (the "
+            f"peer speaks {version!r}, this node {PROTOCOL_VERSION}): {VERSION_MISMATCH}")
 
 
 def _parse(kind: type[R], raw: bytes, run_id: str) -> R:
