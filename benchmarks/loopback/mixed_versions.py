@@ -53,6 +53,15 @@ def protocol_of(tree: Path | None) -> int:
     return int(out.stdout.strip())
 
 
+def _msg(line: str) -> str:
+    """The message of a JSON log line from its record kind on (the line itself otherwise)."""
+    try:
+        text = str(json.loads(line).get("msg", line))
+    except (json.JSONDecodeError, AttributeError):
+        text = line
+    return text[text.find("]: ") + 3:] if "]: " in text else text
+
+
 class Proc:
     """A `dilonode` child: stdout JSON events kept, stderr into a file."""
 
@@ -127,11 +136,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for release, p in nodes:
         p.thread.join(timeout=5)
         err = p.log.read_text(errors="replace")
-        lines = [ln for ln in err.splitlines() + [json.dumps(e) for e in p.events]
-                 if _MISMATCH.search(ln) and ("!=" in ln or "mismatch" in ln or "speaks" in ln)]
+        lines = [_msg(ln) for ln in err.splitlines()
+                 if _MISMATCH.search(ln) and ("!=" in ln or "mismatch" in ln)]
         summary = p.first("summary") or {}
         rows.append({"node": p.name, "release": release, "protocol": versions[release],
-                     "exit": p.proc.returncode, "mismatch_line": lines[0][:200] if lines else "",
+                     "exit": p.proc.returncode, "mismatch_line": lines[0][:120] if lines else "",
+                     "last_line": err.strip().splitlines()[-1][:120] if err.strip() else "",
                      "mismatch_lines": len(lines), "crash": "Traceback" in err,
                      "rounds": summary.get("rounds_with_peers", summary.get("rounds")),
                      "digest": str(summary.get("outer_digest", ""))[:12],
