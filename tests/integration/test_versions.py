@@ -13,6 +13,8 @@ from dilonode import PROTOCOL_VERSION
 from tests.support.config import LOOPBACK_NETWORK, nano_config
 from tests.support.swarm import assert_one_model, nodes_by_hand
 
+pytestmark = pytest.mark.slow
+
 OLD = PROTOCOL_VERSION - 1
 
 
