@@ -86,6 +86,7 @@ from dilonode.swarm.hivemind_process import (
 )
 from dilonode.swarm.records import (
     RUN_ID_PATTERN,
+    VERSION_MISMATCH,
     PeerRecord,
     Record,
     SignedRecord,
@@ -650,9 +651,13 @@ class SwarmDHT:
         with self._count_lock:
             self.rejected_records += 1
             self.unauthorized_records += unauthorized
-            fresh = (key, subkey, reason) not in self._seen_rejections
+            # A peer of another protocol version fails every key's records alike: one
+            # line per peer says it, not one per key.
+            seen = (("version", subkey, reason.partition(": ")[2]) if VERSION_MISMATCH in reason
+                    else (key, subkey, reason))
+            fresh = seen not in self._seen_rejections
             if fresh and len(self._seen_rejections) < _MAX_REMEMBERED_REJECTIONS:
-                self._seen_rejections.add((key, subkey, reason))
+                self._seen_rejections.add(seen)
         log.log(logging.WARNING if fresh else logging.DEBUG,
                 "ignoring DHT record %s[%s]: %s", key, subkey, reason)
 

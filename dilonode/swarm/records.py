@@ -40,6 +40,7 @@ from dilonode.net.auth import AuthError, Credentials, open_record, seal_record
 
 __all__ = [
     "MAX_RECORD_BYTES",
+    "VERSION_MISMATCH",
     "PEER_ID_PATTERN",
     "RUN_ID_PATTERN",
     "ClockRecord",
@@ -355,14 +356,21 @@ def decode_record(kind: type[R], raw: bytes, creds: Credentials) -> R:
     except AuthError as exc:
         version = _unsigned_version(bytes(raw))
         if version is not None and version != PROTOCOL_VERSION:
-            raise ValueError(f"{kind.__name__}: protocol version {version!r} != "
-                             f"{PROTOCOL_VERSION}") from None
+            raise ValueError(_version_line(kind, version)) from None
         raise AuthError(f"{kind.__name__}: {exc}") from None
     record = _parse(kind, body, creds.run_id)
     if record.peer_id != author:
         raise AuthError(f"{kind.__name__}: names peer {record.peer_id} but is signed by "
                         f"{author}")
     return record
+
+
+VERSION_MISMATCH = "not averaging with it"  # ends every protocol-version refusal
+
+
+def _version_line(kind: type, version: Any) -> str:
+    return (f"{kind.__name__}: protocol version {version!r} != {PROTOCOL_VERSION} (the "
+            f"peer speaks {version!r}, this node {PROTOCOL_VERSION}): {VERSION_MISMATCH}")
 
 
 def _parse(kind: type[R], raw: bytes, run_id: str) -> R:
@@ -375,7 +383,7 @@ def _parse(kind: type[R], raw: bytes, run_id: str) -> R:
         raise ValueError(f"{kind.__name__}: expected a msgpack map, got {type(data).__name__}")
     version = data.get("version")
     if version != PROTOCOL_VERSION or isinstance(version, bool):
-        raise ValueError(f"{kind.__name__}: protocol version {version!r} != {PROTOCOL_VERSION}")
+        raise ValueError(_version_line(kind, version))
     if data.get("run_id") != run_id:
         raise ValueError(f"{kind.__name__}: run id {data.get('run_id')!r} != {run_id!r}")
     try:
