@@ -135,7 +135,8 @@ class Node:
         # Recover before publishing our record, so peers do not wait for us in matchmaking.
         self._build_worker()
         self._start_state(stop)
-        self.membership.wait_for_peers(net.min_peers, net.start_timeout, stop)
+        self.membership.wait_for_peers(net.min_peers, net.start_timeout, stop,
+                                       refreshed=self.resume)
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())
         self._supervise()

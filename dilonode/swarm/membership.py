@@ -170,14 +170,19 @@ class Membership:
         return peers
 
     def wait_for_peers(self, need: int, timeout: float,
-                       stop: threading.Event | None = None) -> list[PeerRecord]:
+                       stop: threading.Event | None = None, *,
+                       refreshed: bool = False) -> list[PeerRecord]:
         """The live peers once `need` of them are visible; TimeoutError after `timeout` s.
         Returns early, with fewer, once `stop` is set: a node asked to stop while it waits
-        for its peers stops then, not when its start timeout runs out."""
+        for its peers stops then, not when its start timeout runs out. `refreshed` (a node
+        resuming after a crash) counts only records published since the wait began: its
+        killed peers' records outlive them by up to a ttl, and counting those would let it
+        train alone from its own, possibly older, checkpoint."""
         deadline = time.monotonic() + timeout
+        since = _dht_now() - 1.0 if refreshed else -math.inf  # 1 s: clock granularity
         stop = stop or threading.Event()
         logged = False
-        while len(seen := self.live_peers()) < need and not stop.is_set():
+        while len(seen := self._published_since(since)) < need and not stop.is_set():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"network.min_peers = {need}: only {len(seen)} peer(s) "
                                    f"visible after {timeout} s")
@@ -187,6 +192,13 @@ class Membership:
                 logged = True
             stop.wait(0.2)
         return seen
+
+    def _published_since(self, since: float) -> list[PeerRecord]:
+        """Live peers whose record was stored at `since` (DHT time) or later; ours always
+        counts. A live peer re-publishes every third of a ttl."""
+        me = self.dht.peer_id
+        return [r for r in self.live_peers()
+                if r.peer_id == me or r.expires_at - self.net.peer_ttl >= since]
 
     def private_peers(self) -> frozenset[str]:
         """Peers whose last read record says they cannot be dialled (behind a NAT); no DHT
@@ -341,3 +353,10 @@ class Membership:
         me = self.dht.peer_id
         return frozenset(r.peer_id for r in self.live_peers(max_age=1.0, soft=True)
                          if _counted_from(r, start) and r.peer_id != me) - exclude
+
+
+def _dht_now() -> float:
+    """The DHT's clock (hivemind's, with the swarm time offset), which stamps records."""
+    from hivemind.utils import get_dht_time
+
+    return float(get_dht_time())
