@@ -10,9 +10,14 @@ result, matchmaking included). Needs root (network namespaces).
     sudo .venv/bin/python -m benchmarks.testbed.wan --rates 100,20 --json runs/bench/wan.json
     sudo .venv/bin/python -m benchmarks.testbed.wan --rates 10 --runs streaming \
         --codecs int4,int2-top1.56-ef --json runs/bench/wan-codecs.json
+    sudo .venv/bin/python -m benchmarks.testbed.wan --rates 20 --runs streaming --defaults \
+        --delays 10,40,80,150 --loss 0.001 --steps 1200 --json runs/bench/continents.json
 
 `--codecs` names codecs as the quality benchmark's rows do without `s-` and the alpha
-(benchmarks/harness/methods.py): `int4`, `int2-ef`, `int2-top1.56-ef`.
+(benchmarks/harness/methods.py): `int4`, `int2-ef`, `int2-top1.56-ef`. `--delays`, `--jitter`
+and `--loss` give node host i the i-th value of each list (one-way ms, ms, per packet) through
+the link emulator; `--defaults` keeps the streaming run's pacing, overlap and network
+timeouts at the configuration's defaults (tau auto, time pacing) instead of this benchmark's.
 """
 
 from __future__ import annotations
@@ -68,13 +73,25 @@ def run_config(args: argparse.Namespace, name: str, rate: float, out: Path) -> A
     }
     for key, value in RUNS[name](args).items():
         over[key] = {**over.get(key, {}), **value} if isinstance(value, dict) else value
+    if args.defaults:
+        over["network"] = {"bandwidth_mbps": rate}
+        for key in ("fragment_sync_delay", "pacing"):
+            over["diloco"].pop(key, None)
     return load_config(overrides=over)
+
+
+def per_host(values: str, nodes: int) -> dict[str, float]:
+    """Host `node-i` takes the i-th of the comma-separated values (the last one repeats)."""
+    given = floats(values)
+    return {f"node-{i}": given[min(i, len(given) - 1)] for i in range(nodes)}
 
 
 def run(args: argparse.Namespace, name: str, rate: float) -> dict[str, Any]:
     cfg = run_config(args, name, rate, args.out)
     t0 = time.perf_counter()
-    with swarm_on_testbed(cfg, args.nodes, rate) as (_bed, swarm):
+    links = {k: per_host(v, args.nodes) for k, v in
+             (("delays", args.delays), ("jitter", args.jitter), ("loss", args.loss)) if v}
+    with swarm_on_testbed(cfg, args.nodes, rate, **links) as (_bed, swarm):
         swarm.start()
         summaries = swarm.follow()
     wall = time.perf_counter() - t0
@@ -152,6 +169,11 @@ def main() -> None:
                     help="the streaming run's codecs, one run each: int4, int2-ef, "
                     "int2-top1.56-ef (benchmarks/harness/methods.py)")
     ap.add_argument("--block-size", type=int, default=64, help="values per block scale")
+    ap.add_argument("--delays", default="", help="one-way ms per node host, comma-separated")
+    ap.add_argument("--jitter", default="", help="jitter ms per node host, comma-separated")
+    ap.add_argument("--loss", default="", help="loss per packet per node host, comma-separated")
+    ap.add_argument("--defaults", action="store_true",
+                    help="the streaming run at the default pacing, tau and network timeouts")
     ap.add_argument("--out", type=Path, default=Path("runs/bench/wan"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

@@ -95,6 +95,18 @@ _READ_RESERVE_S = 0.5
 # Beyond one window, how long a follower allows its leader to make the roster visible
 # (DHT latency, a loaded leader).
 _ROSTER_SLACK_S = 1.0
+# Both budgets cover a few DHT calls; on a long round trip one call takes several RTTs,
+# so each is at least this many of the slowest call the attempt has seen.
+_CALLS_IN_BUDGET = 3
+
+
+def latency_budgets(slowest_call: float, timeout: float, window: float) -> tuple[float, float]:
+    """The read reserve kept before the deadline (a fresh read, then the roster's store)
+    and the follower's slack for its leader's roster, scaled to the slowest DHT call seen
+    so that a 300 ms round trip does not leave the leader's store a fraction of a call."""
+    measured = _CALLS_IN_BUDGET * slowest_call
+    reserve = min(max(_READ_RESERVE_S, measured), timeout - window)
+    return reserve, max(_ROSTER_SLACK_S, measured)
 
 
 class MatchmakingError(GroupNotFormed):
@@ -414,9 +426,10 @@ def form_group(board: GroupBoard, run_id: str, fragment: int, round: int, attemp
     view = _Board(board, group_key(run_id, fragment, round, attempt, key_index), me,
                   timeout + window, poll_interval)
     _register(view, deadline)
-    steps = _Attempt(view, window, start, deadline, min(_READ_RESERVE_S, timeout - window),
-                    frozenset(exclude) - {me.peer_id}, expected, gone, max_group_size,
-                    nobody_else)
+    steps = _Attempt(view, window, start, deadline,
+                     latency_budgets(view.slowest_call, timeout, window)[0],
+                     frozenset(exclude) - {me.peer_id}, expected, gone, max_group_size,
+                     nobody_else)
     steps.gather()
     roster, any_roster = _roster_for(view.entries, me.peer_id)
     grouped = _is_grouped(view.entries, me, max_group_size)
@@ -516,8 +529,9 @@ class _Attempt:
         # after that (plus DHT latency and its poll), not one window after our own wait:
         # a leader that died costs the others a window and the slack, not two windows.
         closes_by = view.first_seen.get(leader, time.monotonic()) + self.window
-        wait_end = min(self.deadline, max(closes_by, time.monotonic())
-                       + _ROSTER_SLACK_S + view.poll_interval)
+        slack = latency_budgets(view.slowest_call, self.deadline - self.start, self.window)[1]
+        wait_end = min(self.deadline, max(closes_by, time.monotonic()) + slack
+                       + view.poll_interval)
         view.watch(wait_end, lambda got: _roster_for(got, view.me.peer_id)[1]
                    or leader in self.dead())
         roster, any_roster = _roster_for(view.entries, view.me.peer_id)

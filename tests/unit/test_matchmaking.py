@@ -22,6 +22,7 @@ from dilonode.swarm.matchmaking import (
     _roster_for,
     _standing_rosters,
     form_group,
+    latency_budgets,
     settings_difference,
 )
 from dilonode.swarm.records import GroupEntry, PeerRecord, RosterMember, group_key
@@ -498,3 +499,15 @@ def test_a_failed_read_of_peer_records_does_not_stall_a_poll() -> None:
         m.live_peers()
     assert m.live_peers(max_age=0.0, soft=True) == first
     assert m.live_peers(max_age=60.0, soft=True) == first and view.calls == 3
+
+
+def test_the_latency_budgets_grow_with_the_slowest_dht_call() -> None:
+    """On loopback the fixed budgets hold; at a 300 ms call (150 ms one-way to the DHT peer
+    and back twice) the leader keeps three calls for its fresh read and its roster's store,
+    and the follower waits as long for that roster; never more than the timeout allows."""
+    assert latency_budgets(0.01, timeout=10.0, window=2.0) == (0.5, 1.0)
+    reserve, slack = latency_budgets(0.3, timeout=10.0, window=2.0)
+    assert (reserve, slack) == (pytest.approx(0.9), 1.0)
+    reserve, slack = latency_budgets(1.0, timeout=10.0, window=2.0)
+    assert (reserve, slack) == (3.0, 3.0)
+    assert latency_budgets(5.0, timeout=10.0, window=2.0) == (8.0, 15.0)
