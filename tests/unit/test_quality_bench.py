@@ -100,8 +100,23 @@ def test_wan_streaming_run_takes_the_codec_of_a_row(tmp_path: Path) -> None:
     from benchmarks.testbed import wan
 
     args = argparse.Namespace(steps=4, preset="nano", seq_len=16, batch_size=2, sync_every=2,
-                              fragments=2, tau=1, ddp_steps=2, codec="int8", block_size=32)
+                              fragments=2, tau=1, ddp_steps=2, codec="int8", block_size=32,
+                              defaults=False)
     cfg = wan.run_config(args, "streaming", 10.0, tmp_path)
     assert (cfg.codec.name, cfg.codec.block_size) == ("int8", 32)
     assert cfg.run_id == "wan-streaming-int8-10"
     assert wan.run_config(args, "diloco", 10.0, tmp_path).codec.name == "float32"
+
+
+def test_wan_defaults_keep_the_configured_pacing_tau_and_timeouts(tmp_path: Path) -> None:
+    from benchmarks.testbed import wan
+    from dilonode.config import load_config
+
+    args = argparse.Namespace(steps=4, preset="nano", seq_len=16, batch_size=2, sync_every=2,
+                              fragments=2, tau=1, ddp_steps=2, codec="int4", block_size=32,
+                              defaults=True)
+    cfg, base = wan.run_config(args, "streaming", 20.0, tmp_path), load_config()
+    assert cfg.diloco.fragment_sync_delay == base.diloco.fragment_sync_delay
+    assert cfg.network.matchmaking_window == base.network.matchmaking_window
+    assert cfg.network.bandwidth_mbps == 20.0
+    assert wan.per_host("10,40", 3) == {"node-0": 10.0, "node-1": 40.0, "node-2": 40.0}
