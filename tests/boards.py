@@ -56,5 +56,5 @@ class View:
         return got
 
     def note_rejected(self, key: str, subkey: str, reason: str, *,
-                      unauthorized: bool = False) -> None:
+                      unauthorized: bool = False, once_per: str | None = None) -> None:
         self.rejected.append((subkey, reason, unauthorized))

@@ -86,10 +86,10 @@ from dilonode.swarm.hivemind_process import (
 )
 from dilonode.swarm.records import (
     RUN_ID_PATTERN,
-    VERSION_MISMATCH,
     PeerRecord,
     Record,
     SignedRecord,
+    VersionMismatch,
     decode_record,
     encode_record,
     peers_key,
@@ -154,7 +154,11 @@ def decode_entries(board: Any, key: str, raw: dict[str, RawEntry], kind: type[R]
         try:
             record = decode_record(kind, entry.value, creds)
         except ValueError as exc:
-            board.note_rejected(key, subkey, str(exc), unauthorized=isinstance(exc, AuthError))
+            # A peer of another protocol version fails every key's records alike: one
+            # line per peer and version says it, not one per key.
+            once = (f"version {exc.version!r}" if isinstance(exc, VersionMismatch) else None)
+            board.note_rejected(key, subkey, str(exc), unauthorized=isinstance(exc, AuthError),
+                                once_per=once)
             continue
         if record.peer_id != subkey:
             board.note_rejected(key, subkey, f"entry names peer {record.peer_id}")
@@ -646,15 +650,13 @@ class SwarmDHT:
         return out
 
     def note_rejected(self, key: str, subkey: str, reason: str, *,
-                      unauthorized: bool = False) -> None:
-        """Count an unusable record; log it at WARNING the first time it is seen."""
+                      unauthorized: bool = False, once_per: str | None = None) -> None:
+        """Count an unusable record; log it at WARNING the first time it is seen: per key,
+        subkey and reason, or per subkey and `once_per` when that is given."""
         with self._count_lock:
             self.rejected_records += 1
             self.unauthorized_records += unauthorized
-            # A peer of another protocol version fails every key's records alike: one
-            # line per peer says it, not one per key.
-            seen = (("version", subkey, reason.partition(": ")[2]) if VERSION_MISMATCH in reason
-                    else (key, subkey, reason))
+            seen = (key, subkey, reason) if once_per is None else ("", subkey, once_per)
             fresh = seen not in self._seen_rejections
             if fresh and len(self._seen_rejections) < _MAX_REMEMBERED_REJECTIONS:
                 self._seen_rejections.add(seen)

@@ -40,9 +40,9 @@ from dilonode.net.auth import AuthError, Credentials, open_record, seal_record
 
 __all__ = [
     "MAX_RECORD_BYTES",
-    "VERSION_MISMATCH",
     "PEER_ID_PATTERN",
     "RUN_ID_PATTERN",
+    "VersionMismatch",
     "ClockRecord",
     "FinalRecord",
     "GroupEntry",
@@ -356,7 +356,7 @@ def decode_record(kind: type[R], raw: bytes, creds: Credentials) -> R:
     except AuthError as exc:
         version = _unsigned_version(bytes(raw))
         if version is not None and version != PROTOCOL_VERSION:
-            raise ValueError(_version_line(kind, version)) from None
+            raise VersionMismatch(kind, version) from None
         raise AuthError(f"{kind.__name__}: {exc}") from None
     record = _parse(kind, body, creds.run_id)
     if record.peer_id != author:
@@ -365,12 +365,14 @@ def decode_record(kind: type[R], raw: bytes, creds: Credentials) -> R:
     return record
 
 
-VERSION_MISMATCH = "not averaging with it"  # ends every protocol-version refusal
+class VersionMismatch(ValueError):
+    """A record of another protocol version: the one line names both versions."""
 
-
-def _version_line(kind: type, version: Any) -> str:
-    return (f"{kind.__name__}: protocol version {version!r} != {PROTOCOL_VERSION} (the "
-            f"peer speaks {version!r}, this node {PROTOCOL_VERSION}): {VERSION_MISMATCH}")
+    def __init__(self, kind: type, version: Any) -> None:
+        super().__init__(f"{kind.__name__}: protocol version {version!r} != "
+                         f"{PROTOCOL_VERSION} (the peer speaks {version!r}, this node "
+                         f"{PROTOCOL_VERSION}): not averaging with it")
+        self.version = version
 
 
 def _parse(kind: type[R], raw: bytes, run_id: str) -> R:
@@ -383,7 +385,7 @@ def _parse(kind: type[R], raw: bytes, run_id: str) -> R:
         raise ValueError(f"{kind.__name__}: expected a msgpack map, got {type(data).__name__}")
     version = data.get("version")
     if version != PROTOCOL_VERSION or isinstance(version, bool):
-        raise ValueError(_version_line(kind, version))
+        raise VersionMismatch(kind, version)
     if data.get("run_id") != run_id:
         raise ValueError(f"{kind.__name__}: run id {data.get('run_id')!r} != {run_id!r}")
     try:

@@ -100,11 +100,12 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
             on_step(worker, rep)
             hooks_s += time.perf_counter() - t_hook
         rep.train_s = time.perf_counter() - t_start - rep.eval_s
-        train_cpu, proc = time.thread_time() - cpu0, time.process_time() - proc0
-        rep.phases = {"step_s": rep.step_s, "start_s": st.start_s - start0,
-                      "apply_s": st.apply_s - apply0, "wait_s": rep.sync_wait_s,
-                      "hooks_s": hooks_s, "train_cpu_s": train_cpu,
-                      "other_cpu_s": max(proc - train_cpu, 0.0)}
+    # Read once, here: the end-of-run rounds below are not training steps.
+    train_cpu, proc = time.thread_time() - cpu0, time.process_time() - proc0
+    rep.phases = {"step_s": rep.step_s, "start_s": st.start_s - start0,
+                  "apply_s": st.apply_s - apply0, "wait_s": rep.sync_wait_s,
+                  "hooks_s": hooks_s, "train_cpu_s": train_cpu,
+                  "other_cpu_s": max(proc - train_cpu, 0.0)}
     rep.stopped_early = stop.is_set()
     rep.steps, rep.tokens = worker.step, worker.stats.tokens
     t0 = time.perf_counter()
