@@ -175,30 +175,28 @@ class Membership:
         """The live peers once `need` of them are visible; TimeoutError after `timeout` s.
         Returns early, with fewer, once `stop` is set: a node asked to stop while it waits
         for its peers stops then, not when its start timeout runs out. `refreshed` (a node
-        resuming after a crash) counts only records published since the wait began: its
-        killed peers' records outlive them by up to a ttl, and counting those would let it
-        train alone from its own, possibly older, checkpoint."""
+        resuming after a crash) counts only peers that published a record while it waited:
+        its killed peers' records outlive them by up to a ttl, and counting those would let
+        it train alone from its own, possibly older, checkpoint."""
         deadline = time.monotonic() + timeout
-        since = _dht_now() - 1.0 if refreshed else -math.inf  # 1 s: clock granularity
         stop = stop or threading.Event()
+        first: dict[str, float] | None = None  # expiry of each peer's record at the first read
         logged = False
-        while len(seen := self._published_since(since)) < need and not stop.is_set():
+        while True:
+            peers = self.live_peers()
+            if refreshed:
+                first = first if first is not None else {r.peer_id: r.expires_at for r in peers}
+                peers = _republished(peers, first, self.dht.peer_id)
+            if len(peers) >= need or stop.is_set():
+                return peers
             if time.monotonic() > deadline:
-                raise TimeoutError(f"network.min_peers = {need}: only {len(seen)} peer(s) "
+                raise TimeoutError(f"network.min_peers = {need}: only {len(peers)} peer(s) "
                                    f"visible after {timeout} s")
             if not logged:
                 log.info("waiting for network.min_peers = %d peers (%d visible), at most "
-                         "%g s", need, len(seen), timeout)
+                         "%g s", need, len(peers), timeout)
                 logged = True
             stop.wait(0.2)
-        return seen
-
-    def _published_since(self, since: float) -> list[PeerRecord]:
-        """Live peers whose record was stored at `since` (DHT time) or later; ours always
-        counts. A live peer re-publishes every third of a ttl."""
-        me = self.dht.peer_id
-        return [r for r in self.live_peers()
-                if r.peer_id == me or r.expires_at - self.net.peer_ttl >= since]
 
     def private_peers(self) -> frozenset[str]:
         """Peers whose last read record says they cannot be dialled (behind a NAT); no DHT
@@ -355,8 +353,10 @@ class Membership:
                          if _counted_from(r, start) and r.peer_id != me) - exclude
 
 
-def _dht_now() -> float:
-    """The DHT's clock (hivemind's, with the swarm time offset), which stamps records."""
-    from hivemind.utils import get_dht_time
-
-    return float(get_dht_time())
+def _republished(peers: list[PeerRecord], first: Mapping[str, float],
+                 me: str) -> list[PeerRecord]:
+    """Of `peers`, ours and those whose record is not the one the first read held: a live
+    peer re-publishes every third of its ttl, a dead one's record never changes. Nothing
+    here depends on the peers' ttl, which need not be ours."""
+    return [r for r in peers
+            if r.peer_id == me or first.get(r.peer_id) != r.expires_at]
