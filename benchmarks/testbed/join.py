@@ -3,6 +3,13 @@ outer momentum, float32) from 3 training peers on the WAN test bed, against the 
 (state bytes / the joiner's link rate). Needs root (network namespaces).
 
     sudo .venv/bin/python -m benchmarks.testbed.join --rates 100 --json runs/bench/join.json
+    sudo .venv/bin/python -m benchmarks.testbed.join --rates 10 --codecs int4,int2-rand1.56-ef \
+        --replay-rounds 1 --json runs/bench/join-codecs.json
+
+`--codecs` names the peers' codec as wan.py's option does (benchmarks/harness/methods.py),
+one run each: the state a joiner fetches (outer weights and momentum) is the same whatever
+the rounds sent, and after sparse rounds (`codec.kind = randk`) a joiner fetches fragments
+instead of replaying them.
 
 The 3 peers train a 15.4M-parameter model (state 123.5 MB) and the joiner starts once every
 fragment has been averaged at least once (before that, chunks of untouched fragments equal
@@ -27,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.args import floats
+from benchmarks.harness.args import floats, names
+from benchmarks.harness.methods import codec_overrides, row
 from benchmarks.harness.options import add_tcp_congestion, tcp_congestion
 from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
@@ -36,14 +44,15 @@ from testbed.hosts import swarm_on_testbed, unavailable_reason
 MODEL = {"preset": "small", "d_model": 384, "n_heads": 6, "n_layers": 8, "ffn_hidden": 1152}
 
 
-def run_config(args: argparse.Namespace, rate: float) -> Any:
+def run_config(args: argparse.Namespace, rate: float, codec: str = "int4") -> Any:
     return load_config(overrides={
-        "run_id": f"join-{rate:g}", "seed": 0, "total_steps": 10**6, "eval_every": 5,
+        "run_id": f"join-{rate:g}-{codec}".replace(".", "_"), "seed": 0,
+        "total_steps": 10**6, "eval_every": 5,
         "device": "cpu", "model": MODEL,
         "data": {"seq_len": 32, "batch_size": 1, "eval_batches": 1},
         "diloco": {"mode": "streaming", "sync_every": args.sync_every,
                    "num_fragments": args.fragments, "fragment_sync_delay": 1},
-        "codec": {"name": "int4"},
+        "codec": codec_overrides(row(f"s-{codec}-a0.5"), 64),
         # A window that outlasts the peers' drift (see benchmarks/testbed/wan.py).
         "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 45.0,
                     "allreduce_timeout": 60.0, "bandwidth_mbps": rate, "peer_ttl": 60.0,
@@ -52,7 +61,7 @@ def run_config(args: argparse.Namespace, rate: float) -> Any:
                       **({} if args.replay_rounds is None
                          else {"replay_rounds": args.replay_rounds})},
         "status": {"enabled": False},
-        "paths": {"out_dir": str(args.out / f"rate-{rate:g}")},
+        "paths": {"out_dir": str(args.out / f"rate-{rate:g}-{codec}")},
     })
 
 
@@ -77,8 +86,8 @@ def wait_event(swarm: Any, until: Any, deadline: float) -> tuple[str, dict[str, 
     raise TimeoutError("join benchmark: event did not come in time")
 
 
-def run(args: argparse.Namespace, rate: float) -> dict[str, Any]:
-    cfg = run_config(args, rate)
+def run(args: argparse.Namespace, rate: float, codec: str) -> dict[str, Any]:
+    cfg = run_config(args, rate, codec)
     frags = {str(p) for p in range(args.fragments)}
     synced: dict[str, set[str]] = {}
 
@@ -98,7 +107,7 @@ def run(args: argparse.Namespace, rate: float) -> dict[str, Any]:
         spawn_to_recovered = time.monotonic() - t_spawn
     total = state_bytes(cfg)
     ideal = total * 8 / (rate * 1e6)
-    return {"rate_mbit": rate, "state_bytes": total, "fetched_bytes": rec["bytes"],
+    return {"rate_mbit": rate, "codec": codec, "state_bytes": total, "fetched_bytes": rec["bytes"],
             "reused_bytes": rec["reused_bytes"], "peers": len(rec["peers"]),
             "bytes_per_peer": sorted(rec["peers"].values()), "seconds": rec["seconds"],
             "fetch_s": rec["fetch_seconds"], "manifest_s": rec.get("manifest_seconds"),
@@ -121,23 +130,32 @@ def main() -> None:
     ap.add_argument("--replay-rounds", type=int, help="statesync.replay_rounds of every node "
                     "(default: the config's; 1: a joiner replays at most the last round, so "
                     "it fetches the state itself)")
+    ap.add_argument("--codecs", default="int4", help="the peers' codecs, one run each: int4, "
+                    "int2-rand1.56-ef (benchmarks/harness/methods.py)")
     add_tcp_congestion(ap)
     ap.add_argument("--out", type=Path, default=Path("runs/bench/join"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if (reason := unavailable_reason()) is not None:
         sys.exit(f"join.py: {reason}")
+    codecs = names(args.codecs)
+    for codec in codecs:
+        try:
+            row(f"s-{codec}-a0.5")
+        except ValueError as e:
+            sys.exit(f"join.py: --codecs {codec}: {e}")
     rows = []
     for rate in floats(args.rates):
-        rows.append(run(args, rate))
-        print(json.dumps(rows[-1]), flush=True)
-    print("| link | state | fetched | reused | from peers (MB each) | recovery (transfer) "
+        for codec in codecs:
+            rows.append(run(args, rate, codec))
+            print(json.dumps(rows[-1]), flush=True)
+    print("| link | codec | state | fetched | reused | from peers (MB each) | recovery (transfer) "
           "| passes (manifests, publish wait) | replayed | ideal "
           "| recovery / ideal (transfer / ideal) | spawn to recovered |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         each = ", ".join(f"{b / 1e6:.1f}" for b in r["bytes_per_peer"])
-        print(f"| {r['rate_mbit']:g} Mbit/s | {r['state_bytes'] / 1e6:.1f} MB "
+        print(f"| {r['rate_mbit']:g} Mbit/s | {r['codec']} | {r['state_bytes'] / 1e6:.1f} MB "
               f"| {r['fetched_bytes'] / 1e6:.1f} MB | {r['reused_bytes'] / 1e6:.1f} MB "
               f"| {r['peers']} ({each}) | {r['seconds']:.2f} s ({r['fetch_s']:.2f} s) "
               f"| {r['passes']} ({r['manifest_s']:.2f} s, {r['publish_wait_s']:.2f} s) "
