@@ -1,23 +1,40 @@
-"""Error feedback: what a lossy round did not carry of a node's pseudo-gradient goes into the
-node's next round of the same fragment instead of being lost.
+"""Error feedback: what a lossy round did not carry of a node's pseudo-gradient stays with
+the node for its next round of the same fragment instead of being lost.
 
-Per fragment a node keeps a residual r (float32, the fragment's size, zero at the start).
-At round t with pseudo-gradient d_t:
+The node's local weights w hold it. Per fragment, at round t with global weights g:
 
-    a_t   = d_t + r_{t-1}                  what the node owes the swarm
+    a_t   = g - w                          what the node owes the swarm: its pseudo-gradient,
+                                           which already holds what earlier rounds left
     s_t   = decode(encode(a_t))            what the round carries of it (sparse: zeros off
                                            the round's positions)
     r_t   = beta * (a_t - s_t)             what it still owes, decayed by beta in (0, 1]
 
-With beta = 1 nothing is lost, only delayed: s_1 + ... + s_t + r_t = d_1 + ... + d_t
-exactly in real arithmetic (float32 rounds each subtraction once). beta < 1 is SparseLoCo's
-decay (arXiv 2508.15706): a stale remainder counts less the longer it waits. The decay is
-applied when the remainder is stored, so the residual held (and checkpointed) is exactly
-what the next round adds.
+and when the round lands with new global weights g', the merge takes only the carried part
+of the local weights toward g' and keeps the rest off it:
+
+    w    <- merge(w + r_t / beta, g', alpha) - r_t
+
+so that g' - w holds r_t exactly, plus alpha times what the merge keeps of the carried
+part, as without error feedback. The residual is therefore never added to a pseudo-gradient
+on top of local weights that still hold it: whatever alpha, each value a node trained is
+owed once. With beta = 1, s_1 + ... + s_t + r_t = u_1 + ... + u_t exactly in real
+arithmetic, u_t = a_t - r_{t-1} being round t's own part of its pseudo-gradient (alpha = 0:
+the inner steps' movement since the last merge); with outer SGD at lr 1 the local weights
+after the merge sit exactly r_t off the global weights. beta < 1 is SparseLoCo's decay
+(arXiv 2508.15706): a stale remainder counts less the longer it waits; the local weights
+let go of the decayed part at the merge.
+
+Adding r_{t-1} to the next pseudo-gradient instead while the merge keeps alpha of the local
+weights' offset counts the unsent part 1 + alpha times in the next round and more each
+round it stays unsent; and resetting the local weights (alpha = 0) makes the inner steps
+train the unsent movement again, which the residual then holds twice. Either way what a
+position owes grows with every round it waits: rand-k at a few percent leaves most
+positions out of dozens of rounds, and the outer weights diverge.
 
 The residual is the node's own unsent contribution: a checkpoint keeps it (a node that
-resumes still owes it), a joiner starts at zero (it owes nothing), a node that adopts a
-peer's state resets it (its debt was against a state it gave up). Pure: no I/O.
+resumes starts its local weights r off the global weights, so it still owes it), a joiner
+starts at zero (it owes nothing), a node that adopts a peer's state resets it (its debt was
+against a state it gave up). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -25,19 +42,26 @@ from __future__ import annotations
 import torch
 
 from dilonode.algo.codecs import Codec, all_finite
+from dilonode.algo.outer import merge
 
-__all__ = ["carried", "owed", "remainder"]
+__all__ = ["carried", "merge_keeping", "remainder"]
 
 
-def owed(delta: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """delta: (n,) float32, residual: (n,) or None -> (n,) a_t = delta + residual (a new
-    tensor; delta when there is no residual yet)."""
+def merge_keeping(local: torch.Tensor, new_global: torch.Tensor, alpha: float,
+                  residual: torch.Tensor | None, decay: float) -> torch.Tensor:
+    """(n,) local weights, (n,) new global weights -> (n,) the local weights after the merge
+    when the round left `residual` (r_t, decayed by `decay`) unsent: the carried part of the
+    local weights merged with `alpha`, and the new global weights minus the result = r_t
+    plus what the merge keeps (module docstring). No residual: the plain merge. alpha = 0
+    gives new_global - r_t whatever `local` is (a node resuming with its residual)."""
     if residual is None:
-        return delta
-    if residual.shape != delta.shape:
-        raise ValueError(f"residual of {residual.numel()} values for a pseudo-gradient of "
-                         f"{delta.numel()}")
-    return delta + residual
+        return merge(local, new_global, alpha)
+    if residual.shape != local.shape:
+        raise ValueError(f"residual of {residual.numel()} values for a fragment of "
+                         f"{local.numel()}")
+    r = residual.to(local.device, torch.float32)
+    sent_part = local.to(torch.float32).add(r, alpha=1.0 / decay)  # w + (a_t - s_t)
+    return merge(sent_part, new_global, alpha).sub_(r)
 
 
 def carried(codec: Codec, values: torch.Tensor) -> torch.Tensor:

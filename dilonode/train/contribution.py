@@ -2,11 +2,13 @@
 error feedback (`algo/error_feedback.py`) and sparse rounds (`algo/sparse.py`).
 
 `Contributions.outgoing(f, r, delta)` turns round r's pseudo-gradient into the tensor the
-collective averages: delta plus the fragment's residual (error feedback), cut to the
-round's shared positions (codec.kind = randk); it stores the new residual (what the round
-will not carry) in the fragment. `incoming(f, result)` scatters a sparse round's mean back
-to the fragment's size. With codec.kind = dense and no error feedback both are identities.
-No networking.
+collective averages: delta cut to the round's shared positions (codec.kind = randk); with
+error feedback it stores the new residual (what the round will not carry) in the fragment.
+`incoming(f, result)` scatters a sparse round's mean back to the fragment's size, and
+`merged(f, local, new_global, alpha)` is the landed round's merge, which with error feedback
+keeps the residual in the local weights (they hold it, so the next delta owes it again).
+With codec.kind = dense and no error feedback all three are the plain rules. No
+networking.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from dilonode.algo.codecs import all_finite, get_codec
-from dilonode.algo.error_feedback import carried, owed, remainder
+from dilonode.algo.error_feedback import carried, merge_keeping, remainder
 from dilonode.algo.sparse import gather, scatter, shared_positions
 from dilonode.collective import ReduceResult
 from dilonode.config import RunConfig
@@ -37,21 +39,24 @@ class Contributions:
     def active(self) -> bool:
         return self.cfg.kind != "dense" or self.cfg.error_feedback
 
+    @property
+    def feeds_back(self) -> bool:
+        return self.cfg.error_feedback
+
     def outgoing(self, f: FragmentState, r: int, delta: torch.Tensor) -> torch.Tensor:
         """(n,) round r's pseudo-gradient of fragment f -> what the round averages: (n,),
         or (K,) values at the round's positions (sparse)."""
         if not self.active:
             return delta
         c = self.cfg
-        owe = owed(delta, f.residual) if c.error_feedback else delta  # (n,)
         positions = None
-        send = owe
+        send = delta  # with error feedback it holds the residual: the local weights keep it
         if c.kind == "randk":
-            positions = shared_positions(self.seed, f.index, r, owe.numel(), c.topk_density)
-            send = gather(owe, positions)  # (K,)
+            positions = shared_positions(self.seed, f.index, r, delta.numel(), c.topk_density)
+            send = gather(delta, positions)  # (K,)
         f.sparse_positions = positions
         if c.error_feedback:
-            f.hold_residual(self._remainder(owe, send, positions))
+            f.hold_residual(self._remainder(delta, send, positions))
         return send
 
     def _remainder(self, owe: torch.Tensor, send: torch.Tensor,
@@ -62,6 +67,13 @@ class Contributions:
         if positions is not None:
             sent = scatter(sent, positions, owe.numel())  # (n,)
         return remainder(owe, sent, self.cfg.error_decay)
+
+    def merged(self, f: FragmentState, local: torch.Tensor, new_global: torch.Tensor,
+               alpha: float) -> torch.Tensor:
+        """(n,) local weights of fragment f after its landed round's merge with the new
+        global weights (n,): with error feedback they keep what the round left unsent."""
+        residual = f.residual if self.cfg.error_feedback else None
+        return merge_keeping(local, new_global, alpha, residual, self.cfg.error_decay)
 
     def incoming(self, f: FragmentState, result: ReduceResult) -> ReduceResult:
         """A landed fragment round's result at the fragment's size. A sparse round keeps no

@@ -620,7 +620,13 @@ class Worker:
             self.stats.rejected += 1
             log.warning("fragment %d round %d: %s", p, r, exc)
             return
-        self.ranks.apply(p, f.params, new_global, self.algo.fragment_update_alpha)
+        alpha = self.algo.fragment_update_alpha
+        if self.contributions.feeds_back:  # the merge keeps what the round left unsent
+            merged = self.contributions.merged(f, self.ranks.local_flat(p, f.params),
+                                               new_global, alpha)
+            self.ranks.set_local(p, f.params, merged)
+        else:
+            self.ranks.apply(p, f.params, new_global, alpha)
 
     def _land_mix(self, f: FragmentState, r: int, result: ReduceResult) -> None:
         """An end-of-run mixing round landed: adopt the group's mean state and merge it
@@ -734,11 +740,14 @@ class Worker:
         # Several ranks: scattered by the leader.
         self.ranks.apply_state(state, [f.outer for f in self.frags])
         for f in self.frags:
-            self.ranks.set_local(f.index, f.params, f.outer.weights)
             f.adopt_counters(state.rounds[f.index],
                              state.chains[f.index] if state.chains else None)
             if (own := state.residuals.get(f.index)) is not None:  # a resumed checkpoint
                 f.residual = own.to(f.outer.weights.device, torch.float32, copy=True)
+            # The outer weights, less the residual a resumed node still owes (its local
+            # weights hold it, algo/error_feedback.py).
+            local = self.contributions.merged(f, f.outer.weights, f.outer.weights, 0.0)
+            self.ranks.set_local(f.index, f.params, local)
         fresh = not self.opt.state  # no moments yet: nothing to keep, re-warm instead
         if isinstance(self.pacer, StepPacer):
             self.step = self.stats.steps = state.step  # the schedule counts own steps

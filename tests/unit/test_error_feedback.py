@@ -1,5 +1,6 @@
 """Error feedback (algo/error_feedback.py) and how the worker keeps its residual: nothing
-is lost, only delayed; decayed as configured; checkpointed; reset on adopting a state."""
+is lost, only delayed, and nothing is owed twice whatever the merge's alpha; decayed as
+configured; checkpointed; reset on adopting a state."""
 
 from __future__ import annotations
 
@@ -7,51 +8,83 @@ import pytest
 import torch
 
 from dilonode.algo.codecs import get_codec
-from dilonode.algo.error_feedback import carried, owed, remainder
+from dilonode.algo.error_feedback import carried, merge_keeping, remainder
 from dilonode.algo.sparse import gather, scatter, shared_positions
 from dilonode.train.checkpoint import load_checkpoint, save_checkpoint
 from dilonode.train.state import config_digest
 from tests.support.config import nano_config
 
 
+def _round(codec, w, g, r, density, alpha, decay=1.0):
+    """One node's round of the pure rule with outer SGD at lr 1 (the swarm applies exactly
+    what was sent): -> (sent, residual, new local weights, new global weights)."""
+    owe = g - w  # the pseudo-gradient: the local weights hold what is still owed
+    if density is None:
+        sent = carried(codec, owe)
+    else:
+        pos = shared_positions(1, 0, r, owe.numel(), density)
+        sent = scatter(carried(codec, gather(owe, pos)), pos, owe.numel())
+    residual = remainder(owe, sent, decay)
+    g_new = g - sent
+    return sent, residual, merge_keeping(w, g_new, alpha, residual, decay), g_new
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.9])
 @pytest.mark.parametrize(("name", "density"), [("int4", None), ("int2", None),
                                                ("sign1", None), ("int2", 0.05),
                                                ("float32", 0.1)])
-def test_what_was_sent_plus_the_residual_is_every_delta(name: str, density: float | None):
+def test_what_was_sent_plus_the_residual_is_every_move_once(name: str, density: float | None,
+                                                            alpha: float):
     codec = get_codec(name, 64)
     gen = torch.Generator().manual_seed(3)
     n = 5000
-    residual = None
-    total_delta = torch.zeros(n, dtype=torch.float64)
+    g, w = torch.zeros(n), torch.zeros(n)
+    total_moved = torch.zeros(n, dtype=torch.float64)
     total_sent = torch.zeros(n, dtype=torch.float64)
     for r in range(12):
-        delta = torch.randn(n, generator=gen) * 0.01
-        owe = owed(delta, residual)
-        if density is None:
-            sent = carried(codec, owe)
-        else:
-            pos = shared_positions(1, 0, r, n, density)
-            sent = scatter(carried(codec, gather(owe, pos)), pos, n)
-        residual = remainder(owe, sent, 1.0)
-        total_delta += delta.double()
+        move = torch.randn(n, generator=gen) * 0.01  # the round's inner steps
+        w = w - move
+        sent, residual, w, g = _round(codec, w, g, r, density, alpha)
+        total_moved += move.double()
         total_sent += sent.double()
-    gap = (total_sent + residual.double() - total_delta).abs().max().item()
-    assert gap < 1e-6  # float32 rounding of each step only
+        assert (g - w - residual).abs().max() < 1e-6  # the local weights hold the residual
+    gap = (total_sent + residual.double() - total_moved).abs().max().item()
+    assert gap < 1e-5  # float32 rounding of each step only
     assert residual.abs().max() > 0  # and something is still owed
 
 
-def test_decay_scales_the_part_not_sent():
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_a_position_left_out_owes_what_it_moved_however_long_it_waits(alpha: float):
+    codec = get_codec("float32", 1)
+    n = 4096
+    moved = torch.linspace(-1.0, 1.0, n)
+    g, w = torch.zeros(n), -moved  # one round of training, then none
+    first = torch.full((n,), float("nan"))
+    for r in range(40):
+        sent, _, w, g = _round(codec, w, g, r, 0.05, alpha)
+        new = first.isnan() & (sent != 0)
+        first[new] = sent[new]
+    seen = ~first.isnan()
+    assert seen.sum() > n // 2  # positions first sent after waiting up to 39 rounds
+    assert torch.allclose(first[seen], moved[seen], atol=1e-6)
+
+
+def test_decay_scales_the_part_not_sent_and_the_merge_lets_it_go():
     owe = torch.tensor([1.0, -2.0, 0.5])
     sent = torch.tensor([1.0, -1.0, 0.0])
-    assert torch.equal(remainder(owe, sent, 0.5), torch.tensor([0.0, -0.5, 0.25]))
-    assert torch.equal(owed(torch.ones(3), None), torch.ones(3))
+    residual = remainder(owe, sent, 0.5)
+    assert torch.equal(residual, torch.tensor([0.0, -0.5, 0.25]))
+    g_new, w = -sent, -owe  # g = 0, outer SGD at lr 1
+    kept = merge_keeping(w, g_new, 0.5, residual, 0.5)
+    assert torch.allclose(g_new - kept, residual)  # the decayed part is owed, no more
+    assert torch.equal(merge_keeping(w, g_new, 0.5, None, 0.5), 0.5 * w + 0.5 * g_new)
 
 
 def test_a_non_finite_contribution_leaves_a_zero_residual():
     owe = torch.tensor([1.0, float("nan")])
     assert torch.equal(remainder(owe, torch.zeros(2), 1.0), torch.zeros(2))
-    with pytest.raises(ValueError, match="residual of 2 values"):
-        owed(torch.ones(3), torch.ones(2))
+    with pytest.raises(ValueError, match="residual of 2 values for a fragment of 3"):
+        merge_keeping(torch.ones(3), torch.ones(3), 0.5, torch.ones(2), 1.0)
 
 
 def _worker(tmp_path, **codec):
@@ -88,10 +121,14 @@ def test_the_residual_is_checkpointed_and_a_peer_state_resets_it(tmp_path):
     fresh.import_state(loaded)  # a resume: the node still owes what it owed
     for mine, theirs in zip(fresh.frags, w.frags, strict=True):
         assert torch.equal(mine.residual, theirs.residual)
+        local = fresh.ranks.local_flat(mine.index, mine.params)
+        assert torch.allclose(mine.outer.weights - local, mine.residual, atol=1e-6)
     served = type(state)(state.step, state.rounds, state.outer_steps, state.tensors,
                          chains=state.chains)  # what a joiner receives: no residuals
     fresh.import_state(served)
     assert all(f.residual is None for f in fresh.frags)
+    for f in fresh.frags:
+        assert torch.equal(fresh.ranks.local_flat(f.index, f.params), f.outer.weights)
 
 
 class _Recording:
@@ -117,6 +154,55 @@ def test_a_sparse_round_hands_the_collective_only_its_values(tmp_path):
         n = w.frags[p].outer.weights.numel()
         assert k == sparse_numel(n, 0.1) < n
     assert all(f.sparse_positions is None for f in w.frags)  # every round landed
+
+
+class _Values:
+    """A collective view that records every contribution it is given."""
+
+    def __init__(self, inner):
+        self.inner, self.sent = inner, {}
+
+    def begin(self, request, flat, **kw):
+        self.sent[(request.key.fragment, request.key.round)] = flat.clone()
+        return self.inner.begin(request, flat, **kw)
+
+
+def test_the_worker_sends_a_value_left_out_once_as_it_was_moved(tmp_path):
+    # The daemon's and the simulator's path: train, then rounds with no training between
+    # them, alpha 0.5. A value sent for the first time rounds later is what the inner
+    # steps moved it, neither counted again for every round it waited nor lost.
+    density = 0.1
+    cfg, w = _worker(tmp_path, name="float32", kind="randk", topk_density=density,
+                     error_feedback=True)
+    assert cfg.diloco.fragment_update_alpha == 0.5
+    w.end_step = 3
+    for _ in range(3):
+        w.train_step()
+    moved = [f.outer.weights - w.ranks.local_flat(f.index, f.params) for f in w.frags]
+    w.collective = rec = _Values(w.collective)
+    rounds = 12
+    for r in range(rounds):
+        for p in range(len(w.frags)):
+            w.start_round(p, r)
+            w.land_round(p)
+    checked = 0
+    for f in w.frags:
+        n = f.outer.weights.numel()
+        first = torch.zeros(n, dtype=torch.bool)
+        for r in range(rounds):
+            pos = shared_positions(cfg.seed, f.index, r, n, density)
+            sent = scatter(rec.sent[(f.index, r)], pos, n)
+            new = torch.zeros(n, dtype=torch.bool)
+            new[pos] = ~first[pos]
+            assert torch.allclose(sent[new], moved[f.index][new], atol=1e-6), (f.index, r)
+            first |= new
+            checked += int(new.sum()) if r else 0
+        never = ~first  # never sent: still owed in full, the local weights hold it
+        local = w.ranks.local_flat(f.index, f.params)
+        assert torch.allclose((f.outer.weights - local)[never], moved[f.index][never],
+                              atol=1e-6)
+        assert torch.allclose(f.residual[never], moved[f.index][never], atol=1e-6)
+    assert checked > 0  # values that waited one round or more
 
 
 def test_the_config_digest_counts_the_new_codec_fields_only_off_their_defaults():
