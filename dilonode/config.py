@@ -301,8 +301,10 @@ class CodecConfig(_Frozen):
     topk_density: float = Field(
         _DEFAULT_DENSITY, gt=0.0, le=1.0, description="randk: fraction of each chunk's values sent")
     error_feedback: bool = Field(
-        False, description="carry what the codec (and randk) did not send into the next "
-        "round of the fragment (a residual per fragment, checkpointed; a joiner starts at 0)")
+        False, description="keep what the codec (and randk) did not send for the next "
+        "round of the fragment: the merge leaves it in the local weights, so the next "
+        "pseudo-gradient owes it once (a residual per fragment, checkpointed; a joiner "
+        "starts at 0)")
     error_decay: float = Field(
         1.0, gt=0.0, le=1.0, description="error_feedback: the residual kept is this times "
         "the part not sent (1: all of it; SparseLoCo's beta)")

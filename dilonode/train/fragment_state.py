@@ -53,8 +53,9 @@ class FragmentState:
     replays: list[tuple[int, EncodedResult]] = field(default_factory=list)
     pending: InFlight | None = None  # the round in flight
     # Error feedback (algo/error_feedback.py): what this node has not sent yet of its
-    # pseudo-gradients, [slice] float32, None before its first round or after an adoption;
-    # and the residual from before the round in flight (restored if it is abandoned).
+    # pseudo-gradients, [slice] float32, None before its first round or after an adoption
+    # (the local weights hold it; the landing merge and a resume keep it in them); and the
+    # residual from before the round in flight (restored if it is abandoned).
     residual: torch.Tensor | None = None
     residual_before: torch.Tensor | None = None
     # A sparse round in flight: the positions its values sit at (algo/sparse.py).
