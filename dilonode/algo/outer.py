@@ -2,6 +2,10 @@
 
 The averaged pseudo-gradient is treated as a gradient on g, with the exact update of
 `torch.optim.SGD(nesterov=True, dampening=0)`; state is float32 (optionally on the CPU).
+A sparse round (`algo/sparse.py`) steps only the values at its positions, weights and
+momentum: it says nothing of the others, and momentum left to run there would keep moving
+them, round after round, with no pseudo-gradient to correct it until they are drawn again
+(tens of rounds at a few percent), up to lr / (1 - momentum) times the last value sent.
 The pseudo-gradient and merge rules of Streaming DiLoCo live here too.
 """
 
@@ -41,19 +45,33 @@ class OuterState:
         self.nesterov = nesterov
         self.steps = 0
 
-    def step(self, mean_delta: torch.Tensor, lr: float | None = None) -> torch.Tensor:
-        """Apply one outer step with the averaged pseudo-gradient at `lr` (default: the
-        state's own rate); returns the new g."""
+    def step(self, mean_delta: torch.Tensor, lr: float | None = None,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply one outer step with the averaged pseudo-gradient [numel] at `lr` (default:
+        the state's own rate); returns the new g. `positions` (K,): a sparse round's, the
+        only values that move (module docstring)."""
         grad = mean_delta.to(self.weights.device, torch.float32)
         if not bool(torch.isfinite(grad).all()):
             bad = int((~torch.isfinite(grad)).sum())
             raise NonFiniteError(f"averaged pseudo-gradient has {bad} non-finite values; "
                                  "refusing to apply it")
-        if self.momentum != 0.0:
-            # Zero-initialised buffer: m*0 + grad == grad exactly, as torch's first step.
-            self.momentum_buf.mul_(self.momentum).add_(grad)
-            grad = grad.add(self.momentum_buf, alpha=self.momentum) if self.nesterov \
-                else self.momentum_buf
-        self.weights.add_(grad, alpha=-(self.lr if lr is None else lr))
+        lr = self.lr if lr is None else lr
+        if positions is None:
+            self._update(self.weights, self.momentum_buf, grad, lr)
+        else:
+            at = positions.to(self.weights.device)
+            weights, buf = self.weights.index_select(0, at), self.momentum_buf.index_select(0, at)
+            self._update(weights, buf, grad.index_select(0, at), lr)
+            self.weights.index_copy_(0, at, weights)
+            self.momentum_buf.index_copy_(0, at, buf)
         self.steps += 1
         return self.weights
+
+    def _update(self, weights: torch.Tensor, buf: torch.Tensor, grad: torch.Tensor,
+                lr: float) -> None:
+        """torch's SGD update of `weights` and momentum `buf` in place."""
+        if self.momentum != 0.0:
+            # Zero-initialised buffer: m*0 + grad == grad exactly, as torch's first step.
+            buf.mul_(self.momentum).add_(grad)
+            grad = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
+        weights.add_(grad, alpha=-lr)

@@ -102,19 +102,21 @@ class FragmentState:
             self.residual = before  # the round never carried anything
 
     def outer_step(self, r: int, result: ReduceResult, keep_rounds: int,
-                   lr: float | None = None) -> torch.Tensor:
+                   lr: float | None = None,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
         """Round r's outer step on its (localized) result: the new global weights [slice].
         A mixing result's mean state is adopted first. The chain records the round, applied
         or refused: `NonFiniteError` propagates with the outer state unchanged. A round
         averaged with others whose result the collective kept encoded is kept for joiners,
         after the rounds kept before it (`keep_rounds` at most). `lr`: the round's outer rate
-        (default: the outer state's own)."""
+        (default: the outer state's own). `positions`: a sparse round's, the only values it
+        steps (algo/outer.py)."""
         kept, self.replays = self.replays, []
         if result.state_mean is not None:  # the group's mean state: every member steps it
             self.load_packed(result.state_mean)
             self.chain = mixed_chain(result.state_digest)
         try:
-            new_global = self.outer.step(result.mean, lr)
+            new_global = self.outer.step(result.mean, lr, positions)
         except NonFiniteError:
             self.chain = chain_next(self.chain, r, result.digest, applied=False)
             raise

@@ -599,6 +599,7 @@ class Worker:
     def _apply_result(self, p: int, r: int, result: ReduceResult) -> None:
         result = self.ranks.localize(p, result)
         f = self.frags[p]
+        positions = f.sparse_positions  # a sparse round's: only these values step
         if f.pending is not None and not f.pending.mix:
             result = self.contributions.incoming(f, result)  # a sparse mean at full size
         if f.take_landing().mix:
@@ -615,7 +616,8 @@ class Worker:
             self.diverged_from = rep.diverged
         try:
             lr = outer_lr(self.cfg, self.plan.start_step(p, r)) if self.plan else None
-            new_global = f.outer_step(r, result, self.cfg.statesync.replay_rounds, lr)
+            new_global = f.outer_step(r, result, self.cfg.statesync.replay_rounds, lr,
+                                      positions)
         except NonFiniteError as exc:
             self.stats.rejected += 1
             log.warning("fragment %d round %d: %s", p, r, exc)

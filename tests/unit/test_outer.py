@@ -50,3 +50,28 @@ def test_non_finite_average_is_refused_and_state_kept():
         s.step(torch.tensor([0.0, float("nan"), 0.0]))
     assert torch.equal(s.weights, torch.ones(3)) and s.steps == 0
     assert torch.equal(s.momentum_buf, torch.zeros(3))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_sparse_step_moves_only_its_positions_as_torch_would_them_alone(nesterov):
+    torch.manual_seed(1)
+    init = torch.randn(100)
+    ours = OuterState(init, lr=0.7, momentum=0.9, nesterov=nesterov)
+    ours.step(torch.randn(100))  # a dense round: momentum everywhere
+    before_w, before_m = ours.weights.clone(), ours.momentum_buf.clone()
+    at = torch.tensor([3, 17, 42, 99])
+    ref = torch.nn.Parameter(before_w[at].clone())
+    opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=nesterov)
+    opt.state[ref]["momentum_buffer"] = before_m[at].clone()
+    mean = torch.zeros(100)
+    mean[at] = torch.randn(4)
+    ours.step(mean, positions=at)
+    ref.grad = mean[at].clone()
+    opt.step()
+    assert torch.allclose(ours.weights[at], ref.detach(), atol=0, rtol=1e-6)
+    off = torch.ones(100, dtype=torch.bool)
+    off[at] = False
+    # The round said nothing there: no momentum keeps moving them.
+    assert torch.equal(ours.weights[off], before_w[off])
+    assert torch.equal(ours.momentum_buf[off], before_m[off])
+    assert ours.steps == 2
