@@ -19,8 +19,8 @@ part, as without error feedback. The residual is therefore never added to a pseu
 on top of local weights that still hold it: whatever alpha, each value a node trained is
 owed once. With beta = 1, s_1 + ... + s_t + r_t = u_1 + ... + u_t exactly in real
 arithmetic, u_t = a_t - r_{t-1} being round t's own part of its pseudo-gradient (alpha = 0:
-the inner steps' movement since the last merge); with outer SGD at lr 1 the local weights
-after the merge sit exactly r_t off the global weights. beta < 1 is SparseLoCo's decay
+the inner steps' movement since the last merge); a node alone with outer SGD at lr 1
+ends each merge with its local weights exactly r_t off the global weights. beta < 1 is SparseLoCo's decay
 (arXiv 2508.15706): a stale remainder counts less the longer it waits; the local weights
 let go of the decayed part at the merge.
 
