@@ -19,17 +19,17 @@ part, as without error feedback. The residual is therefore never added to a pseu
 on top of local weights that still hold it: whatever alpha, each value a node trained is
 owed once. With beta = 1, s_1 + ... + s_t + r_t = u_1 + ... + u_t exactly in real
 arithmetic, u_t = a_t - r_{t-1} being round t's own part of its pseudo-gradient (alpha = 0:
-the inner steps' movement since the last merge); a node alone with outer SGD at lr 1
-ends each merge with its local weights exactly r_t off the global weights. beta < 1 is SparseLoCo's decay
-(arXiv 2508.15706): a stale remainder counts less the longer it waits; the local weights
-let go of the decayed part at the merge.
+the inner steps' movement since the last merge); a node alone with outer SGD at lr 1 ends
+each merge with its local weights exactly r_t off the global weights. beta < 1 is
+SparseLoCo's decay (arXiv 2508.15706): a stale remainder counts less the longer it waits;
+the local weights let go of the decayed part at the merge.
 
-Adding r_{t-1} to the next pseudo-gradient instead while the merge keeps alpha of the local
-weights' offset counts the unsent part 1 + alpha times in the next round and more each
-round it stays unsent; and resetting the local weights (alpha = 0) makes the inner steps
-train the unsent movement again, which the residual then holds twice. Either way what a
-position owes grows with every round it waits: rand-k at a few percent leaves most
-positions out of dozens of rounds, and the outer weights diverge.
+Why not keep r beside the weights and add it to the next pseudo-gradient: the merge keeps
+alpha of the local weights' offset, unsent part included, so the next round would owe that
+part 1 + alpha times, and more each round it stays unsent; and with alpha = 0 the reset
+local weights train the unsent movement again, which the residual then holds twice. Either
+way what a value owes grows with every round it waits, and rand-k at a few percent leaves
+most values out of dozens of rounds.
 
 The residual is the node's own unsent contribution: a checkpoint keeps it (a node that
 resumes starts its local weights r off the global weights, so it still owes it), a joiner
