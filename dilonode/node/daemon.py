@@ -137,6 +137,9 @@ class Node:
         self._start_state(stop)
         self.membership.wait_for_peers(net.min_peers, net.start_timeout, stop,
                                        refreshed=self.resume)
+        assert self.keeper is not None
+        if stop is None or not stop.is_set():
+            self.keeper.catch_up(self.worker, self.collective.thread, self.dht)
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())
         self._supervise()
