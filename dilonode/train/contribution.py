@@ -31,7 +31,7 @@ class Contributions:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg.codec
         self.seed = cfg.seed
-        self.codec = get_codec(cfg.codec.name, cfg.codec.block_size)
+        self.codec = get_codec(cfg.codec.wire_name, cfg.codec.block_size)
 
     @property
     def active(self) -> bool:
