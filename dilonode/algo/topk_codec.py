@@ -164,7 +164,7 @@ class TopkCodec:
 
     def decode_device(self, data: torch.Tensor, meta: CodecMeta) -> torch.Tensor:
         """`decode` of a uint8 tensor on any device, the result on that device."""
-        host = memoryview(data.detach().reshape(-1).cpu().numpy())
+        host = data.detach().reshape(-1).cpu().numpy().data
         return self.decode(host, meta).to(data.device)
 
     def check(self, data: Buffer, meta: CodecMeta) -> None:
@@ -213,7 +213,7 @@ class TopkCodec:
         values = np.empty((rows.shape[0], kc), np.float32)
         for r in range(rows.shape[0]):
             try:
-                self.value.decode_into(memoryview(rows[r, p:]), meta,
+                self.value.decode_into(rows[r, p:].data, meta,
                                        torch.from_numpy(values[r]))
             except CodecError as e:
                 raise CodecError(f"{self.name} data, chunk {first + r}: {e}") from None
