@@ -95,8 +95,8 @@ FRONTIER_DENSITIES = ("1.56", "3")
 def frontier_rows() -> list[str]:
     """The frontier: DiLoCo fp32 and int4 (the quality report's rows), then every integer
     or sign block codec of the codec table below 8 bits and rand-k and top-k at
-    `FRONTIER_DENSITIES` over the 2-bit codec, each with error feedback, then without, and DDP. Rows this build
-    cannot run (codec or option missing) are left out."""
+    `FRONTIER_DENSITIES` over the 2-bit codec, each with error feedback, then without, and
+    DDP. Rows this build cannot run (codec or option missing) are left out."""
     from dilonode.algo.codec_table import CODECS
 
     low = [n for n, s in CODECS.items() if s.quantizer in ("int", "sign") and s.bits < 8]

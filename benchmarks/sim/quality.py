@@ -479,8 +479,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="these seeds instead of --seeds (the first one runs the --lrs sweep)")
     ap.add_argument("--methods", "--rows", dest="rows", type=_methods, default=QUALITY,
                     help="rows, comma-separated: keys (ddp, diloco-fp32, "
-                    "s-<codec>[-rand<percent kept>|-top<percent kept>][-ef]-a<alpha>), shell patterns, or the "
-                    "groups 'quality' (default) and 'frontier'")
+                    "s-<codec>[-rand<percent kept>|-top<percent kept>][-ef]-a<alpha>), "
+                    "shell patterns, or the groups 'quality' (default) and 'frontier'")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--json", type=Path, help="write every run and the summary here")

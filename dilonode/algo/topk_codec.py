@@ -18,8 +18,8 @@ parts and frames are cut there: `codecs.part_align`). Decoding gives the dense v
 outside the positions. Decoders refuse offsets out of the chunk, unsorted or repeated
 offsets, a bitmap with another count than k_c, and whatever the value codec refuses.
 
-Encoding runs with torch ops on the vector's device (a stable sort picks the positions,
-the value codec's device encoder packs the values), the CPU codec included: one
+Encoding runs with torch ops on the vector's device (`torch.topk` and a tie rule pick the
+positions, the value codec's device encoder packs the values), the CPU codec included: one
 arithmetic. Decoding runs on the host. Pure: no I/O.
 """
 
@@ -78,6 +78,20 @@ def topk_chunk_k(k: int, length: int) -> int:
     return min(length, max(1, -(-k * length // SPARSE_CHUNK)))
 
 
+def _largest(rows: torch.Tensor, kc: int) -> torch.Tensor:
+    """(R, L) finite -> (R, kc) int64 increasing offsets of each row's kc largest |x|, ties
+    to the lower offset: all above the kc-th largest magnitude t, then the first ones equal
+    to t. (torch.topk alone breaks ties in no fixed order; a full stable sort gives the same
+    set ~3x slower.)"""
+    a = rows.abs()  # (R, L)
+    t = torch.topk(a, kc, dim=1, sorted=False).values.amin(dim=1, keepdim=True)  # (R, 1)
+    above = a > t
+    tied = a == t
+    need = kc - above.sum(dim=1, keepdim=True)  # (R, 1) ties to take, >= 1
+    keep = above | (tied & (tied.cumsum(dim=1) <= need))  # (R, L), kc per row
+    return keep.nonzero()[:, 1].view(rows.shape[0], kc)  # row-major: increasing per row
+
+
 class TopkCodec:
     """Chunked top-k over a value codec (module docstring)."""
 
@@ -133,9 +147,7 @@ class TopkCodec:
         """(R, L) chunks -> (R * chunk bytes,) uint8: each chunk's positions then values."""
         n_rows, length = rows.shape
         kc, pos_bytes, _ = self._layout(length)
-        # Stable descending sort: among equal magnitudes the lower index comes first.
-        order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices
-        idx = torch.sort(order[:, :kc], dim=1).values  # (R, kc) increasing offsets
+        idx = _largest(rows, kc)  # (R, kc) increasing offsets
         values = rows.gather(1, idx)  # (R, kc)
         if 2 * kc <= pos_bytes:
             pos = idx.to(torch.int16).view(torch.uint8)  # (R, 2 kc) little-endian uint16

@@ -90,6 +90,23 @@ def test_ties_go_to_the_lower_index():
     assert struct.unpack("<2H", codec.encode(torch.zeros(SPARSE_CHUNK))[0][:4]) == (0, 1)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_positions_are_a_stable_sorts_first_k_even_with_many_ties(seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (3 * SPARSE_CHUNK + 700,), generator=gen).float() / 2  # ties
+    for k in (1, 64, 700, 4096):
+        codec = get_codec(f"topk{k}_float32")
+        y = codec.decode(*codec.encode(x))
+        for lo in range(0, x.numel(), SPARSE_CHUNK):
+            chunk = x[lo:lo + SPARSE_CHUNK].numpy()
+            kc = topk_chunk_k(k, chunk.size)
+            want = np.sort(np.argsort(-np.abs(chunk), kind="stable")[:kc])
+            got = y[lo:lo + SPARSE_CHUNK]
+            assert torch.equal(got[want], x[lo:lo + SPARSE_CHUNK][want])
+            outside = np.setdiff1d(np.arange(chunk.size), want)
+            assert not got[outside].any()
+
+
 def test_pieces_cut_at_chunk_boundaries_concatenate():
     codec = get_codec("topk123_int4", 64)
     x = _x(5 * SPARSE_CHUNK + 100)
