@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from dilonode.algo import torch_codecs
-from dilonode.algo.codec_table import CODECS
+from dilonode.algo.codec_table import CODECS, SCALE_BYTES
 from dilonode.algo.dense_codecs import (
     Buffer,
     CodecError,
@@ -221,15 +221,36 @@ class TopkCodec:
         length = out.shape[1]
         kc, p, v = self._layout(length)
         idx = self._offsets(rows[:, :p], kc, length, first)  # (R, kc) int64
-        meta = CodecMeta(codec=self.value.name, numel=kc, block_size=self.value.block_size)
         values = np.empty((rows.shape[0], kc), np.float32)
-        for r in range(rows.shape[0]):
-            try:
-                self.value.decode_into(rows[r, p:].data, meta,
-                                       torch.from_numpy(values[r]))
-            except CodecError as e:
-                raise CodecError(f"{self.name} data, chunk {first + r}: {e}") from None
+        if not self._decode_values_at_once(rows[:, p:], values):
+            meta = CodecMeta(codec=self.value.name, numel=kc, block_size=self.value.block_size)
+            for r in range(rows.shape[0]):
+                try:
+                    self.value.decode_into(rows[r, p:].data, meta,
+                                           torch.from_numpy(values[r]))
+                except CodecError as e:
+                    raise CodecError(f"{self.name} data, chunk {first + r}: {e}") from None
         np.put_along_axis(out, idx, values, axis=1)
+
+    def _decode_values_at_once(self, vals: np.ndarray, out: np.ndarray) -> bool:
+        """Decode every row's values (R, value bytes) into out (R, kc) with one call of the
+        value codec, where the rows' blocks are whole (kc a multiple of the block size): the
+        rows' scales, then the rows' codes, are then one encoding of R * kc values. False,
+        having decoded nothing for sure, where that does not apply or a row is malformed
+        (the caller's per-row pass then names the chunk)."""
+        n_rows, kc = out.shape
+        bs = self.value.block_size
+        if kc % bs or n_rows < 2:
+            return False
+        scale_bytes = (kc // bs) * SCALE_BYTES if CODECS[self.value.name].is_block else 0
+        data = np.concatenate([vals[:, :scale_bytes].reshape(-1),
+                               vals[:, scale_bytes:].reshape(-1)])
+        meta = CodecMeta(codec=self.value.name, numel=n_rows * kc, block_size=bs)
+        try:
+            self.value.decode_into(data.data, meta, torch.from_numpy(out.reshape(-1)))
+        except CodecError:
+            return False
+        return True
 
     def _offsets(self, pos: np.ndarray, kc: int, length: int, first: int) -> np.ndarray:
         """(R, position bytes) -> (R, kc) increasing offsets below `length`, checked."""

@@ -207,3 +207,23 @@ def test_device_path_is_bit_identical_to_the_cpu_codec(device):
     assert bytes(chunks.cpu().numpy()) == data
     back = decode_torch(codec, on, meta)
     assert back.device.type == device and torch.equal(back.cpu(), codec.decode(data, meta))
+
+
+@pytest.mark.parametrize("name, block", [("topk64_int4", 64), ("topk64_int2", 32),
+                                         ("topk123_int2", 64), ("topk8_sign1", 8)])
+def test_decoding_equals_each_chunk_decoded_on_its_own(name, block):
+    """Whole value blocks per chunk are decoded in one call of the value codec, other
+    layouts chunk by chunk: both give each chunk's own decoding."""
+    codec = get_codec(name, block)
+    x = _x(5 * SPARSE_CHUNK, 3)
+    data, meta = codec.encode(x)
+    got = codec.decode(data, meta)
+    kc, size = topk_chunk_k(codec.k, SPARSE_CHUNK), codec.encoded_size(SPARSE_CHUNK)
+    pos = positions_bytes(kc, SPARSE_CHUNK)
+    for c in range(5):
+        record = data[c * size:(c + 1) * size]
+        offsets = np.frombuffer(record[:pos], "<u2").astype(np.int64)
+        values = codec.value.decode(record[pos:], CodecMeta(codec.value.name, kc, block))
+        chunk = got[c * SPARSE_CHUNK:(c + 1) * SPARSE_CHUNK]
+        assert torch.equal(chunk[offsets], values)
+        assert int((chunk != 0).sum()) == int((values != 0).sum())
