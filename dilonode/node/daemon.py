@@ -448,7 +448,7 @@ class _PartsFacts:
 
 def _round_policy(cfg: RunConfig) -> RoundPolicy:
     net = cfg.network
-    return RoundPolicy(codec=cfg.codec.name, block_size=cfg.codec.block_size,
+    return RoundPolicy(codec=cfg.codec.wire_name, block_size=cfg.codec.block_size,
                        chunk_numel=net.chunk_numel, timeout=net.allreduce_timeout,
                        max_attempts=net.max_attempts, aggregator=cfg.aggregator.spec(),
                        max_group_size=net.max_group_size, mix_every=net.mix_state_every)

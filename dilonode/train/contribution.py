@@ -6,7 +6,9 @@ collective averages: delta plus the fragment's residual (error feedback), cut to
 round's shared positions (codec.kind = randk); it stores the new residual (what the round
 will not carry) in the fragment. `incoming(f, result)` scatters a sparse round's mean back
 to the fragment's size. With codec.kind = dense and no error feedback both are identities.
-No networking.
+codec.kind = topk hands the collective the whole vector: its codec (`cfg.codec.wire_name`)
+sparsifies on the wire, and the residual is what that codec did not carry of it. No
+networking.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Contributions:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg.codec
         self.seed = cfg.seed
-        self.codec = get_codec(cfg.codec.name, cfg.codec.block_size)
+        self.codec = get_codec(cfg.codec.wire_name, cfg.codec.block_size)
 
     @property
     def active(self) -> bool:
