@@ -116,6 +116,7 @@ class ClockKeeper:
         self.ttl, self.poll, self.wall = ttl, poll, wall
         self.following: ClockRecord | None = None
         self.switches = 0  # clocks followed after this node had started rounds
+        self._read_at, self._unread_warned = wall(), False  # the last read of the clock
         self._published_at = float("-inf")
         # What our link takes for a round of every fragment (announce_link), published
         # while `link_unmeasured()` (our rounds have not measured it), then withdrawn.
@@ -129,7 +130,12 @@ class ClockKeeper:
     def read(self, timeout: float = 5.0) -> ClockRecord | None:
         """The standing clock (None when none); notes who paces it (`pacers`)."""
         records = read_records(self.dht, clock_key(self.run_id), ClockRecord, timeout)
-        standing = standing_clock(records, self.wall())
+        now = self.wall()
+        if self._unread_warned:
+            log.info("swarm clock: read again after %.0f s", now - self._read_at)
+            self._unread_warned = False
+        self._read_at = now
+        standing = standing_clock(records, now)
         self.pacers = clock_pacers(records, standing) if standing is not None else set()
         return standing
 
@@ -185,6 +191,12 @@ class ClockKeeper:
         enough that a retune applies within seconds (one small DHT read)."""
         return min(self.ttl / 6, 5.0)
 
+    @property
+    def epoch_notice_s(self) -> float:
+        """The least seconds between a retune and the moment its epoch applies: 1.5 read
+        intervals and 2 s, so every node that reads has read it (`_maybe_retune`)."""
+        return 1.5 * self.read_every + 2.0
+
     def _maybe_retune(self) -> None:
         """As the swarm's pacemaker: add an epoch when the swarm calls for another rate. It
         starts at least `lead_steps` reference steps (a round period) and 1.5 read
@@ -208,8 +220,7 @@ class ClockKeeper:
                             len(clock.epochs), clock.current_step_seconds, rate)
                 self._full_warned = True
             return
-        ahead = max(self.lead_steps,
-                    (1.5 * self.read_every + 2.0) / clock.rate_at(now_ref))
+        ahead = max(self.lead_steps, self.epoch_notice_s / clock.rate_at(now_ref))
         since = float(math.ceil(now_ref + ahead))
         record = self.following.model_copy(update={
             "epochs": [*self.following.epochs, [since, float(rate)]],
@@ -256,12 +267,25 @@ class ClockKeeper:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception as exc:  # a DHT hiccup: read again at the next pass
-                log.debug("swarm clock: %s", exc)
+            self.run_pass()
             wait = self.poll if not self.frozen() else self.read_every
             self._stop.wait(wait)
+
+    def run_pass(self) -> None:
+        """One pass of the thread: `tick`, a failure logged (a DHT hiccup: read again at
+        the next pass). A node that has not read the clock for longer than an epoch's
+        notice (`epoch_notice_s`) says so once: it may be on a rate its peers have left."""
+        try:
+            self.tick()
+        except Exception as exc:
+            log.debug("swarm clock: %s", exc)
+            unread = self.wall() - self._read_at
+            if self.following is not None and not self._unread_warned \
+                    and unread > self.epoch_notice_s:
+                log.warning("swarm clock: not read for %.0f s (%s); following the clock "
+                            "read before, which the swarm may have retuned", unread,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                self._unread_warned = True
 
     def close(self) -> None:
         self._stop.set()

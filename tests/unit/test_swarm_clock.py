@@ -119,3 +119,35 @@ def test_two_pacemakers_with_different_views_end_on_one_clock_and_stop_retuning(
     # not changed for the last half of the run.
     assert keepers[1].retunes == 1 and keepers[0].retunes == 1 and keepers[2].retunes == 0
     assert len(set(history[30:])) == 1
+
+
+class _Flaky(View):
+    """A node's DHT whose reads time out while `down` is set."""
+
+    down = False
+
+    def get_raw(self, key: str, timeout: float | None = None) -> Any:
+        if self.down:
+            raise TimeoutError(f"DHT get got no answer within {timeout:.1f}s")
+        return super().get_raw(key, timeout)
+
+
+def test_a_node_that_cannot_read_the_clock_past_an_epochs_notice_says_so_once(caplog):
+    board, wall = Board(), [1_795_000_000.0]
+    dht = _Flaky(board, Credentials(IDS[0], RUN))
+    keeper = ClockKeeper(dht, RUN, TimePacer(lambda: wall[0]), propose=lambda: 0.1,
+                         frozen=lambda: True, wall=lambda: wall[0])
+    keeper.run_pass()  # proposes the clock
+    dht.down = True
+    with caplog.at_level("INFO", logger="dilonode.swarm.clock"):
+        for _ in range(6):  # 5 s apart: past 1.5 read intervals + 2 s from the second on
+            wall[0] += 5.0
+            keeper.run_pass()
+        dht.down = False
+        keeper.run_pass()
+    lines = [r.getMessage() for r in caplog.records]
+    assert keeper.epoch_notice_s == 9.5
+    warned = [m for m in lines if "not read for" in m]
+    assert warned == ["swarm clock: not read for 10 s (DHT get got no answer within 5.0s); "
+                      "following the clock read before, which the swarm may have retuned"]
+    assert lines[-1] == "swarm clock: read again after 30 s"
