@@ -49,7 +49,7 @@ def is_pacemaker(peer_id: str, live: Collection[str], pacers: Collection[str] = 
 
 
 def retune_seconds(algo: Any, worker: Any, peers: Iterable[Any], clock: SwarmClock,
-                   link_busy: Sequence[float] = (), me: str = "") -> float | None:
+                   link_busy: Sequence[float] = (), *, me: str) -> float | None:
     """Seconds per reference step the swarm needs (`pacing.retune_step_seconds`), from the
     round latencies (ours, `worker.stats.recent_latency`, and the live `peers`' published
     p90s), what the links of nodes not yet in rounds take for a round of every fragment

@@ -404,7 +404,7 @@ def test_the_pacemaker_reads_how_far_behind_the_clock_each_live_node_is():
 
     def retune(*statuses: dict) -> float | None:
         peers = [SimpleNamespace(peer_id=f"peer{i}", status=s) for i, s in enumerate(statuses)]
-        return retune_seconds(algo, worker, peers, SwarmClock(0.0, 0.24))
+        return retune_seconds(algo, worker, peers, SwarmClock(0.0, 0.24), me="us")
 
     # We are 10 steps behind, a peer 15: the node furthest along sets the catch-up.
     assert retune({"pace_s": 0.3, "swarm_step": 200, "step": 185}) == \
