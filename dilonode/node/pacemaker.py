@@ -38,10 +38,10 @@ log = logging.getLogger(__name__)
 
 def is_pacemaker(peer_id: str, live: Collection[str], pacers: Collection[str] = ()) -> bool:
     """Whether `peer_id` retunes the swarm clock: the smallest peer id among the live nodes
-    and `pacers`, the nodes that added epochs to the clock that stands and still publish it
-    (`ClockKeeper.pacers`). Live views differ for a while (a record late to one reader):
-    a node missing a smaller pacemaker from its view still sees its epochs in the clock,
-    and defers to it; two that act at once resolve by the clock records' rule, which
+    and `pacers`, the node that added the standing clock's last epoch if it still publishes
+    the clock (`ClockKeeper.pacers`). Live views differ for a while (a record late to one
+    reader): a node missing a smaller pacemaker from its view still sees its epoch in the
+    clock, and defers to it; two that act at once resolve by the clock records' rule, which
     favours the smaller id. A node whose own record is not among the live ones yet (a
     joiner still fetching the state) does not pace: it knows no round latencies of its
     own, and a second pacemaker's epoch races the first's."""
