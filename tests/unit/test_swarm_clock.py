@@ -81,6 +81,16 @@ def test_a_pacemaker_that_went_alone_does_not_retune_from_its_own_figures():
         pytest.approx(2 * 42.0 / 30)
 
 
+class _Partial(View):
+    """A node's DHT whose reads miss the records of the peers in `unseen` (a partition)."""
+
+    unseen: frozenset[str] = frozenset()
+
+    def get_raw(self, key: str, timeout: float | None = None) -> Any:
+        got = super().get_raw(key, timeout)
+        return {s: e for s, e in got.items() if s not in self.unseen}
+
+
 def _keeper(board: Board, i: int, wall: list[float], live: set[str],
             want: float) -> ClockKeeper:
     """Keeper of node i whose view of the live peers is `live` and whose retune asks for
@@ -89,7 +99,7 @@ def _keeper(board: Board, i: int, wall: list[float], live: set[str],
     def retune(clock: Any, ref: float, links: Any) -> float | None:
         return want if abs(want / clock.current_step_seconds - 1.0) > 0.05 else None
 
-    keeper = ClockKeeper(View(board, Credentials(IDS[i], RUN)), RUN,
+    keeper = ClockKeeper(_Partial(board, Credentials(IDS[i], RUN)), RUN,
                          TimePacer(lambda: wall[0]), propose=lambda: 0.1,
                          frozen=lambda: True, wall=lambda: wall[0], retune=retune,
                          pacemaker=lambda: is_pacemaker(IDS[i].peer_id, live, keeper.pacers),
@@ -119,6 +129,36 @@ def test_two_pacemakers_with_different_views_end_on_one_clock_and_stop_retuning(
     # not changed for the last half of the run.
     assert keepers[1].retunes == 1 and keepers[0].retunes == 1 and keepers[2].retunes == 0
     assert len(set(history[30:])) == 1
+
+
+def test_two_halves_that_retuned_apart_end_on_one_clock_once_they_read_each_other():
+    board, wall = Board(), [1_795_000_000.0]
+    keepers = [_keeper(board, 0, wall, {A, B, C}, want=0.1),
+               _keeper(board, 1, wall, {B, C}, want=0.2),
+               _keeper(board, 2, wall, {A, B, C}, want=0.5)]
+    for k in keepers:  # A proposes the clock, the others follow it; then the DHT parts
+        k.tick()       # A from B and C
+    keepers[0].dht.unseen = frozenset({B, C})
+    for k in keepers[1:]:
+        k.dht.unseen = frozenset({A})
+    for _ in range(20):
+        for k in keepers:
+            k.tick()
+        wall[0] += 5.0
+    # B retuned the clock for its half; A, which reads no epoch, keeps it.
+    assert keepers[1].pacer.clock != keepers[0].pacer.clock
+    assert keepers[1].pacer.clock.t0 == keepers[0].pacer.clock.t0
+    for k in keepers:
+        k.dht.unseen = frozenset()
+    for _ in range(40):
+        for k in keepers:
+            k.tick()
+        wall[0] += 5.0
+    records = [k.following for k in keepers]
+    assert all((r.epochs, r.paced_by) == (records[0].epochs, records[0].paced_by)
+               for r in records)
+    assert records[0].paced_by == A and keepers[0].pacer.clock.current_step_seconds == 0.1
+    assert keepers[1].retunes == 1
 
 
 class _Flaky(View):
