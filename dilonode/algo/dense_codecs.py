@@ -286,8 +286,10 @@ def _per_element(v: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
     return v.repeat_interleave(block_size)[:numel]
 
 
-def _accumulate_tensor(v: torch.Tensor, out: torch.Tensor, step: str, coef: float) -> None:
-    """One `butterfly.reduction_steps` step with torch ops: v, out (n,) float32."""
+def _accumulate_tensor(v: torch.Tensor, out: torch.Tensor, step: str,
+                       coef: float | torch.Tensor) -> None:
+    """One `butterfly.reduction_steps` step with torch ops: v, out (n,) float32. `coef` may
+    be a 0-d tensor on out's device (the divisor of "add_divide" on CUDA, see datapath)."""
     if step == "write":
         out.copy_(v)
     elif step == "add":
