@@ -71,7 +71,7 @@ MAX_CLOCK_EPOCHS = 1024
 RUN_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 # libp2p peer ids in their base58 text form.
 PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{1,128}$"
-_OPTIONAL_PEER_ID = r"^([1-9A-HJ-NP-Za-km-z]{1,128})?$"
+_OPTIONAL_PEER_ID = f"^({PEER_ID_PATTERN[1:-1]})?$"  # a peer id or ""
 _KEY_PREFIX = "dilonode"
 
 R = TypeVar("R", bound="SignedRecord")
