@@ -32,12 +32,13 @@ demo: $(STAMP)
 simulate: $(STAMP)
 	$(VENV)/bin/dilonode simulate --config configs/demo.toml $(DEMO_ARGS)
 
-# --durations lists the slowest tests: make test is kept under 20 minutes on 2 cores.
+# --durations lists the slowest tests: make test is kept under 20 minutes on 2 cores, in two
+# xdist workers (tests/conftest.py says which tests run one at a time).
 # .ci/system-deps installs chromium and iptables (some tests drive them) when run as root.
 test: $(STAMP)
 	bash .ci/system-deps
 	$(VENV)/bin/ruff check dilonode tests benchmarks protocol deploy testbed
-	$(PY) -m pytest -q -ra --durations=15 tests
+	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadgroup tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dilonode tests benchmarks protocol deploy testbed

@@ -282,6 +282,8 @@ def _known_codec(value: str) -> str:
 
 
 _DEFAULT_DENSITY = 0.03
+# Values per top-k chunk (`algo.sparse.SPARSE_CHUNK`, which imports torch).
+_TOPK_CHUNK = 4096
 
 
 class CodecConfig(_Frozen):
@@ -294,14 +296,17 @@ class CodecConfig(_Frozen):
         DEFAULT_BLOCK_SIZE, ge=2, le=1 << 20,
         description=f"values per absmax scale ({'/'.join(BLOCK_CODEC_NAMES)}); even, a "
         "multiple of 4 for int2 and of 8 for sign1")
-    kind: Literal["dense", "randk"] = Field(
+    kind: Literal["dense", "randk", "topk"] = Field(
         "dense", description="dense: every value travels; randk: per chunk of "
         "`algo.sparse.SPARSE_CHUNK` values only topk_density of them, at positions every "
-        "member draws alike from (run seed, fragment, round), in codec.name (docs/rounds.md)")
+        "member draws alike from (run seed, fragment, round), in codec.name; topk: per chunk "
+        "each node's own largest |x| with their positions, values in codec.name, and the "
+        "owners send the largest of each sum back (docs/rounds.md)")
     topk_density: float = Field(
-        _DEFAULT_DENSITY, gt=0.0, le=1.0, description="randk: fraction of each chunk's values sent")
+        _DEFAULT_DENSITY, gt=0.0, le=1.0,
+        description="randk, topk: fraction of each chunk's values sent")
     error_feedback: bool = Field(
-        False, description="keep what the codec (and randk) did not send for the next "
+        False, description="keep what the codec (and randk or topk) did not send for the next "
         "round of the fragment: the merge leaves it in the local weights, so the next "
         "pseudo-gradient owes it once (a residual per fragment, checkpointed; a joiner "
         "starts at 0)")
@@ -327,8 +332,17 @@ class CodecConfig(_Frozen):
         # (compared with the default, not "was it set": a config dump sets every field)
         if self.topk_density != _DEFAULT_DENSITY and self.kind == "dense":
             raise ValueError(f"codec.topk_density = {self.topk_density} needs "
-                             "codec.kind = randk (dense sends every value)")
+                             "codec.kind = randk or topk (dense sends every value)")
         return self
+
+    @property
+    def wire_name(self) -> str:
+        """The codec rounds speak: codec.name, or for topk `topk<k>_<codec.name>`
+        (`algo.topk_codec`)."""
+        if self.kind != "topk":
+            return self.name
+        from dilonode.algo.topk_codec import topk_name  # torch: not at config import
+        return topk_name(self.name, self.topk_density)
 
 
 class AggregatorConfig(_Frozen):
@@ -696,10 +710,13 @@ class RunConfig(_Frozen):
         n = self.dist.nproc
         c = self.codec
         if (c.kind != "dense" or c.error_feedback) and (n > 1 or self.diloco.mode == "ddp"):
-            what = "codec.kind = randk" if c.kind != "dense" else "codec.error_feedback = true"
+            what = f"codec.kind = {c.kind}" if c.kind != "dense" else \
+                "codec.error_feedback = true"
             where = f"dist.nproc = {n}" if n > 1 else "diloco.mode = ddp"
             raise ValueError(f"{what} with {where}: sparse rounds and error feedback work on "
                              "a one-rank node's fragment rounds only")
+        if c.kind == "topk" and (why := _topk_problem(self)) is not None:
+            raise ValueError(why)
         if n > 1 and self.diloco.mode == "ddp":
             raise ValueError(f"dist.nproc = {n}: diloco.mode = ddp averages every gradient "
                              "with the swarm; use streaming or diloco with several ranks")
@@ -708,6 +725,20 @@ class RunConfig(_Frozen):
                              f"split over dist.nproc = {n} ranks, so it must be a multiple "
                              f"of {n}")
         return self
+
+
+def _topk_problem(cfg: RunConfig) -> str | None:
+    """Why codec.kind = topk cannot run with the rest of cfg, or None."""
+    agg = cfg.aggregator.name
+    if agg != "mean":
+        return (f"codec.kind = topk with aggregator.name = {agg}: members keep different "
+                "positions, so a robust rule would compare values with zeros; use "
+                "aggregator.name = mean or codec.kind = randk")
+    chunk = cfg.network.chunk_numel
+    if chunk % _TOPK_CHUNK:
+        return (f"codec.kind = topk with network.chunk_numel = {chunk}: must be a multiple "
+                f"of {_TOPK_CHUNK} (the top-k chunk) so that no chunk straddles two frames")
+    return None
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

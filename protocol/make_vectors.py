@@ -87,6 +87,15 @@ def build_vectors() -> list[dict[str, Any]]:
         _chunk_vector("result_int8_rejected", Result, _values(24, 31, 32.0), "int8", 8,
                       sender=2, owner=2, chunk=1, n_chunks=3, offset=48,
                       contributors=(0, 1, 2, 3), rejected=(3,)),
+        # Top-k (section "Top-k payloads"): 5 kept values of a short chunk, as uint16
+        # offsets (10 bytes < a 38-byte bitmap), then as a bitmap (5 bytes < 10); the
+        # inputs repeat magnitudes, so the lower-index tie-break is pinned too.
+        _chunk_vector("contribution_topk64_int2", Contribution, _values(300, 13, 8.0),
+                      "topk64_int2", 8, sender=1, owner=0, chunk=0, n_chunks=1, offset=4096,
+                      weight=1024.0),
+        _chunk_vector("result_topk512_int4", Result, _values(40, 11, 4.0), "topk512_int4", 4,
+                      sender=0, owner=0, chunk=0, n_chunks=1, offset=0,
+                      contributors=(0, 1), with_digest=True),
         {"name": "abort", "msg": Abort(**{**_ENVELOPE, "attempt": 1}, sender=3,
                                        reason="member 3 gives up: peer 'peer-b' (member 1): "
                                               "connection closed", culprits=(1,))},

@@ -4,10 +4,11 @@ Runs the real simulator (`dilonode.sim.training.simulate`: the same Worker and a
 daemon) on the built-in corpus with M workers. Every run ends with the final sync of every
 fragment (`diloco.final_sync`), and its loss is that of the *outer* weights on the held-out
 split. A row is a method: DDP, DiLoCo fp32, or Streaming DiLoCo with a codec of the codec
-table, optionally top-k (the share of values kept) and error feedback, named
-`s-<codec>[-top<percent>][-ef]-a<alpha>` (`--methods`; the groups `quality`, the default:
-fp32, int4 and fp4 with alpha 0.5 and 0, and `frontier`: int4 and below, each top-k density,
-with and without error feedback).
+table, optionally sparse (rand-k: shared positions; top-k: each node's largest values with
+their positions; the percentage is the share of values kept) and error feedback, named
+`s-<codec>[-rand<percent>|-top<percent>][-ef]-a<alpha>` (`--methods`; the groups `quality`,
+the default: fp32, int4 and fp4 with alpha 0.5 and 0, and `frontier`: int4 and below, each
+rand-k and top-k density, with and without error feedback).
 
 The inner lr, one of three ways:
 
@@ -212,11 +213,15 @@ def bits_per_value(key: str, block_size: int) -> float:
     """Bits one value of a fragment costs on the wire: the codec's exact encoded size of
     2**20 values (scales included) over 2**20; a rand-k row encodes only the values its
     sparse round sends (`sparse_numel`; positions are drawn alike by every member, so they
-    do not travel)."""
+    do not travel); a top-k row is its codec's size (positions and values of each chunk)."""
     from dilonode.algo.codecs import get_codec
 
     r, n = row(key), 1 << 20
     sent = n
+    if r.density is not None and r.sparsity == "topk":
+        from dilonode.algo.topk_codec import topk_name
+
+        return get_codec(topk_name(r.codec, r.density), block_size).encoded_size(n) * 8 / n
     if r.density is not None:
         from dilonode.algo.sparse import sparse_numel
 
@@ -474,8 +479,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="these seeds instead of --seeds (the first one runs the --lrs sweep)")
     ap.add_argument("--methods", "--rows", dest="rows", type=_methods, default=QUALITY,
                     help="rows, comma-separated: keys (ddp, diloco-fp32, "
-                    "s-<codec>[-top<percent kept>][-ef]-a<alpha>), shell patterns, or the "
-                    "groups 'quality' (default) and 'frontier'")
+                    "s-<codec>[-rand<percent kept>|-top<percent kept>][-ef]-a<alpha>), "
+                    "shell patterns, or the groups 'quality' (default) and 'frontier'")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--json", type=Path, help="write every run and the summary here")

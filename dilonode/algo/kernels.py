@@ -1,6 +1,6 @@
 """Compiled CPU kernels (numba) for the block codecs and the owner's reduction.
 
-The reference codecs in `codecs.py` make several numpy/torch passes over every chunk
+The reference codecs in `dense_codecs.py` make several numpy/torch passes over every chunk
 (absmax, divide, round, clamp, convert, pack; table lookup, scale, then a separate add).
 These kernels do each job in one pass per block, and decode straight into an accumulator,
 so an owner dequantizes and sums a contribution in a single sweep. The arithmetic is the

@@ -42,13 +42,19 @@ from dilonode.algo.schedule import SyncPlan, SyncStart
 # of that node (`retune_step_seconds`): rounds then come at most this much further apart.
 _CATCH_UP_MAX = 0.25
 
+# The most one retune changes the seconds per reference step, either way: a swarm that
+# needs more gets there an epoch (a round period) at a time, so one wrong reading (a round
+# in which the pacemaker went alone, a pace measured across a long state fetch) cannot
+# set a clock many times off before the next retune reads the swarm again.
+RETUNE_MAX_FACTOR = 4.0
+
 # Keeps a boundary that lands on an opening from also counting as "before" the next one
 # (equal-speed workers on an exact clock then start exactly where step pacing does).
 _HAIR = 1e-6
 
-__all__ = ["JOIN_LEAD_STEPS", "Pacer", "StepPacer", "SwarmClock", "TimePacer", "due_starts",
-           "final_rounds", "first_round", "link_busy_seconds", "retune_step_seconds",
-           "rounds_before"]
+__all__ = ["JOIN_LEAD_STEPS", "RETUNE_MAX_FACTOR", "Pacer", "StepPacer", "SwarmClock",
+           "TimePacer", "due_starts", "final_rounds", "first_round", "link_busy_seconds",
+           "retune_step_seconds", "rounds_before"]
 
 # Reference steps by which a joiner's first round follows the moment every peer has read
 # its record: a peer starts a round up to its own step early (`TimePacer.at_step`'s lead,
@@ -315,7 +321,8 @@ def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
     Without step times the clock is never made faster than it started. Hysteresis: a need
     set by throughput or by a joiner's link retunes past 5% (paces are averages over many
     steps, a link's need is one estimate); one set by latencies alone past 25% slower or
-    2x faster (latencies jump with the rounds' traffic).
+    2x faster (latencies jump with the rounds' traffic). One retune changes the rate by at
+    most `RETUNE_MAX_FACTOR` either way; a need further off is met over several epochs.
     """
     lo, hi = min_round_s / sync_every, max_round_s / sync_every
     slowest, busy = max(round_p90s, default=0.0), max(link_busy, default=0.0)
@@ -323,8 +330,9 @@ def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],
     pace = min(step_times) if step_times else clock.step_seconds
     if step_times and (lag := min(behind, default=0.0)) > 0:
         pace *= 1.0 + min(lag / (2.0 * sync_every), _CATCH_UP_MAX)
-    want = min(max(links, pace, lo), hi)
     now = clock.current_step_seconds
+    want = min(max(links, pace, lo), hi)
+    want = min(max(want, now / RETUNE_MAX_FACTOR), now * RETUNE_MAX_FACTOR)
     if (step_times and want > links) or (busy > 0 and want > now):
         return want if abs(want / now - 1.0) > 0.05 else None
     return want if want > 1.25 * now or want < 0.5 * now else None

@@ -3,9 +3,9 @@
 The ranks of a node each encode their contiguous slice of the node's contribution with the
 round's codec, in parallel (dilonode/train/ranks/node_ranks.py); the round then sends chunks that
 cut
-across those slices. Every wire format (algo/codecs.py) is separable at block boundaries:
-the float formats are one value after another, and the block formats are the block scales
-(4 bytes each) followed by the codes (8 or 4 bits per value, two nibbles per byte, low
+across those slices. Every dense wire format (algo/dense_codecs.py) is separable at block
+boundaries: the float formats are one value after another, and the block formats are the
+block scales (4 bytes each) followed by the codes (8 or 4 bits per value, two nibbles per byte, low
 first). So, with slice boundaries on codec blocks, the encoding of values [start, end) is
 the scales of its blocks then their codes, each cut from the slices' encodings, as long
 as `start` is on a block boundary and `end` is on one or is the end of the vector

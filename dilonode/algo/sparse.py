@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dilonode.algo.codecs import Codec
+from dilonode.algo.dense_codecs import Codec
 
 __all__ = ["SPARSE_CHUNK", "chunk_k", "gather", "positions_bytes", "round_key", "scatter",
            "shared_positions", "sparse_numel", "splitmix64", "topk_encoded_size",

@@ -28,7 +28,7 @@ import torch
 
 from dilonode.algo.codec_table import CODECS, CodecSpec
 from dilonode.algo.codec_table import SCALE_BYTES as _SCALE_BYTES
-from dilonode.algo.codecs import (
+from dilonode.algo.dense_codecs import (
     Codec,
     CodecError,
     CodecMeta,
@@ -36,7 +36,7 @@ from dilonode.algo.codecs import (
 )
 from dilonode.algo.lowbit_codecs import halving_sum
 
-__all__ = ["decode_torch", "encode_chunks_torch", "encode_torch"]
+__all__ = ["decode_torch", "encode_chunks_torch", "encode_rows", "encode_torch", "pack_bits"]
 
 _F32_OVERFLOW = 2.0**128 - 2.0**103  # as in codecs.py: float32 round-to-nearest overflow
 # The torch dtype of each raw float codec, by name.
@@ -60,6 +60,8 @@ def encode_torch(codec: Codec, x: torch.Tensor) -> torch.Tensor:
     """(n,) floating tensor -> (codec.encoded_size(n),) uint8 on x's device, the bytes
     `codec.encode(x)` returns. CodecError for non-finite input (or float16 overflow)."""
     x = _check_input(codec, x)
+    if _composite(codec):
+        return codec.encode_tensor(x)  # type: ignore[attr-defined, no-any-return]
     return _encode_rows(codec, x[None, :])[0]  # (1, E) -> (E,)
 
 
@@ -70,6 +72,8 @@ def encode_chunks_torch(codec: Codec, x: torch.Tensor, chunk_numel: int) -> torc
     `chunk_numel` must be a multiple of the codec's block size (chunks are block-aligned,
     as the round's are). The full chunks are encoded as one batch of rows."""
     x = _check_input(codec, x)
+    if _composite(codec) and chunk_numel % codec.chunk == 0:  # type: ignore[attr-defined]
+        return codec.encode_tensor(x)  # type: ignore[attr-defined, no-any-return]
     if 0 < x.numel() <= chunk_numel:
         return _encode_rows(codec, x[None, :])[0]  # one chunk, perhaps with a short block
     if chunk_numel < 1 or chunk_numel % codec.block_size:
@@ -87,11 +91,28 @@ def encode_chunks_torch(codec: Codec, x: torch.Tensor, chunk_numel: int) -> torc
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
+def _composite(codec: Codec) -> bool:
+    """A codec built on the value codecs (top-k): it brings its own device encoder, and
+    its encoding of chunk-aligned pieces is the concatenation of theirs."""
+    return hasattr(codec, "encode_tensor")
+
+
 def _check_input(codec: Codec, x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.ndim != 1 or not x.is_floating_point():
         codec.encode(x)  # type: ignore[arg-type]  # raises the reference's CodecError
         raise CodecError(f"cannot encode {type(x).__name__}")  # pragma: no cover
     return x.detach().to(torch.float32).contiguous()
+
+
+def encode_rows(codec: Codec, x: torch.Tensor) -> torch.Tensor:
+    """x: (R, m) float32 -> (R, encoded_size(m)) uint8, each row encoded on its own by a
+    float or block codec."""
+    return _encode_rows(codec, x)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(R, m) int8 codes below 2**bits -> (R, ceil(m * bits / 8)) uint8, low bits first."""
+    return _pack_bits(codes, bits)
 
 
 def _encode_rows(codec: Codec, x: torch.Tensor) -> torch.Tensor:
@@ -209,6 +230,9 @@ def decode_torch(codec: Codec, data: torch.Tensor, meta: CodecMeta,
     """(encoded_size(n),) uint8 on any device -> (n,) float32 on that device (into `out`,
     float32 (n,) on the same device, if given): what `codec.decode` returns, with its checks.
     """
+    if _composite(codec) and isinstance(data, torch.Tensor):
+        values = codec.decode_device(data, meta)  # type: ignore[attr-defined]
+        return values if out is None else out.copy_(values)
     n = meta.numel if isinstance(meta, CodecMeta) else -1
     if (not isinstance(meta, CodecMeta) or meta.codec != codec.name or n < 0
             or (codec.name not in _FLOATS and meta.block_size != codec.block_size)

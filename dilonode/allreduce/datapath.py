@@ -42,6 +42,7 @@ from dilonode.algo.codecs import (
     Codec,
     CodecError,
     CodecMeta,
+    accumulate_tensor,
     check_layout,
     decode_shared,
     fold_float32,
@@ -233,16 +234,8 @@ class TorchPath:
                 out: torch.Tensor) -> torch.Tensor:
         for v, (step, coef) in zip(accepted, steps, strict=True):
             assert isinstance(v, torch.Tensor)
-            if step == "write":
-                out.copy_(v)
-            elif step == "add":
-                out.add_(v)
-            elif step == "write_scaled":
-                torch.mul(v, coef, out=out)
-            elif step == "add_scaled":
-                out.add_(torch.mul(v, coef))  # rounded product, then the sum: no FMA
-            else:
-                out.add_(v).div_(self._divisor(coef))
+            accumulate_tensor(v, out, step,
+                              self._divisor(coef) if step == "add_divide" else coef)
         return out
 
     def combine_encode(self, accepted: Sequence[Accepted], steps: Sequence[tuple[str, float]],

@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 
 from dilonode.algo.butterfly import CHUNKING, round_chunk_numel
+from dilonode.algo.codecs import get_codec, part_align
 from dilonode.algo.groups import mixes
 from dilonode.algo.robust import AggregatorSpec, BanTracker
 from dilonode.algo.sliced_encoding import SplicedEncoding
@@ -80,7 +81,8 @@ class RoundPolicy:
 
     def round_chunk(self, numel: int, members: int) -> int:
         """The chunk size of a round (`butterfly.round_chunk_numel`, capped by ours)."""
-        return round_chunk_numel(numel, members, self.chunk_numel, self.block_size)
+        align = part_align(get_codec(self.codec, self.block_size), self.block_size)
+        return round_chunk_numel(numel, members, self.chunk_numel, align)
 
     def settings(self) -> dict[str, str | int | float]:
         """What every member of a group must share, as matchmaking compares it: the codec

@@ -5,7 +5,8 @@
 same object therefore runs over TCP in the daemon and over `memnet.MemNet` in tests.
 
 Protocol (protocol/README.md is normative). The flat tensor of `numel` values is split by
-`part_bounds(numel, weights, align=block_size)`; member j owns part j. Each part travels in
+`part_bounds(numel, weights, align=block_size)` (top-k: a multiple of its 4096-value chunk,
+`codecs.part_align`); member j owns part j. Each part travels in
 chunks of `chunk_numel` values. On `start`, every member encodes its values of every other
 member's part, chunk by chunk, and sends them as `Contribution`s. An owner reduces chunk k
 as soon as all N contributions of chunk k are in (its own one too, as decode(encode(own)),
@@ -76,6 +77,7 @@ from dilonode.algo.codecs import (
     CodecMeta,
     all_finite,
     get_codec,
+    part_align,
 )
 from dilonode.algo.replay import EncodedResult
 from dilonode.algo.robust import AggregatorSpec, aggregate, check_claims, convicted
@@ -169,7 +171,8 @@ class GroupSpec:
 
     `members` are peer ids in the agreed order (index = member index), `weights` their
     bandwidth weights for `part_bounds`; `block_size` is both the codec block size and the
-    part alignment; `chunk_numel` (a multiple of `block_size`) is the values per message.
+    part alignment (`align`: with top-k a multiple of its chunk too); `chunk_numel` (a
+    multiple of `align`) is the values per message.
     `attempt` numbers the retries of one (fragment, round) and `group_digest` (see
     `group_digest()`, or "" when not used) identifies the agreed member list; a message
     carrying another attempt or group digest fails the round (membership mismatch).
@@ -215,9 +218,10 @@ class GroupSpec:
             out.append(f"weights: {len(self.weights)} given for {len(self.members)} members")
         if self.numel < 0 or self.block_size < 1:
             out.append(f"numel={self.numel}, block_size={self.block_size}: need >= 0, >= 1")
-        elif self.chunk_numel < 1 or self.chunk_numel % self.block_size:
-            out.append(f"chunk_numel={self.chunk_numel}: must be a positive multiple of "
-                       f"block_size={self.block_size}")
+        elif self.chunk_numel < 1 or self.chunk_numel % self.align:
+            of = (f"block_size={self.block_size}" if self.align == self.block_size
+                  else f"{self.align} (block_size={self.block_size} and the {self.codec} chunk)")
+            out.append(f"chunk_numel={self.chunk_numel}: must be a positive multiple of {of}")
         return out
 
     @property
@@ -230,9 +234,14 @@ class GroupSpec:
         return get_codec(self.codec, self.block_size)
 
     @cached_property
+    def align(self) -> int:
+        """Part and chunk boundaries are multiples of this (`codecs.part_align`)."""
+        return part_align(self.codec_obj, self.block_size)
+
+    @cached_property
     def parts(self) -> list[tuple[int, int]]:
         """[start, end) of each member's part, in member order."""
-        return part_bounds(self.numel, self.weights, align=self.block_size)
+        return part_bounds(self.numel, self.weights, align=self.align)
 
     def n_chunks(self, owner: int) -> int:
         start, end = self.parts[owner]

@@ -137,6 +137,9 @@ class Node:
         self._start_state(stop)
         self.membership.wait_for_peers(net.min_peers, net.start_timeout, stop,
                                        refreshed=self.resume)
+        assert self.keeper is not None
+        if stop is None or not stop.is_set():
+            self.keeper.catch_up(self.worker, self.collective.thread, self.dht)
         log.info("node %s up: data %s, maddrs %s", self.peer_id, self.collective.address,
                  self.dht.visible_maddrs())
         self._supervise()
@@ -445,7 +448,7 @@ class _PartsFacts:
 
 def _round_policy(cfg: RunConfig) -> RoundPolicy:
     net = cfg.network
-    return RoundPolicy(codec=cfg.codec.name, block_size=cfg.codec.block_size,
+    return RoundPolicy(codec=cfg.codec.wire_name, block_size=cfg.codec.block_size,
                        chunk_numel=net.chunk_numel, timeout=net.allreduce_timeout,
                        max_attempts=net.max_attempts, aggregator=cfg.aggregator.spec(),
                        max_group_size=net.max_group_size, mix_every=net.mix_state_every)

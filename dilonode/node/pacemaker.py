@@ -36,38 +36,55 @@ __all__ = ["Pacemaker", "is_pacemaker", "retune_seconds"]
 log = logging.getLogger(__name__)
 
 
-def is_pacemaker(peer_id: str, live: Collection[str]) -> bool:
-    """Whether `peer_id` retunes the swarm clock: the live node with the smallest peer id
-    (one at a time; two at once, in a partition, resolve by the clock records' rule). A
-    node whose own record is not among the live ones yet (a joiner still fetching the
-    state) does not: it knows no round latencies of its own, and a second pacemaker's
-    epoch races the first's."""
-    return peer_id in live and peer_id == min(live)
+def is_pacemaker(peer_id: str, live: Collection[str], pacers: Collection[str] = ()) -> bool:
+    """Whether `peer_id` retunes the swarm clock: the smallest peer id among the live nodes
+    and `pacers`, the node that added the standing clock's last epoch if it still publishes
+    the clock (`ClockKeeper.pacers`). Live views differ for a while (a record late to one
+    reader): a node missing a smaller pacemaker from its view still sees its epoch in the
+    clock, and defers to it; two that act at once resolve by the clock records' rule, which
+    favours the smaller id. A node whose own record is not among the live ones yet (a
+    joiner still fetching the state) does not pace: it knows no round latencies of its
+    own, and a second pacemaker's epoch races the first's."""
+    return peer_id in live and peer_id == min({*live, *pacers})
 
 
 def retune_seconds(algo: Any, worker: Any, peers: Iterable[Any], clock: SwarmClock,
-                   link_busy: Sequence[float] = ()) -> float | None:
+                   link_busy: Sequence[float] = (), *, me: str) -> float | None:
     """Seconds per reference step the swarm needs (`pacing.retune_step_seconds`), from the
     round latencies (ours, `worker.stats.recent_latency`, and the live `peers`' published
     p90s), what the links of nodes not yet in rounds take for a round of every fragment
     (`link_busy`), and, when the clock was measured rather than set by hand
     (`algo.step_seconds` unset), the paces (wall seconds per own step) and lags behind the
-    clock that live nodes publish. None when there is nothing to go by."""
+    clock that live nodes publish. `me`: our peer id (our own record among `peers` is
+    read from the worker, not counted twice).
+
+    None when fewer than two nodes (a joiner's link record counts as one) gave a figure:
+    one node's view is no swarm's (it went alone, so its rounds measured no link, and its
+    pace counts the waits for peers that were not there). With paces from fewer than two
+    nodes the rate keeps its pace (the latencies may still slow it)."""
     measured = algo.step_seconds is None
     own = p90(list(worker.stats.recent_latency))
     latencies = [own] if own is not None else []
     steps = [s] if measured and (s := worker.pacer.pace_s) else []
     behind = [float(worker.swarm_step - worker.step)] if steps else []
+    nodes = int(bool(latencies or steps)) + len([b for b in link_busy if b > 0])
     for rec in peers:
-        status = rec.status or {}
+        if rec.peer_id == me:
+            continue
+        status, gave = rec.status or {}, False
         if (value := _positive(status.get("round_p90_s"))) is not None:
             latencies.append(value)
+            gave = True
         if measured and (value := _positive(status.get("pace_s"))) is not None:
             steps.append(value)
+            gave = True
             if (lag := _steps_behind(status)) is not None:
                 behind.append(lag)
-    if not latencies and not steps and not link_busy:
+        nodes += gave
+    if nodes < 2:
         return None
+    if measured and len(steps) < 2:
+        steps, behind = [clock.current_step_seconds], []
     return retune_step_seconds(clock, latencies, steps, algo.sync_every,
                                algo.min_round_seconds, algo.max_round_seconds, link_busy,
                                behind)
@@ -116,12 +133,13 @@ class Pacemaker:
         return {r.peer_id for r in self.membership.live_peers(max_age=math.inf)}
 
     def _is_pacemaker(self) -> bool:
-        return is_pacemaker(self.peer_id, self._live())
+        return is_pacemaker(self.peer_id, self._live(), self.keeper.pacers)
 
     def _retune(self, clock: SwarmClock, ref_now: float,
                 link_busy: Sequence[float] = ()) -> float | None:
         return retune_seconds(self.algo, self.worker,
-                              self.membership.live_peers(max_age=math.inf), clock, link_busy)
+                              self.membership.live_peers(max_age=math.inf), clock, link_busy,
+                              me=self.peer_id)
 
     def first_round(self, view_s: float) -> int | None:
         """We are about to publish our record after recovering a running swarm's state:

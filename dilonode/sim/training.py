@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dilonode.algo.codecs import get_codec
+from dilonode.algo.codecs import get_codec, part_align
 from dilonode.algo.mixing import spread
 from dilonode.algo.pacing import Pacer, StepPacer, SwarmClock, TimePacer
 from dilonode.algo.sliced_encoding import SplicedEncoding
@@ -129,9 +129,11 @@ def _build_workers(cfg: RunConfig, data, device, tamper: Tamper | None = None,
                    group_factory: GroupFactory = LocalGroup,
                    ) -> tuple[list[Worker], LocalGroup]:
     net = cfg.network
-    group = group_factory(cfg.sim.workers, get_codec(cfg.codec.name, cfg.codec.block_size),
+    codec = get_codec(cfg.codec.wire_name, cfg.codec.block_size)
+    group = group_factory(cfg.sim.workers, codec,
                           aggregator=cfg.aggregator.spec(), chunk_numel=net.chunk_numel,
-                          align=cfg.codec.block_size, max_group_size=net.max_group_size,
+                          align=part_align(codec, cfg.codec.block_size),
+                          max_group_size=net.max_group_size,
                           mix_every=net.mix_state_every, run_id=cfg.run_id)
     views: list[Collective] = [group.view(i) for i in range(cfg.sim.workers)]
     if tamper is not None:
@@ -397,9 +399,10 @@ def replay_traces(cfgs: list[RunConfig], traces: list[list[dict]], steps: list[i
     (its trace's `members`); float sums depend on the order. Returns the workers: their
     outer weights are what the nodes should hold."""
     data = [load_data(c.data) for c in cfgs]
-    group = LocalGroup(len(cfgs), get_codec(cfgs[0].codec.name, cfgs[0].codec.block_size),
-                       aggregator=cfgs[0].aggregator.spec(),
-                       chunk_numel=cfgs[0].network.chunk_numel, align=cfgs[0].codec.block_size)
+    codec = get_codec(cfgs[0].codec.wire_name, cfgs[0].codec.block_size)
+    group = LocalGroup(len(cfgs), codec, aggregator=cfgs[0].aggregator.spec(),
+                       chunk_numel=cfgs[0].network.chunk_numel,
+                       align=part_align(codec, cfgs[0].codec.block_size))
     if peers is not None:
         index = {peer: i for i, peer in enumerate(peers)}
         for event in (e for t in traces for e in t if e.get("members")):

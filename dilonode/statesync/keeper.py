@@ -279,6 +279,33 @@ class StateKeeper:
     def adopt(self, worker: Any, thread: Any, dht: Any, prefer: tuple[str, ...] = ()) -> bool:
         """Take the state the live peers agree on (or, with `prefer`, the state of those
         peers) if it differs from ours; True if ours was replaced. Nothing may be in flight."""
+        def announce(peers: int) -> None:
+            if prefer:
+                log.info("outer state differs from the one that stands: adopting the state "
+                         "of %s", ", ".join(prefer))
+            else:
+                log.info("went on alone with %d live peer(s) around: checking whether they "
+                         "are ahead", peers)
+
+        return self._recover_now(worker, thread, dht, announce, "after a lone round",
+                                 same_rounds=True, prefer=prefer)
+
+    def catch_up(self, worker: Any, thread: Any, dht: Any) -> bool:
+        """A resumed node, once `network.min_peers` are live, before its first step: take a
+        state with more rounds than its checkpoint's if the peers now visible hold one.
+        When a whole swarm restarts, nodes come back one at a time; the first ones found
+        nobody serving when they prepared, and would otherwise train on from an older
+        checkpoint until a lone round told them they are behind."""
+        if not self.resume:
+            return False
+        return self._recover_now(worker, thread, dht, lambda peers: None,
+                                 "after the wait for peers")
+
+    def _recover_now(self, worker: Any, thread: Any, dht: Any,
+                     announce: Callable[[int], None], when: str, *,
+                     same_rounds: bool = False, prefer: tuple[str, ...] = ()) -> bool:
+        """A recovery pass between steps, our record already published; True if our
+        state was replaced."""
         if not (self.active and self.cfg.statesync.enabled):
             return False
         try:
@@ -292,21 +319,16 @@ class StateKeeper:
         async def already_visible() -> None:
             return None
 
-        if prefer:
-            log.info("outer state differs from the one that stands: adopting the state of "
-                     "%s", ", ".join(prefer))
-        else:
-            log.info("went on alone with %d live peer(s) around: checking whether they are "
-                     "ahead", len(peers))
+        announce(len(peers))
         before = self.recovery
         # Peers that went alone in the same round are asking us at the same time: serve
         # them directly (nothing is in flight) rather than wait for a step we are not taking.
         self.source.blocked(True)
         try:
             self._recover(worker, thread, peers, dht.credentials, already_visible,
-                          same_rounds=True, prefer=prefer)
+                          same_rounds=same_rounds, prefer=prefer)
         except (RecoveryError, OSError, ValueError) as exc:
-            log.warning("state sync after a lone round failed: %s", exc)
+            log.warning("state sync %s failed: %s", when, exc)
         finally:
             self.source.blocked(False)
         return self.recovery is not before

@@ -87,7 +87,7 @@ class RoundReplay(_Model):
 
     fragment: int = Field(ge=0, le=4095)
     round: Count
-    codec: str = Field(min_length=1, max_length=16)
+    codec: str = Field(min_length=1, max_length=32)  # as the round's messages
     block_size: int = Field(ge=1, le=1 << 20)
     numels: list[Annotated[int, Field(ge=1, le=2**40)]] = Field(min_length=1,
                                                                  max_length=1 << 20)

@@ -17,6 +17,11 @@ speed meet in every round. Agreement without a coordinator:
   differ from the others') make it adopt their state at its next round.
 * A clock whose `t0` lies in the future, or older than `max_age`, is ignored: it cannot be
   this run's.
+* Retuned clocks (epochs added by the pacemaker, `node/pacemaker.py`) of one lineage: the
+  longest history stands, then the one whose last epoch the smallest peer id added
+  (`paced_by`), then the smallest. The node that added the standing clock's last epoch and
+  still publishes it is among its `pacers`: a node whose view of the live peers lacks it
+  for a while defers to it instead of retuning too.
 * A node whose link the swarm has not seen in rounds yet (a joiner, which measured it in
   its state fetch) publishes how long its link takes for a round of every fragment
   (`announce_link`, a `LinkRecord`) until its own rounds measure it; the pacemaker reads
@@ -46,7 +51,7 @@ from dilonode.swarm.records import (
     link_key,
 )
 
-__all__ = ["ClockKeeper", "Proposal", "Retune", "clock_of", "standing_clock"]
+__all__ = ["ClockKeeper", "Proposal", "Retune", "clock_of", "clock_pacers", "standing_clock"]
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +71,25 @@ def standing_clock(records: dict[str, ClockRecord], now: float,
     if not usable:
         return None
     first = min(usable, key=lambda r: (r.t0, r.origin, r.step_seconds))
-    # Within that clock's lineage, the longest epoch history stands (the newest retuning);
-    # of two equally long ones (two pacemakers at once), the smallest.
     lineage = [r for r in usable if (r.t0, r.origin, r.step_seconds)
                == (first.t0, first.origin, first.step_seconds)]
-    return min(lineage, key=lambda r: (-len(r.epochs), r.epochs))
+    return min(lineage, key=_epoch_order)
+
+
+def _epoch_order(record: ClockRecord) -> tuple[int, str, list[list[float]]]:
+    """Within one clock's lineage: the longest epoch history stands (the newest retuning);
+    of two equally long ones (two pacemakers at once), the one whose last epoch the
+    smaller peer id added, then the smallest. A total order: every node that reads the
+    same records picks the same one, whichever it wrote itself."""
+    return -len(record.epochs), record.paced_by, record.epochs
+
+
+def clock_pacers(records: dict[str, ClockRecord], standing: ClockRecord) -> set[str]:
+    """Who added the standing clock's last epoch, if that node still publishes the clock
+    (its record is among `records`, which expire a ttl after its last store): evidence that
+    it paces the swarm even to a node whose view of the live peers lacks it for a while."""
+    author = standing.paced_by
+    return {author} if author and author in records else set()
 
 
 def clock_of(record: ClockRecord) -> SwarmClock:
@@ -90,10 +109,14 @@ class ClockKeeper:
         self.propose, self.frozen = propose, frozen
         self.retune, self.pacemaker, self.lead_steps = retune, pacemaker, lead_steps
         self.retunes = 0  # epochs this node added
+        # Who paces the standing clock, as its records say (`clock_pacers`; read by the
+        # `pacemaker` callback, which may defer to them).
+        self.pacers: set[str] = set()
         self._full_warned = False
         self.ttl, self.poll, self.wall = ttl, poll, wall
         self.following: ClockRecord | None = None
         self.switches = 0  # clocks followed after this node had started rounds
+        self._read_at, self._unread_warned = wall(), False  # the last read of the clock
         self._published_at = float("-inf")
         # What our link takes for a round of every fragment (announce_link), published
         # while `link_unmeasured()` (our rounds have not measured it), then withdrawn.
@@ -105,8 +128,16 @@ class ClockKeeper:
 
     # -- one pass (the thread repeats it; tests call it directly) ------------------------
     def read(self, timeout: float = 5.0) -> ClockRecord | None:
-        return standing_clock(read_records(self.dht, clock_key(self.run_id), ClockRecord,
-                                           timeout), self.wall())
+        """The standing clock (None when none); notes who paces it (`pacers`)."""
+        records = read_records(self.dht, clock_key(self.run_id), ClockRecord, timeout)
+        now = self.wall()
+        if self._unread_warned:
+            log.info("swarm clock: read again after %.0f s", now - self._read_at)
+            self._unread_warned = False
+        self._read_at = now
+        standing = standing_clock(records, now)
+        self.pacers = clock_pacers(records, standing) if standing is not None else set()
+        return standing
 
     def _store(self, key: str, record: ClockRecord | LinkRecord) -> float:
         """Store our `record` under `key` for `ttl`; when it was stored."""
@@ -160,6 +191,12 @@ class ClockKeeper:
         enough that a retune applies within seconds (one small DHT read)."""
         return min(self.ttl / 6, 5.0)
 
+    @property
+    def epoch_notice_s(self) -> float:
+        """The least seconds between a retune and the moment its epoch applies: 1.5 read
+        intervals and 2 s, so every node that reads has read it (`_maybe_retune`)."""
+        return 1.5 * self.read_every + 2.0
+
     def _maybe_retune(self) -> None:
         """As the swarm's pacemaker: add an epoch when the swarm calls for another rate. It
         starts at least `lead_steps` reference steps (a round period) and 1.5 read
@@ -183,11 +220,11 @@ class ClockKeeper:
                             len(clock.epochs), clock.current_step_seconds, rate)
                 self._full_warned = True
             return
-        ahead = max(self.lead_steps,
-                    (1.5 * self.read_every + 2.0) / clock.rate_at(now_ref))
+        ahead = max(self.lead_steps, self.epoch_notice_s / clock.rate_at(now_ref))
         since = float(math.ceil(now_ref + ahead))
         record = self.following.model_copy(update={
-            "epochs": [*self.following.epochs, [since, float(rate)]]})
+            "epochs": [*self.following.epochs, [since, float(rate)]],
+            "paced_by": self.dht.peer_id})
         log.info("swarm clock: one reference step = %.4g s from reference step %d (was %.4g s)",
                  rate, since, clock.current_step_seconds)
         self.retunes += 1
@@ -195,8 +232,8 @@ class ClockKeeper:
 
     def _follow(self, record: ClockRecord, proposed: bool = False) -> None:
         mine = self.following
-        if mine is not None and (mine.t0, mine.origin, mine.epochs) == \
-                (record.t0, record.origin, record.epochs):
+        if mine is not None and (mine.t0, mine.origin, mine.epochs, mine.paced_by) == \
+                (record.t0, record.origin, record.epochs, record.paced_by):
             return
         same_lineage = mine is not None and (mine.t0, mine.origin) == (record.t0, record.origin)
         switching = mine is not None and not same_lineage and self.frozen()
@@ -230,12 +267,25 @@ class ClockKeeper:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception as exc:  # a DHT hiccup: read again at the next pass
-                log.debug("swarm clock: %s", exc)
+            self.run_pass()
             wait = self.poll if not self.frozen() else self.read_every
             self._stop.wait(wait)
+
+    def run_pass(self) -> None:
+        """One pass of the thread: `tick`, a failure logged (a DHT hiccup: read again at
+        the next pass). A node that has not read the clock for longer than an epoch's
+        notice (`epoch_notice_s`) says so once: it may be on a rate its peers have left."""
+        try:
+            self.tick()
+        except Exception as exc:
+            log.debug("swarm clock: %s", exc)
+            unread = self.wall() - self._read_at
+            if self.following is not None and not self._unread_warned \
+                    and unread > self.epoch_notice_s:
+                log.warning("swarm clock: not read for %.0f s (%s); following the clock "
+                            "read before, which the swarm may have retuned", unread,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                self._unread_warned = True
 
     def close(self) -> None:
         self._stop.set()

@@ -71,6 +71,7 @@ MAX_CLOCK_EPOCHS = 1024
 RUN_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 # libp2p peer ids in their base58 text form.
 PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{1,128}$"
+_OPTIONAL_PEER_ID = f"^({PEER_ID_PATTERN[1:-1]})?$"  # a peer id or ""
 _KEY_PREFIX = "dilonode"
 
 R = TypeVar("R", bound="SignedRecord")
@@ -164,6 +165,10 @@ class ClockRecord(SignedRecord):
     origin: str = Field(pattern=PEER_ID_PATTERN)
     # Later epochs: [reference step it starts at, seconds per step], increasing starts.
     epochs: list[list[float]] = Field(default_factory=list, max_length=MAX_CLOCK_EPOCHS)
+    # Who added the last epoch ("" when none or unknown): of two pacemakers at once, the
+    # smaller id's epoch stands and the other defers to it while it publishes the clock.
+    # Optional, so readers of the same protocol version that predate it ignore it.
+    paced_by: str = Field("", pattern=_OPTIONAL_PEER_ID)
 
     @field_validator("t0", "step_seconds")
     @classmethod

@@ -4,6 +4,8 @@ error feedback (`algo/error_feedback.py`) and sparse rounds (`algo/sparse.py`).
 `Contributions.outgoing(f, r, delta)` turns round r's pseudo-gradient into the tensor the
 collective averages: delta cut to the round's shared positions (codec.kind = randk); with
 error feedback it stores the new residual (what the round will not carry) in the fragment.
+codec.kind = topk hands the collective the whole vector: its codec (`cfg.codec.wire_name`)
+sparsifies on the wire, and the residual is what that codec did not carry of it.
 `incoming(f, result)` scatters a sparse round's mean back to the fragment's size, and
 `merged(f, local, new_global, alpha)` is the landed round's merge, which with error feedback
 keeps the residual in the local weights (they hold it, so the next delta owes it again).
@@ -33,7 +35,7 @@ class Contributions:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg.codec
         self.seed = cfg.seed
-        self.codec = get_codec(cfg.codec.name, cfg.codec.block_size)
+        self.codec = get_codec(cfg.codec.wire_name, cfg.codec.block_size)
 
     @property
     def active(self) -> bool:

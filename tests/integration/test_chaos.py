@@ -27,7 +27,8 @@ from tests.support.swarm import assert_one_model  # noqa: E402
 REASON = ("needs root, `ss` and `iptables`"
           if os.geteuid() != 0 or not shutil.which("ss") or not shutil.which("iptables")
           else None)
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+pytestmark = [pytest.mark.slow, pytest.mark.host_network,
+              pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 CFG = {
     "run_id": "chaos-test", "seed": 3, "total_steps": 250, "eval_every": 5,

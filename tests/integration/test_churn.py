@@ -14,7 +14,8 @@ import pytest
 from testbed.hosts import unavailable_reason
 
 REASON = unavailable_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+pytestmark = [pytest.mark.slow, pytest.mark.host_network,
+              pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 TIMEOUT_S = 10.0
 REF_STEPS = 400  # steps per worker of the fault-free reference

@@ -55,16 +55,17 @@ STEP = functools.partial(replay_round, lr=A.outer_lr, momentum_coef=A.outer_mome
 REPLAYER = replayer(lambda _p, _r: A.outer_lr, A.outer_momentum, A.outer_nesterov)
 
 
-def _replayed(state: WorkerState, p: int, served: int = 0, seed: int = 5) -> WorkerState:
-    """`state` after a real outer step on fragment `p` with an int4 result, which it serves
-    as the replay after those `state` serves (`served` != 0: a different result is served
-    than was applied)."""
-    codec = get_codec("int4", 64)
+def _replayed(state: WorkerState, p: int, served: int = 0, seed: int = 5,
+              codec_name: str = "int4") -> WorkerState:
+    """`state` after a real outer step on fragment `p` with an int4 (or `codec_name`)
+    result, which it serves as the replay after those `state` serves (`served` != 0: a
+    different result is served than was applied)."""
+    codec = get_codec(codec_name, 64)
 
     def encoded(seed: int) -> EncodedResult:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(state.tensors[f"outer.{p}.weights"].numel(), generator=g) * 0.01
-        return EncodedResult.of_pieces("int4", 64, tuple((len(x[a:a + 65536]),
+        return EncodedResult.of_pieces(codec_name, 64, tuple((len(x[a:a + 65536]),
                                                          codec.encode(x[a:a + 65536])[0])
                                                         for a in range(0, x.numel(), 65536)))
 
@@ -263,6 +264,14 @@ def test_a_round_landing_late_is_replayed_not_fetched_again():
     # int4 result (an eighth of the weights), the rest being fetched at the new version.
     assert rec.fetched_bytes < OLD.nbytes + fragment_bytes // 4, (rec.fetched_bytes,
                                                                   OLD.nbytes)
+
+
+@pytest.mark.timeout(90)
+def test_a_topk_round_landing_late_is_replayed_too():
+    """A top-k round's result (positions and values, pieces of whole 4096-value chunks)
+    is served, fetched and replayed like a dense one."""
+    rec = _land_late(_replayed(OLD, 2, codec_name="topk64_int2"))
+    assert rec.replayed == 1
 
 
 @pytest.mark.timeout(90)

@@ -25,7 +25,8 @@ from testbed import linkem
 from testbed.linkem import LinkEmulator, LinkSpec
 
 REASON = linkem.unavailable_reason(tun=False)
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [pytest.mark.host_network,
+              pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 A, B, OTHER = "10.9.0.1", "10.9.0.2", "10.9.0.77"
 LATE_MS = 30.0  # how late a packet may come back on a loaded machine
 

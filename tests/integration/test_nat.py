@@ -17,7 +17,8 @@ import pytest
 from testbed.hosts import unavailable_reason
 
 REASON = unavailable_reason(nat=True)
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+pytestmark = [pytest.mark.slow, pytest.mark.host_network,
+              pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 NAT = ["node-1", "node-2"]
 BASE = {

@@ -18,7 +18,8 @@ import pytest
 from testbed.hosts import unavailable_reason
 
 REASON = unavailable_reason(partitions=True)
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+pytestmark = [pytest.mark.slow, pytest.mark.host_network,
+              pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 MERGE_BOUND_S = 20.0  # the re-merge backoff (8 s here), a dial, a heartbeat and a read
 CFG = {

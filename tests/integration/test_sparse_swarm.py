@@ -1,6 +1,7 @@
-"""Two real nodes on 127.0.0.1 with sparse rounds (codec.kind = randk) in int2 and error
-feedback: they end with one model, bit for bit, and each round's bytes are those of the
-round's values alone."""
+"""Two real nodes on 127.0.0.1 with sparse rounds in int2 and error feedback, once with
+shared positions (codec.kind = randk) and once with each node's own top-k positions
+(codec.kind = topk): they end with one model, bit for bit, and each round's bytes are
+exactly the codec's sizes (randk: the round's values alone; topk: positions and values)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(300)
-def test_two_sparse_nodes_with_error_feedback_end_bit_identical(tmp_path):
-    cfg = nano_config(tmp_path, run_id="sparse-test", seed=3, total_steps=12, eval_every=12,
-                      diloco={"pacing": "steps"}, network=LOOPBACK_NETWORK,
-                      codec={"name": "int2", "kind": "randk", "topk_density": 0.05,
+@pytest.mark.parametrize("kind", ["randk", "topk"])
+def test_two_sparse_nodes_with_error_feedback_end_bit_identical(tmp_path, kind):
+    cfg = nano_config(tmp_path, run_id=f"sparse-{kind}", seed=3, total_steps=12,
+                      eval_every=12, diloco={"pacing": "steps"}, network=LOOPBACK_NETWORK,
+                      codec={"name": "int2", "kind": kind, "topk_density": 0.05,
                              "error_feedback": True, "error_decay": 0.9})
     end = run_swarm(cfg, 2)
     assert end.codes == [0, 0], end.codes
@@ -29,16 +31,22 @@ def test_two_sparse_nodes_with_error_feedback_end_bit_identical(tmp_path):
     states = [torch.load(tmp_path / f"node-{i}" / "outer.pt") for i in range(2)]
     for name, ref in states[0].items():
         assert torch.equal(states[1][name].view(torch.int32), ref.view(torch.int32)), name
-    # Two members: each sends its peer's part of the round's values and returns its own
-    # part's mean, block-aligned parts, so a round costs each node the encoding of the
-    # round's values once (no positions).
+    # Two members: each sends its peer's part and returns its own part's mean, parts cut
+    # at block (randk) or top-k chunk (topk) boundaries, so a round costs each node the
+    # encoding of the whole round once.
     sizes = _fragment_sizes(cfg)
-    codec = get_codec("int2", cfg.codec.block_size)
+    codec = get_codec(cfg.codec.wire_name, cfg.codec.block_size)
     for s in end.summaries.values():
         assert s["skipped_rounds"] == 0, s["dropped_peers"]
-        expected = sum(r * codec.encoded_size(sparse_numel(sizes[int(p)], 0.05))
+        expected = sum(r * codec.encoded_size(_sent(kind, sizes[int(p)]))
                        for p, r in s["rounds_per_fragment"].items())
         assert s["bytes_sent"] == s["bytes_received"] == expected
+
+
+def _sent(kind: str, numel: int) -> int:
+    """Values the round of a `numel`-value fragment encodes: randk gathers its positions'
+    values first, topk encodes the fragment itself."""
+    return sparse_numel(numel, 0.05) if kind == "randk" else numel
 
 
 def _fragment_sizes(cfg):

@@ -34,7 +34,7 @@ from dilonode.swarm.dht import DHTUnavailable, SwarmDHT  # noqa: E402
 from dilonode.swarm.records import PeerRecord  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow, pytest.mark.host_network]
 
 RUN = "supervise-test"
 HOST = "127.0.0.1"

@@ -31,7 +31,8 @@ from testbed.hosts import (
 )
 
 REASON = unavailable_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+pytestmark = [pytest.mark.slow, pytest.mark.host_network,
+              pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 DELAY_REASON = unavailable_reason(delay=True)
 needs_emulator = pytest.mark.skipif(DELAY_REASON is not None, reason=DELAY_REASON or "")
 ROOT = Path(__file__).parents[2]

@@ -403,16 +403,18 @@ def test_the_pacemaker_reads_how_far_behind_the_clock_each_live_node_is():
                              pacer=SimpleNamespace(pace_s=0.24), swarm_step=200, step=190)
 
     def retune(*statuses: dict) -> float | None:
-        peers = [SimpleNamespace(status=s) for s in statuses]
-        return retune_seconds(algo, worker, peers, SwarmClock(0.0, 0.24))
+        peers = [SimpleNamespace(peer_id=f"peer{i}", status=s) for i, s in enumerate(statuses)]
+        return retune_seconds(algo, worker, peers, SwarmClock(0.0, 0.24), me="us")
 
     # We are 10 steps behind, a peer 15: the node furthest along sets the catch-up.
     assert retune({"pace_s": 0.3, "swarm_step": 200, "step": 185}) == \
         pytest.approx(0.24 * (1 + 10 / 60))
     # A peer at the clock: nothing to give back. Malformed or missing fields count as no
-    # reading (peers' data), and so does a peer without a pace yet.
+    # reading (peers' data).
     assert retune({"pace_s": 0.3, "swarm_step": 200, "step": 200}) is None
     for bad in ({"pace_s": 0.3, "swarm_step": "200", "step": 0},
                 {"pace_s": 0.3, "swarm_step": True, "step": 0},
-                {"pace_s": 0.3, "step": 0}, {"swarm_step": 200, "step": 0}):
+                {"pace_s": 0.3, "step": 0}):
         assert retune(bad) == pytest.approx(0.24 * (1 + 10 / 60))
+    # A peer without a pace or a latency yet gives no figure: ours alone retune nothing.
+    assert retune({"swarm_step": 200, "step": 0}) is None

@@ -110,10 +110,18 @@ def test_example_configs_load():
     (["codec.name='float32'", "codec.error_feedback=true"],
      "codec.error_feedback = true with codec.name = float32 and codec.kind = dense"),
     (["codec.error_decay=0.5"], "codec.error_decay = 0.5 needs codec.error_feedback = true"),
-    (["codec.topk_density=0.1"], "codec.topk_density = 0.1 needs codec.kind = randk"),
+    (["codec.topk_density=0.1"], "codec.topk_density = 0.1 needs codec.kind = randk or topk"),
     (["codec.kind='randk'", "codec.topk_density=0"], "codec.topk_density = 0: Input should"),
     (["codec.error_feedback=true", "codec.error_decay=0"], "codec.error_decay = 0: Input"),
-    (["codec.kind='topk'"], "codec.kind = 'topk': Input should be 'dense' or 'randk'"),
+    (["codec.kind='sparse'"], "codec.kind = 'sparse': Input should be 'dense', 'randk' or"),
+    (["codec.kind='topk'", "codec.topk_density=1.5"], "codec.topk_density = 1.5: Input"),
+    (["codec.kind='topk'", "aggregator.name='trimmed_mean'"],
+     "codec.kind = topk with aggregator.name = trimmed_mean"),
+    (["codec.kind='topk'", "aggregator.name='centered_clip'"],
+     "codec.kind = topk with aggregator.name = centered_clip"),
+    (["codec.kind='topk'", "network.chunk_numel=5000"],
+     "codec.kind = topk with network.chunk_numel = 5000: must be a multiple of 4096"),
+    (["codec.kind='topk'", "dist.nproc=2"], "codec.kind = topk with dist.nproc = 2"),
     (["codec.name='int2'", "codec.block_size=6"], "codec.block_size = 6: must be a multiple "
                                                   "of 4 for int2"),
     (["codec.name='sign1'", "codec.block_size=12"], "codec.block_size = 12: must be a "
@@ -134,6 +142,10 @@ def test_sparse_and_error_feedback_settings_load_and_survive_a_dump():
         "codec.error_feedback=true", "codec.error_decay=0.95"]))
     assert (cfg.codec.kind, cfg.codec.topk_density, cfg.codec.error_decay) == \
         ("randk", 0.01, 0.95)
+    top = load_config(overrides=parse_overrides([
+        "codec.name='int2'", "codec.kind='topk'", "codec.topk_density=0.0156"]))
+    assert top.codec.wire_name == "topk64_int2" and cfg.codec.wire_name == "int2"
+    assert load_config(overrides=top.model_dump()) == top
     dense = load_config()
     assert load_config(overrides=dense.model_dump()) == dense  # a dump sets every field
     assert load_config(overrides=cfg.model_dump()) == cfg

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilonode.algo.codecs import get_codec
+from dilonode.algo.codecs import get_codec, part_align
 from dilonode.algo.error_feedback import carried, merge_keeping, remainder
 from dilonode.algo.sparse import gather, scatter, shared_positions
 from dilonode.train.checkpoint import load_checkpoint, save_checkpoint
@@ -93,7 +93,8 @@ def _worker(tmp_path, **codec):
     from dilonode.train.worker import Worker
 
     cfg = nano_config(tmp_path, total_steps=12, codec=codec)
-    group = LocalGroup(1, get_codec(cfg.codec.name, cfg.codec.block_size))
+    c = get_codec(cfg.codec.wire_name, cfg.codec.block_size)
+    group = LocalGroup(1, c, align=part_align(c, cfg.codec.block_size))
     return cfg, Worker(cfg, load_data(cfg.data), group.view(0), identity=0)
 
 
@@ -132,14 +133,37 @@ def test_the_residual_is_checkpointed_and_a_peer_state_resets_it(tmp_path):
 
 
 class _Recording:
-    """A collective view that records the length of every contribution it is given."""
+    """A collective view that records every contribution it is given, in order and by
+    (fragment, round)."""
 
     def __init__(self, inner):
-        self.inner, self.sizes = inner, []
+        self.inner, self.sizes, self.sent, self.by_round = inner, [], [], {}
 
     def begin(self, request, flat, **kw):
         self.sizes.append((request.key.fragment, request.key.round, flat.numel()))
+        self.sent.append(flat.clone())
+        self.by_round[(request.key.fragment, request.key.round)] = self.sent[-1]
         return self.inner.begin(request, flat, **kw)
+
+
+def test_a_topk_round_keeps_what_its_own_topk_did_not_carry(tmp_path):
+    """codec.kind = topk hands the collective the whole owed vector; the residual is what
+    the node's own top-k encoding of it left out (and rounded), times the decay."""
+    _, w = _worker(tmp_path, name="int2", kind="topk", topk_density=0.05,
+                   error_feedback=True, error_decay=0.9)
+    codec = get_codec("topk205_int2", 64)  # ceil(0.05 * 4096) of each chunk
+    w.collective = rec = _Recording(w.collective)
+    w.end_step = 12
+    while not rec.sent:
+        w.train_step()
+        w.launch()
+    p, _, n = rec.sizes[0]
+    f = w.frags[p]
+    assert n == f.outer.weights.numel()  # dense: the codec sparsifies on the wire
+    expected = remainder(rec.sent[0], carried(codec, rec.sent[0]), 0.9)
+    assert torch.equal(f.residual, expected) and expected.abs().sum() > 0
+    sent = carried(codec, rec.sent[0])
+    assert int((sent != 0).sum()) <= 205 * -(-n // 4096)
 
 
 def test_a_sparse_round_hands_the_collective_only_its_values(tmp_path):
@@ -156,17 +180,6 @@ def test_a_sparse_round_hands_the_collective_only_its_values(tmp_path):
     assert all(f.sparse_positions is None for f in w.frags)  # every round landed
 
 
-class _Values:
-    """A collective view that records every contribution it is given."""
-
-    def __init__(self, inner):
-        self.inner, self.sent = inner, {}
-
-    def begin(self, request, flat, **kw):
-        self.sent[(request.key.fragment, request.key.round)] = flat.clone()
-        return self.inner.begin(request, flat, **kw)
-
-
 def test_the_worker_sends_a_value_left_out_once_as_it_was_moved(tmp_path):
     # The daemon's and the simulator's path: train, then rounds with no training between
     # them, alpha 0.5. A value sent for the first time rounds later is what the inner
@@ -179,7 +192,7 @@ def test_the_worker_sends_a_value_left_out_once_as_it_was_moved(tmp_path):
     for _ in range(3):
         w.train_step()
     moved = [f.outer.weights - w.ranks.local_flat(f.index, f.params) for f in w.frags]
-    w.collective = rec = _Values(w.collective)
+    w.collective = rec = _Recording(w.collective)
     rounds = 12
     for r in range(rounds):
         for p in range(len(w.frags)):
@@ -191,7 +204,7 @@ def test_the_worker_sends_a_value_left_out_once_as_it_was_moved(tmp_path):
         first = torch.zeros(n, dtype=torch.bool)
         for r in range(rounds):
             pos = shared_positions(cfg.seed, f.index, r, n, density)
-            sent = scatter(rec.sent[(f.index, r)], pos, n)
+            sent = scatter(rec.by_round[(f.index, r)], pos, n)
             new = torch.zeros(n, dtype=torch.bool)
             new[pos] = ~first[pos]
             assert torch.allclose(sent[new], moved[f.index][new], atol=1e-6), (f.index, r)

@@ -7,7 +7,7 @@ test. Inputs are mutations of the golden vectors in protocol/vectors/ (so most c
 deep into validation) plus raw garbage. Size caps are checked to hold before allocation.
 
 Cases per run (>= 10,000 in total, ~30 s on one shared core): frames 3000, message bodies
-2500, message fields 1500, payloads 2000, records 1200, rounds 300.
+2500, message fields 1500, payloads 2000, top-k payloads 400, records 1200, rounds 300.
 """
 
 from __future__ import annotations
@@ -141,8 +141,10 @@ def _small_block(per: int) -> int:
     return per * max(1, 16 // per // per)
 
 
+# Top-k over a few value codecs: offsets (k small) and bitmaps (k = the whole chunk).
+_TOPK = [("topk64_int2", 4), ("topk4096_int4", 2), ("topk300_float16", 1)]
 _CODECS = [(name, 64 if name in FLOAT_CODEC_NAMES else _small_block(CODECS[name].codes_per_byte))
-           for name in CODEC_NAMES] + [("int4", 64)]
+           for name in CODEC_NAMES] + [("int4", 64)] + _TOPK
 
 
 @settings(FUZZ, max_examples=2000)
@@ -164,6 +166,28 @@ def test_codec_decode_accepts_or_rejects_cleanly(which: tuple[str, int], numel: 
         assert str(exc) and "\n" not in str(exc)
         return
     assert values.dtype == torch.float32 and values.shape == (numel,)
+
+
+@settings(FUZZ, max_examples=400)
+@given(which=st.sampled_from(_TOPK), numel=st.integers(1, 9000), seed=st.integers(0, 2**16),
+       edits=st.lists(st.tuples(st.integers(0, 2**20), st.integers(0, 255)), min_size=1,
+                      max_size=4))
+def test_topk_decode_of_edited_encodings_is_clean(which: tuple[str, int], numel: int,
+                                                  seed: int, edits: list[tuple[int, int]]
+                                                  ) -> None:
+    """Valid top-k encodings with a few bytes set: positions and values alike."""
+    codec = get_codec(*which)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    data, meta = codec.encode(x)
+    raw = bytearray(data)
+    for pos, value in edits:
+        raw[pos % len(raw)] = value
+    try:
+        values = codec.decode(bytes(raw), meta)
+    except CodecError as exc:
+        assert str(exc) and "\n" not in str(exc)
+        return
+    assert values.shape == (numel,) and bool(torch.isfinite(values).all())
 
 
 RUN = "fuzz-run"

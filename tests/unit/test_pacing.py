@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dilonode.algo.pacing import (
+    RETUNE_MAX_FACTOR,
     StepPacer,
     SwarmClock,
     TimePacer,
@@ -322,11 +323,31 @@ def test_retune_without_step_times_never_goes_faster_than_the_clock_started():
 
 
 def test_retune_stays_within_the_round_period_bounds():
-    clock = SwarmClock(0.0, 1.0)
+    clock = SwarmClock(0.0, 0.5)
     # The fastest node steps at 1 ms: rounds would come every 30 ms, below min_round_s.
     assert _retune(clock, latencies=[0.01], steps=[0.001]) == pytest.approx(LO / H)
-    # Links so slow that rounds would come every 2 h: capped at max_round_s.
-    assert _retune(clock, latencies=[3600.0]) == pytest.approx(HI / H)
+    # Links so slow that rounds would come every 2 h: capped at max_round_s (reached an
+    # epoch at a time, each at most RETUNE_MAX_FACTOR slower).
+    rates = [clock.current_step_seconds]
+    while (rate := _retune(clock, latencies=[3600.0])) is not None:
+        clock = clock.with_epoch(40.0 * len(rates), rate)
+        rates.append(rate)
+    assert rates[-1] == pytest.approx(HI / H) and len(rates) == 5
+
+
+def test_one_retune_changes_the_rate_at_most_four_times_either_way():
+    clock = SwarmClock(0.0, 0.2).with_epoch(40.0, 1.083)
+    # A latency of 234 s (a round that waited out a state fetch) would call for 15.6 s
+    # a reference step, 14x slower: one retune goes 4x.
+    assert _retune(clock, latencies=[233.8], steps=[1.0]) == \
+        pytest.approx(1.083 * RETUNE_MAX_FACTOR)
+    assert RETUNE_MAX_FACTOR == 4.0
+    # The nodes turn out 5x faster than the clock: it speeds up 4x, then the rest at the
+    # next retune.
+    faster = _retune(clock, latencies=[0.6], steps=[0.2])
+    assert faster == pytest.approx(1.083 / RETUNE_MAX_FACTOR)
+    assert _retune(clock.with_epoch(80.0, faster), latencies=[0.6], steps=[0.2]) == \
+        pytest.approx(0.2)
 
 
 def test_time_pacer_lead_is_in_reference_steps_at_the_current_rate():

@@ -54,6 +54,10 @@ def test_rows_are_named_by_codec_density_and_error_feedback(monkeypatch) -> None
     assert methods.codec_overrides(sparse, 64) == {
         "name": "int2", "block_size": 64, "kind": "randk", "topk_density": 0.0156,
         "error_feedback": True}
+    top = quality.row("s-int2-top1.56-ef-a0.5")
+    assert (top.sparsity, top.density, top.label) == (
+        "topk", 0.0156, "Streaming int2, top-k 1.56%, EF, alpha 0.5")
+    assert methods.codec_overrides(top, 64)["kind"] == "topk"
     # Rows run what they say or not at all: a config field without its algorithm is refused.
     monkeypatch.setattr(methods.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="error_feedback.py, which this build lacks"):
@@ -62,7 +66,10 @@ def test_rows_are_named_by_codec_density_and_error_feedback(monkeypatch) -> None
     assert quality.bits_per_value("s-int4-a0.5", 64) == 4.5  # 4 bits + a float32 per 64
     # rand-k 1.56%: 64 of every 4096 values, each int2 (2 bits + a float32 per 64).
     assert quality.bits_per_value("s-int2-rand1.56-ef-a0.5", 64) == 64 * 2.5 / 4096
+    # top-k 1.56%: per chunk of 4096, 64 uint16 offsets, then 64 int2 values and a scale.
+    assert quality.bits_per_value("s-int2-top1.56-ef-a0.5", 64) == (128 + 16 + 4) * 8 / 4096
     frontier = quality.frontier_rows()
+    assert "s-int2-top3-ef-a0.5" in frontier
     assert frontier[:2] == ["diloco-fp32", "s-int4-a0.5"] and frontier[-1] == "ddp"
     assert quality.parse_args(["--methods", "s-fp*,ddp"]).rows == [
         "s-fp32-a0.5", "s-fp4-a0.5", "s-fp32-a0", "s-fp4-a0", "ddp"]

@@ -45,11 +45,13 @@ def _encode(x: torch.Tensor, codec: str = "int4", piece: int = 1000) -> EncodedR
                                                for a in range(0, x.numel(), piece)])
 
 
-@pytest.mark.parametrize("codec", ["int4", "int8", "float32"])
+@pytest.mark.parametrize("codec", ["int4", "int8", "float32", "topk64_int2"])
 def test_a_rounds_encoded_result_decodes_to_its_result_on_every_member(codec):
+    # (top-k rounds cut their chunks at multiples of its 4096-value chunk)
     spec = GroupSpec(run_id="r", fragment=0, round=3, members=("a", "b", "c"),
-                     weights=(1.0, 2.0, 1.0), numel=5000, codec=codec, block_size=64,
-                     chunk_numel=640)
+                     weights=(1.0, 2.0, 1.0), numel=5000 if "topk" not in codec else 20000,
+                     codec=codec, block_size=64,
+                     chunk_numel=640 if "topk" not in codec else 4096)
     gen = torch.Generator().manual_seed(0)
     rounds = [AllReduceRound(spec, i, torch.randn(spec.numel, generator=gen), timeout=30.0,
                              keep_encoded=True) for i in range(spec.size)]

@@ -69,7 +69,7 @@ def reference(spec: GroupSpec, xs: list[torch.Tensor]) -> torch.Tensor:
         return codec.decode(*codec.encode(t))
 
     out = torch.empty(spec.numel)
-    for start, end in part_bounds(spec.numel, spec.weights, align=spec.block_size):
+    for start, end in part_bounds(spec.numel, spec.weights, align=spec.align):
         for a in range(start, end, spec.chunk_numel):
             b = min(a + spec.chunk_numel, end)
             out[a:b] = qd(reduce_mean([qd(x[a:b]) for x in xs]))
@@ -125,6 +125,35 @@ def test_quantized_members_agree_bitwise_and_stay_within_bound(codec: str, n: in
              + sum(max_abs_error_bound(codec_obj, x) for x in xs) / n
              + 1e-6 * true_mean.abs() + 1e-30)
     assert bool(((got.double() - true_mean).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("path", ["host", "torch"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_topk_members_agree_bitwise_with_exact_bytes(n: int, path: str) -> None:
+    """Each member sends its own top-k of every other part; each owner sends back the top-k
+    of its float32 mean: parts and chunks cut at the 4096-value top-k chunks."""
+    spec = make_spec(n, numel=7 * 4096 + 300, codec="topk64_int2", block_size=64,
+                     chunk_numel=2 * 4096, weights=[1.0 + i for i in range(n)])
+    assert all(a % 4096 == 0 for a, _ in spec.parts)
+    xs = make_inputs(spec)
+    rounds = [AllReduceRound(spec, i, x, timeout=TIMEOUT, data_path=path)
+              for i, x in enumerate(xs)]
+    MemNet(rounds, None, start=100.0).run()
+    expected = reference(spec, xs)
+    codec = spec.codec_obj
+    for i, r in enumerate(rounds):
+        assert r.state is RoundState.DONE and torch.equal(r.result, expected)
+        assert r.digest == rounds[0].digest == result_digest(expected, spec)
+        mine = spec.parts[i]
+        own, others = [0], [0]
+        for j, (a, b) in enumerate(spec.parts):
+            for c in range(a, b, spec.chunk_numel):
+                size = codec.encoded_size(min(spec.chunk_numel, b - c))
+                (own if j == i else others)[0] += size
+        assert r.payload_bytes_sent == others[0] + (n - 1) * own[0], mine
+    # At most k = 64 values of each 4096 survive the owners' re-sparsified means.
+    counts = (expected[:7 * 4096].view(7, 4096) != 0).sum(dim=1)
+    assert int(counts.max()) <= 64
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -116,3 +116,9 @@ def test_robust_aggregation_runs_on_the_shared_positions():
                              "error_feedback": True})
     report = simulate(cfg)
     assert report.workers_agree and math.isfinite(report.final_eval_loss)
+
+
+def test_the_config_checks_topk_chunks_against_the_chunk_rounds_use():
+    from dilonode import config
+
+    assert config._TOPK_CHUNK == SPARSE_CHUNK
