@@ -11,6 +11,7 @@ CLI with `time.sleep` routed through `select` (the same wait), nothing else chan
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -78,7 +79,10 @@ def test_nodes_minutes_apart_train_one_model_and_an_hours_off_one_stops(tmp_path
     # end-of-run round of each), none alone.
     assert all(s["rounds_with_peers"] >= 12 for s in summaries.values()), \
         {n: s["rounds_with_peers"] for n, s in summaries.items()}
+    # The measured offset is exact to within half the shortest ping's round trip, which
+    # the suite's own load stretches to tens of milliseconds.
     for name, offset in SKEW.items():
         log = (tmp_path / name / "stderr.log").read_text()
-        seconds = int(offset.rstrip("s"))
-        assert f"this host's clock is {seconds:+.2f} s off" in log, name
+        found = re.findall(r"this host's clock is ([+-]\d+\.\d+) s off", log)
+        assert len(found) == 1, (name, [line for line in log.splitlines() if "clock" in line])
+        assert abs(float(found[0]) - int(offset.rstrip("s"))) < 0.25, (name, found[0])
