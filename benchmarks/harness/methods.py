@@ -4,8 +4,11 @@ alike, `codec.kind = randk`; top-k: each node's largest values with their positi
 `codec.kind = topk`) and error feedback.
 
 Keys: `ddp`, `diloco-fp32`, and Streaming DiLoCo as
-`s-<codec>[-rand<percent kept>|-top<percent kept>][-ef]-a<alpha>` ("fp32" for float32),
-e.g. `s-int2-rand1.56-ef-a0.5`, `s-int2-top1.56-ef-a0.5`. `row` parses one and refuses, in one
+`s-<codec>[-rand<percent kept>|-top<percent kept>][-ef[-b<decay>]][-m<outer momentum>]
+[-o<outer lr>]-a<alpha>` ("fp32" for float32), e.g. `s-int2-rand1.56-ef-a0.5`,
+`s-int2-top1.56-ef-a0.5`; SparseLoCo's recipe (error decay 0.95 and an outer step without
+momentum at lr 1) is `s-int2-top1.56-ef-b0.95-m0-o1-a0.5`. Parts left out are the
+config's defaults. `row` parses one and refuses, in one
 line, a codec or codec option this build does not have; `codec_overrides` is its `codec`
 section of a config. Shared by `benchmarks.sim.quality` and `benchmarks.testbed.wan`.
 """
@@ -18,8 +21,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["FRONTIER_DENSITIES", "QUALITY", "Row", "codec_overrides", "frontier_rows",
-           "label", "row"]
+__all__ = ["FRONTIER_DENSITIES", "QUALITY", "Row", "codec_overrides", "diloco_overrides",
+           "frontier_rows", "label", "row"]
 
 FP32 = "float32"
 
@@ -37,11 +40,18 @@ class Row:
     density: float | None = None  # None: every value is sent
     error_feedback: bool = False
     sparsity: str = "randk"  # codec.kind of a row with a density: randk or topk
+    error_decay: float | None = None  # None: the config's default
+    outer_momentum: float | None = None
+    outer_lr: float | None = None
 
 
-# Streaming rows: s-<codec>[-rand<pct>|-top<pct>][-ef]-a<alpha>, "fp32" for float32.
-_STREAMING_KEY = re.compile(r"s-(?P<codec>[a-z0-9]+)(?:-(?P<sparse>rand|top)(?P<pct>[0-9.]+))?"
-                            r"(?P<ef>-ef)?-a(?P<alpha>[0-9.]+)")
+# Streaming rows (module docstring), "fp32" for float32.
+_NUMBER = r"[0-9]+(?:\.[0-9]+)?"
+_STREAMING_KEY = re.compile(rf"s-(?P<codec>[a-z0-9]+)(?:-(?P<sparse>rand|top)(?P<pct>{_NUMBER}))?"
+                            rf"(?:(?P<ef>-ef)(?:-b(?P<decay>{_NUMBER}))?)?"
+                            rf"(?:-m(?P<momentum>{_NUMBER}))?(?:-o(?P<outer_lr>{_NUMBER}))?"
+                            rf"-a(?P<alpha>{_NUMBER})")
+_FORM = "s-<codec>[-rand<percent>|-top<percent>][-ef[-b<decay>]][-m<momentum>][-o<lr>]-a<alpha>"
 _SPARSITY = {"rand": ("randk", "rand-k", "sparse"), "top": ("topk", "top-k", "topk_codec")}
 _FIXED = {"ddp": Row("ddp", "DDP (fp32, every step)", "ddp", FP32, None),
           "diloco-fp32": Row("diloco-fp32", "DiLoCo (fp32)", "diloco", FP32, None)}
@@ -57,8 +67,7 @@ def row(key: str) -> Row:
 
     m = _STREAMING_KEY.fullmatch(key)
     if m is None:
-        raise ValueError(f"unknown row {key!r}: expected ddp, diloco-fp32 or "
-                         "s-<codec>[-rand<percent>|-top<percent>][-ef]-a<alpha>")
+        raise ValueError(f"unknown row {key!r}: expected ddp, diloco-fp32 or {_FORM}")
     codec = FP32 if m["codec"] == "fp32" else m["codec"]
     if codec not in CODECS:
         raise ValueError(f"row {key!r}: codec {codec!r} is not in the codec table "
@@ -79,10 +88,20 @@ def row(key: str) -> Row:
             raise ValueError(f"row {key!r} needs codec.{option} and dilonode/algo/"
                              f"{module}.py, which this build lacks")
     alpha = float(m["alpha"])
+    decay, momentum, outer_lr = (None if m[k] is None else float(m[k])
+                                 for k in ("decay", "momentum", "outer_lr"))
+    if decay is not None and not 0 < decay <= 1:
+        raise ValueError(f"row {key!r}: error decay must be in (0, 1]")
+    if momentum is not None and not momentum < 1:
+        raise ValueError(f"row {key!r}: outer momentum must be below 1")
     name = "fp32" if codec == FP32 else codec
     label = (f"Streaming {name}" + (f", {what} {m['pct']}%" if density else "")
-             + (", EF" if m["ef"] else "") + f", alpha {m['alpha']}")
-    return Row(key, label, "streaming", codec, alpha, density, bool(m["ef"]), kind)
+             + (", EF" if m["ef"] else "") + (f" beta {m['decay']}" if decay else "")
+             + (f", outer momentum {m['momentum']}" if momentum is not None else "")
+             + (f", outer lr {m['outer_lr']}" if outer_lr is not None else "")
+             + f", alpha {m['alpha']}")
+    return Row(key, label, "streaming", codec, alpha, density, bool(m["ef"]), kind,
+               decay, momentum, outer_lr)
 
 
 # The rows of the quality report: DDP, DiLoCo and Streaming at 32 and 4 bits.
@@ -129,4 +148,16 @@ def codec_overrides(r: Row, block_size: int) -> dict[str, Any]:
         codec |= {"kind": r.sparsity, "topk_density": r.density}
     if r.error_feedback:
         codec |= {"error_feedback": True}
+    if r.error_decay is not None:
+        codec |= {"error_decay": r.error_decay}
     return codec
+
+
+def diloco_overrides(r: Row) -> dict[str, Any]:
+    """The outer-step settings a row names (none: the config's defaults)."""
+    out: dict[str, Any] = {}
+    if r.outer_momentum is not None:
+        out["outer_momentum"] = r.outer_momentum
+    if r.outer_lr is not None:
+        out["outer_lr"] = r.outer_lr
+    return out

@@ -55,6 +55,7 @@ from benchmarks.harness.args import floats, ints, names
 from benchmarks.harness.methods import (
     QUALITY,
     codec_overrides,
+    diloco_overrides,
     frontier_rows,
     label,
     row,
@@ -78,6 +79,7 @@ def overrides(args: argparse.Namespace, key: str, lr: float, seed: int) -> dict[
     if r.mode == "streaming":
         diloco |= {"num_fragments": args.fragments, "fragment_sync_delay": args.tau,
                    "fragment_update_alpha": r.alpha}
+        diloco |= diloco_overrides(r)
     codec = codec_overrides(r, args.block_size)
     return {
         "seed": seed, "total_steps": args.steps, "eval_every": args.eval_every, "device": "cpu",

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.args import floats, names
-from benchmarks.harness.methods import codec_overrides, row
+from benchmarks.harness.methods import codec_overrides, diloco_overrides, row
 from benchmarks.harness.options import add_tcp_congestion, tcp_congestion
 from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
@@ -51,7 +51,8 @@ def run_config(args: argparse.Namespace, rate: float, codec: str = "int4") -> An
         "device": "cpu", "model": MODEL,
         "data": {"seq_len": 32, "batch_size": 1, "eval_batches": 1},
         "diloco": {"mode": "streaming", "sync_every": args.sync_every,
-                   "num_fragments": args.fragments, "fragment_sync_delay": 1},
+                   "num_fragments": args.fragments, "fragment_sync_delay": 1,
+                   **diloco_overrides(row(f"s-{codec}-a0.5"))},
         "codec": codec_overrides(row(f"s-{codec}-a0.5"), 64),
         # A window that outlasts the peers' drift (see benchmarks/testbed/wan.py).
         "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 45.0,

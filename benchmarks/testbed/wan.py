@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.args import chosen, floats, names
-from benchmarks.harness.methods import codec_overrides, row
+from benchmarks.harness.methods import codec_overrides, diloco_overrides, row
 from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
 from testbed.hosts import swarm_on_testbed, unavailable_reason
@@ -40,7 +40,8 @@ RUNS = {
     "streaming": lambda a: {"diloco": {"mode": "streaming", "sync_every": a.sync_every,
                                        "num_fragments": a.fragments,
                                        "fragment_sync_delay": a.tau,
-                                       "fragment_update_alpha": 0.5},
+                                       "fragment_update_alpha": 0.5,
+                                       **diloco_overrides(row(f"s-{a.codec}-a0.5"))},
                             "codec": codec_overrides(row(f"s-{a.codec}-a0.5"),
                                                      a.block_size)},
     "diloco": lambda a: {"diloco": {"mode": "diloco", "sync_every": a.sync_every},

@@ -77,6 +77,25 @@ def test_rows_are_named_by_codec_density_and_error_feedback(monkeypatch) -> None
         quality.parse_args(["--methods", "s-zz*"])
 
 
+def test_a_row_names_its_error_decay_and_outer_step(tmp_path: Path) -> None:
+    sl = quality.row("s-int2-top1.56-ef-b0.95-m0-o1-a0.5")  # SparseLoCo's recipe
+    assert (sl.error_decay, sl.outer_momentum, sl.outer_lr, sl.alpha) == (0.95, 0.0, 1.0, 0.5)
+    assert sl.label == ("Streaming int2, top-k 1.56%, EF beta 0.95, outer momentum 0, "
+                        "outer lr 1, alpha 0.5")
+    assert methods.codec_overrides(sl, 64)["error_decay"] == 0.95
+    args = quality.parse_args([])
+    cfg = quality.overrides(args, sl.key, 3.75e-4, 0)
+    assert (cfg["diloco"]["outer_momentum"], cfg["diloco"]["outer_lr"]) == (0.0, 1.0)
+    # Parts left out stay out of the config: runs recorded before them still match.
+    plain = quality.overrides(args, "s-int2-top1.56-ef-a0.5", 3.75e-4, 0)
+    assert "outer_lr" not in plain["diloco"] and "error_decay" not in plain["codec"]
+    for bad, words in (("s-int2-top1.56-b0.9-a0.5", "unknown row"),  # a decay needs EF
+                       ("s-int2-ef-b0-a0.5", "error decay"),
+                       ("s-int2-m1-a0.5", "outer momentum")):
+        with pytest.raises(ValueError, match=words):
+            quality.row(bad)
+
+
 def test_each_row_keeps_its_own_lr_and_no_run_summarizes(tmp_path: Path, capsys) -> None:
     out, png = tmp_path / "f.json", tmp_path / "f.png"
     quality.main([*NANO, "--seed-list", "0", "--lrs", "1e-3,4e-3",
