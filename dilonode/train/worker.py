@@ -37,7 +37,7 @@ from torch import nn
 
 from dilonode.algo.chain import chain_start
 from dilonode.algo.fragments import assign_fragments, flatten, unflatten_into
-from dilonode.algo.outer import NonFiniteError, OuterState, merge, pseudo_gradient
+from dilonode.algo.outer import NonFiniteError, OuterState, pseudo_gradient
 from dilonode.algo.pacing import (
     Pacer,
     StepPacer,
@@ -639,7 +639,9 @@ class Worker:
             self.trace.append({"step": self.step, "event": "mix", "fragment": f.index,
                                "round": r, "group": result.report.group_size})
         f.adopt_mixed(result.mean, result.digest or _values_digest(result.mean))
-        merged = merge(flatten(f.params), f.outer.weights, self.algo.fragment_update_alpha)
+        # A mix averages outer states, not pseudo-gradients: what the node owes stays owed.
+        merged = self.contributions.merged(f, flatten(f.params), f.outer.weights,
+                                           self.algo.fragment_update_alpha)
         unflatten_into(merged, f.params)
 
     # -- state (checkpoints, joiners) ----------------------------------------------------

@@ -224,3 +224,31 @@ def test_the_config_digest_counts_the_new_codec_fields_only_off_their_defaults()
     for codec in ({"error_feedback": True}, {"kind": "randk"},
                   {"kind": "randk", "topk_density": 0.1}):
         assert config_digest(nano_config(None, codec=codec)) != plain, codec
+
+
+def test_an_end_of_run_mix_keeps_what_the_node_still_owes(tmp_path):
+    # A mixing round averages outer states, not pseudo-gradients: the residual stays owed,
+    # and the local weights still hold it off the mixed global weights.
+    from types import SimpleNamespace
+
+    from dilonode.algo.mixing import pack_state
+
+    _, w = _worker(tmp_path, name="int2", kind="randk", topk_density=0.2,
+                   error_feedback=True, error_decay=0.9)
+    _train(w, 12)
+    w.drain()
+    f = w.frags[0]
+    owed = f.residual.clone()
+    assert owed.abs().sum() > 0
+    mixed = f.outer.weights + 0.01  # the group's mean state
+    result = SimpleNamespace(
+        mean=pack_state(mixed, f.outer.momentum_buf.clone()), digest="mixed",
+        report=SimpleNamespace(payload_bytes_sent=0, payload_bytes_received=0, group_size=2))
+    before = w.ranks.local_flat(f.index, f.params).clone()
+    w._land_mix(f, 12, result)
+    assert torch.equal(f.outer.weights, mixed) and torch.equal(f.residual, owed)
+    local = w.ranks.local_flat(f.index, f.params)
+    alpha = w.algo.fragment_update_alpha
+    assert torch.allclose(local, merge_keeping(before, mixed, alpha, owed, 0.9), atol=1e-6)
+    plain = alpha * before + (1 - alpha) * mixed  # would owe part of it again
+    assert not torch.allclose(local, plain, atol=1e-6)
