@@ -5,12 +5,13 @@ alike, `codec.kind = randk`; top-k: each node's largest values with their positi
 
 Keys: `ddp`, `diloco-fp32`, and Streaming DiLoCo as
 `s-<codec>[-rand<percent kept>|-top<percent kept>][-ef[-b<decay>]][-m<outer momentum>]
-[-o<outer lr>]-a<alpha>` ("fp32" for float32), e.g. `s-int2-rand1.56-ef-a0.5`,
+[-o<outer lr>][-h<H>]-a<alpha>` ("fp32" for float32), e.g. `s-int2-rand1.56-ef-a0.5`,
 `s-int2-top1.56-ef-a0.5`; SparseLoCo's recipe (error decay 0.95 and an outer step without
-momentum at lr 1) is `s-int2-top1.56-ef-b0.95-m0-o1-a0.5`. Parts left out are the
-config's defaults. `row` parses one and refuses, in one
-line, a codec or codec option this build does not have; `codec_overrides` is its `codec`
-section of a config. Shared by `benchmarks.sim.quality` and `benchmarks.testbed.wan`.
+momentum at lr 1) is `s-int2-top1.56-ef-b0.95-m0-o1-a0.5`, and `-h25` syncs every 25 steps
+instead of the benchmark's H. Parts left out are the benchmark's settings. `row` parses one
+and refuses, in one line, a codec or codec option this build does not have;
+`codec_overrides` and `diloco_overrides` are its `codec` and `diloco` sections of a config.
+Shared by `benchmarks.sim.quality` and `benchmarks.testbed.{wan,join}`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Row:
     error_decay: float | None = None  # None: the config's default
     outer_momentum: float | None = None
     outer_lr: float | None = None
+    sync_every: int | None = None  # None: the benchmark's H
 
 
 # Streaming rows (module docstring), "fp32" for float32.
@@ -50,8 +52,9 @@ _NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 _STREAMING_KEY = re.compile(rf"s-(?P<codec>[a-z0-9]+)(?:-(?P<sparse>rand|top)(?P<pct>{_NUMBER}))?"
                             rf"(?:(?P<ef>-ef)(?:-b(?P<decay>{_NUMBER}))?)?"
                             rf"(?:-m(?P<momentum>{_NUMBER}))?(?:-o(?P<outer_lr>{_NUMBER}))?"
-                            rf"-a(?P<alpha>{_NUMBER})")
-_FORM = "s-<codec>[-rand<percent>|-top<percent>][-ef[-b<decay>]][-m<momentum>][-o<lr>]-a<alpha>"
+                            rf"(?:-h(?P<h>[0-9]+))?-a(?P<alpha>{_NUMBER})")
+_FORM = ("s-<codec>[-rand<percent>|-top<percent>][-ef[-b<decay>]][-m<momentum>][-o<lr>][-h<H>]"
+         "-a<alpha>")
 _SPARSITY = {"rand": ("randk", "rand-k", "sparse"), "top": ("topk", "top-k", "topk_codec")}
 _FIXED = {"ddp": Row("ddp", "DDP (fp32, every step)", "ddp", FP32, None),
           "diloco-fp32": Row("diloco-fp32", "DiLoCo (fp32)", "diloco", FP32, None)}
@@ -94,14 +97,18 @@ def row(key: str) -> Row:
         raise ValueError(f"row {key!r}: error decay must be in (0, 1]")
     if momentum is not None and not momentum < 1:
         raise ValueError(f"row {key!r}: outer momentum must be below 1")
+    sync_every = None if m["h"] is None else int(m["h"])
+    if sync_every is not None and sync_every < 1:
+        raise ValueError(f"row {key!r}: H must be at least 1")
     name = "fp32" if codec == FP32 else codec
     label = (f"Streaming {name}" + (f", {what} {m['pct']}%" if density else "")
              + (", EF" if m["ef"] else "") + (f" beta {m['decay']}" if decay else "")
              + (f", outer momentum {m['momentum']}" if momentum is not None else "")
              + (f", outer lr {m['outer_lr']}" if outer_lr is not None else "")
+             + (f", H {sync_every}" if sync_every is not None else "")
              + f", alpha {m['alpha']}")
     return Row(key, label, "streaming", codec, alpha, density, bool(m["ef"]), kind,
-               decay, momentum, outer_lr)
+               decay, momentum, outer_lr, sync_every)
 
 
 # The rows of the quality report: DDP, DiLoCo and Streaming at 32 and 4 bits.
@@ -154,8 +161,10 @@ def codec_overrides(r: Row, block_size: int) -> dict[str, Any]:
 
 
 def diloco_overrides(r: Row) -> dict[str, Any]:
-    """The outer-step settings a row names (none: the config's defaults)."""
+    """The outer-step settings a row names (none: the benchmark's or the config's)."""
     out: dict[str, Any] = {}
+    if r.sync_every is not None:
+        out["sync_every"] = r.sync_every
     if r.outer_momentum is not None:
         out["outer_momentum"] = r.outer_momentum
     if r.outer_lr is not None:

@@ -28,8 +28,9 @@ def _color(key: str) -> str:
         return "black"
     if key == REFERENCE:
         return "tab:blue"
-    for part, color in (("-rand", "tab:purple"), ("sign1", "tab:brown"), ("int2", "tab:red"),
-                        ("int4", "tab:orange"), ("fp4", "tab:pink"), ("fp32", "tab:green")):
+    for part, color in (("-rand", "tab:purple"), ("-top", "tab:olive"), ("sign1", "tab:brown"),
+                        ("int2", "tab:red"), ("int4", "tab:orange"), ("fp4", "tab:pink"),
+                        ("fp32", "tab:green")):
         if part in key:
             return color
     return "gray"

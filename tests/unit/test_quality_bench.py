@@ -89,7 +89,11 @@ def test_a_row_names_its_error_decay_and_outer_step(tmp_path: Path) -> None:
     # Parts left out stay out of the config: runs recorded before them still match.
     plain = quality.overrides(args, "s-int2-top1.56-ef-a0.5", 3.75e-4, 0)
     assert "outer_lr" not in plain["diloco"] and "error_decay" not in plain["codec"]
+    h25 = quality.overrides(args, "s-int2-top3-h25-a0.5", 3.75e-4, 0)
+    assert h25["diloco"]["sync_every"] == 25 and plain["diloco"]["sync_every"] == 50
+    assert quality.row("s-int2-top3-h25-a0.5").label == "Streaming int2, top-k 3%, H 25, alpha 0.5"
     for bad, words in (("s-int2-top1.56-b0.9-a0.5", "unknown row"),  # a decay needs EF
+                       ("s-int2-h0-a0.5", "H must be"),
                        ("s-int2-ef-b0-a0.5", "error decay"),
                        ("s-int2-m1-a0.5", "outer momentum")):
         with pytest.raises(ValueError, match=words):
