@@ -45,6 +45,7 @@ MODEL = {"preset": "small", "d_model": 384, "n_heads": 6, "n_layers": 8, "ffn_hi
 
 
 def run_config(args: argparse.Namespace, rate: float, codec: str = "int4") -> Any:
+    r = row(f"s-{codec}-a0.5")
     return load_config(overrides={
         "run_id": f"join-{rate:g}-{codec}".replace(".", "_"), "seed": 0,
         "total_steps": 10**6, "eval_every": 5,
@@ -52,8 +53,8 @@ def run_config(args: argparse.Namespace, rate: float, codec: str = "int4") -> An
         "data": {"seq_len": 32, "batch_size": 1, "eval_batches": 1},
         "diloco": {"mode": "streaming", "sync_every": args.sync_every,
                    "num_fragments": args.fragments, "fragment_sync_delay": 1,
-                   **diloco_overrides(row(f"s-{codec}-a0.5"))},
-        "codec": codec_overrides(row(f"s-{codec}-a0.5"), 64),
+                   **diloco_overrides(r)},
+        "codec": codec_overrides(r, 64),
         # A window that outlasts the peers' drift (see benchmarks/testbed/wan.py).
         "network": {"matchmaking_window": 20.0, "matchmaking_timeout": 45.0,
                     "allreduce_timeout": 60.0, "bandwidth_mbps": rate, "peer_ttl": 60.0,

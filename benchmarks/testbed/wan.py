@@ -36,14 +36,17 @@ from benchmarks.harness.results import save_rows
 from dilonode.config import load_config
 from testbed.hosts import swarm_on_testbed, unavailable_reason
 
+
+def _streaming(a: argparse.Namespace) -> dict[str, Any]:
+    r = row(f"s-{a.codec}-a0.5")
+    return {"diloco": {"mode": "streaming", "sync_every": a.sync_every,
+                       "num_fragments": a.fragments, "fragment_sync_delay": a.tau,
+                       "fragment_update_alpha": 0.5, **diloco_overrides(r)},
+            "codec": codec_overrides(r, a.block_size)}
+
+
 RUNS = {
-    "streaming": lambda a: {"diloco": {"mode": "streaming", "sync_every": a.sync_every,
-                                       "num_fragments": a.fragments,
-                                       "fragment_sync_delay": a.tau,
-                                       "fragment_update_alpha": 0.5,
-                                       **diloco_overrides(row(f"s-{a.codec}-a0.5"))},
-                            "codec": codec_overrides(row(f"s-{a.codec}-a0.5"),
-                                                     a.block_size)},
+    "streaming": _streaming,
     "diloco": lambda a: {"diloco": {"mode": "diloco", "sync_every": a.sync_every},
                          "codec": {"name": "float32"}},
     "ddp": lambda a: {"diloco": {"mode": "ddp"}, "codec": {"name": "float32"},
