@@ -123,6 +123,11 @@ def summarize(name: str, rate: float, nodes: list[dict[str, Any]]) -> dict[str, 
     return {
         "run": name, "rate_mbit": rate, "nodes": len(nodes),
         "steps": nodes[0]["steps"],
+        # Each node's own steps and its seconds blocked: on round results, and between
+        # steps fetching the swarm's state (both count against utilization).
+        "own_steps": [s["steps"] for s in nodes],
+        "sync_wait_s": [round(s["sync_wait_s"], 1) for s in nodes],
+        "catch_up_s": [round(s["catch_up_s"], 1) for s in nodes],
         "utilization_mean": statistics.mean(utils), "utilization_min": min(utils),
         "step_share_mean": statistics.mean(s["step_share"] for s in nodes),
         "s_per_step": statistics.mean(s["wall_s"] / max(s["steps"], 1) for s in nodes),

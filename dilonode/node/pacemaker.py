@@ -17,10 +17,12 @@ import math
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
+from dilonode.algo.codecs import get_codec
 from dilonode.algo.pacing import (
     SwarmClock,
     TimePacer,
     first_round,
+    first_step_seconds,
     link_busy_seconds,
     retune_step_seconds,
 )
@@ -104,10 +106,19 @@ class Pacemaker:
 
         def propose() -> float | None:
             # Measured over a few steps (the first ones include warm-up), unless configured;
-            # never so short that a fragment's rounds come faster than a group can form.
+            # never so short that a fragment's rounds come faster than a group can form, or
+            # than a round is expected to take on our links (`pacing.first_step_seconds`).
             if fixed:
                 return fixed
-            return max(w.pacer.step_s, floor) if w.step >= 5 and w.pacer.step_s else None
+            if w.step < 5 or not w.pacer.step_s:
+                return None
+            links = self._first_links()
+            if links > max(w.pacer.step_s, floor):
+                log.info("swarm clock: %.4g s a reference step for the links (a round "
+                         "expected to take %.1f s at %.3f s a DHT call; our steps take "
+                         "%.4g s)", links, links * a.sync_every / 2.0, self.keeper.dht_call_s,
+                         w.pacer.step_s)
+            return max(w.pacer.step_s, floor, links)
 
         self.keeper = ClockKeeper(dht, cfg.run_id, w.pacer, propose,
                                   frozen=lambda: any(f.next_round or f.pending is not None
@@ -117,6 +128,17 @@ class Pacemaker:
                                   pacemaker=self._is_pacemaker, lead_steps=a.sync_every,
                                   link_unmeasured=lambda: len(w.stats.recent_latency) < 3,
                                   wall=swarm_time.now)
+
+    def _first_links(self) -> float:
+        """`pacing.first_step_seconds` from our DHT reads, the live peers we see, our
+        fragments' encoded size and `network.bandwidth_mbps`."""
+        net = self.cfg.network
+        codec = get_codec(self.cfg.codec.wire_name, self.cfg.codec.block_size)
+        sizes = [codec.encoded_size(sum(p.numel() for p in f.params))
+                 for f in self.worker.frags]
+        peers = len(self._live() | {self.peer_id})
+        return first_step_seconds(self.algo.sync_every, self.keeper.dht_call_s, sizes,
+                                  peers, net.bandwidth_mbps * 1e6 / 8)
 
     def start(self) -> None:
         try:

@@ -28,9 +28,12 @@ class NodeSummary:
     skipped_rounds: int = 0
     retried_rounds: int = 0
     dropped_peers: list[str] = field(default_factory=list)
-    compute_utilization: float = 0.0  # share of wall time not blocked on the network
+    # Share of wall time not blocked on the network: on round results (`sync_wait_s`) or
+    # fetching the swarm's state between steps to catch up (`catch_up_s`).
+    compute_utilization: float = 0.0
     step_share: float = 0.0  # share of wall time inside train_step alone
     sync_wait_s: float = 0.0
+    catch_up_s: float = 0.0
     wall_s: float = 0.0
     outer_digest: str = ""
     stopped_early: bool = False
@@ -85,6 +88,7 @@ class NodeSummary:
             retried_rounds=st.retried,
             dropped_peers=list(st.dropped), compute_utilization=rep.compute_utilization,
             step_share=rep.step_share, sync_wait_s=rep.sync_wait_s,
+            catch_up_s=round(rep.catch_up_s, 3),
             wall_s=rep.wall_s, outer_digest=worker.outer_digest(),
             stopped_early=rep.stopped_early,
             round_latency_s={p: {"n": n, "mean": total / n, "max": worst}

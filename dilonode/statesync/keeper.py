@@ -324,6 +324,7 @@ class StateKeeper:
         # Peers that went alone in the same round are asking us at the same time: serve
         # them directly (nothing is in flight) rather than wait for a step we are not taking.
         self.source.blocked(True)
+        t0 = time.perf_counter()
         try:
             self._recover(worker, thread, peers, dht.credentials, already_visible,
                           same_rounds=same_rounds, prefer=prefer)
@@ -331,6 +332,7 @@ class StateKeeper:
             log.warning("state sync %s failed: %s", when, exc)
         finally:
             self.source.blocked(False)
+            worker.stats.catch_up_s += time.perf_counter() - t0  # training stood still
         return self.recovery is not before
 
     def training(self, on: bool) -> None:

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -123,13 +125,22 @@ class ClockKeeper:
         self.link: LinkRecord | None = None
         self.link_unmeasured = link_unmeasured
         self._link_published_at = float("-inf")
+        self._read_s: deque[float] = deque(maxlen=15)  # our last reads' durations
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def dht_call_s(self) -> float:
+        """The median of our last reads of the clock (s): what one DHT call takes from here
+        (0.0 before the first)."""
+        return statistics.median(self._read_s) if self._read_s else 0.0
 
     # -- one pass (the thread repeats it; tests call it directly) ------------------------
     def read(self, timeout: float = 5.0) -> ClockRecord | None:
         """The standing clock (None when none); notes who paces it (`pacers`)."""
+        t0 = time.monotonic()
         records = read_records(self.dht, clock_key(self.run_id), ClockRecord, timeout)
+        self._read_s.append(time.monotonic() - t0)
         now = self.wall()
         if self._unread_warned:
             log.info("swarm clock: read again after %.0f s", now - self._read_at)

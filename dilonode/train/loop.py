@@ -32,6 +32,7 @@ class LoopReport:
     step_s: float = 0.0  # time inside train_step (forward, backward, inner update)
     sync_s: float = 0.0  # time in launch/land: extraction, outer step, merge and any wait
     sync_wait_s: float = 0.0  # the part of sync_s blocked on a result from the network
+    catch_up_s: float = 0.0  # between steps, fetching the swarm's state (inside hooks)
     wall_s: float = 0.0
     # The training steps' wall time: from the first step to the end of the last one, hooks
     # included, evaluations and the end-of-run rounds not (what tokens/s is measured over).
@@ -47,8 +48,10 @@ class LoopReport:
 
     @property
     def compute_utilization(self) -> float:
-        """Share of wall time the training thread was not blocked waiting on the network."""
-        return 1.0 - self.sync_wait_s / self.wall_s if self.wall_s > 0 else 0.0
+        """Share of wall time the training thread was not blocked on the network: neither
+        waiting on a round's result nor fetching the swarm's state to catch up."""
+        blocked = self.sync_wait_s + self.catch_up_s
+        return 1.0 - blocked / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
     def step_share(self) -> float:
@@ -69,7 +72,7 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
     worker.should_stop = stop.is_set
     worker.end_step = total_steps
     st = worker.stats
-    wait0, start0, apply0 = st.sync_wait_s, st.start_s, st.apply_s
+    wait0, start0, apply0, catch0 = st.sync_wait_s, st.start_s, st.apply_s, st.catch_up_s
     cpu0, proc0 = time.thread_time(), time.process_time()
     hooks_s = 0.0
     eval_s = 0.0  # the last evaluation's duration
@@ -88,6 +91,7 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
         rep.step_s += t1 - t0
         rep.sync_s += t2 - t1
         rep.sync_wait_s = worker.stats.sync_wait_s - wait0
+        rep.catch_up_s = worker.stats.catch_up_s - catch0
         rep.steps, rep.tokens = worker.step, worker.stats.tokens
         rep.wall_s = time.perf_counter() - t_start
         if evaluating:
@@ -119,6 +123,7 @@ def train_loop(worker: Worker, total_steps: int | None, eval_every: int,
         worker.drain(leave_timeout)
     rep.sync_s += time.perf_counter() - t0
     rep.sync_wait_s = worker.stats.sync_wait_s - wait0
+    rep.catch_up_s = worker.stats.catch_up_s - catch0
     # Always evaluated again: the drained and end-of-run rounds moved the outer weights.
     if rep.eval_history and rep.eval_history[-1][0] == worker.step:
         rep.eval_history.pop()

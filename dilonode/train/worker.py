@@ -125,6 +125,9 @@ class WorkerStats:
     retried: int = 0  # rounds that needed more than one attempt
     dropped: list[str] = field(default_factory=list)  # recent "peer: reason" exclusions
     sync_wait_s: float = 0.0  # time the training thread spent blocked on a sync result
+    # Time the training thread spent between steps fetching the swarm's state (after a
+    # lone round or a diverged one: `StateKeeper.resync_if_behind`), not training either.
+    catch_up_s: float = 0.0
     # The training thread's compute for rounds: starting them (pseudo-gradient, handing it
     # to the collective) and applying results (outer step, merge into the local weights).
     start_s: float = 0.0

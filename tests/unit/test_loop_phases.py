@@ -5,6 +5,7 @@ summary a node writes carrying them."""
 from __future__ import annotations
 
 import threading
+import time
 
 from dilonode.algo.codecs import get_codec
 from dilonode.node.summary import NodeSummary
@@ -35,3 +36,29 @@ def test_phases_cover_the_training_steps_and_reach_the_summary():
     assert worker.stats.apply_s > ph["apply_s"]
     summary = NodeSummary.of_run(rep, worker, peer_id="p", worker_id="w")
     assert summary.phases == {k: round(v, 4) for k, v in ph.items()}
+
+
+def test_time_spent_catching_up_between_steps_counts_against_utilization():
+    # The state keeper fetches the swarm's state between steps (inside the hook) and adds
+    # the time to `catch_up_s`: training stood still, as when waiting on a round's result.
+    cfg = nano_config(data={"seq_len": 16, "batch_size": 2, "eval_batches": 2},
+                      diloco={"sync_every": 4, "num_fragments": 2}, codec={"name": "int4"})
+    data = load_data(cfg.data)
+    group = LocalGroup(1, get_codec(cfg.codec.name, cfg.codec.block_size))
+    worker = Worker(cfg, data, group.view(0), identity=0)
+
+    def fetch_state(w: Worker, _rep: object) -> None:
+        if w.step == 6:  # one catch-up, 50 ms of wall time in which nothing trains
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 0.05:
+                pass
+            w.stats.catch_up_s += time.perf_counter() - t0
+
+    rep = train_loop(worker, 12, 100, data.eval_batches(16, 2, 1), threading.Event(),
+                     on_step=fetch_state)
+    assert rep.catch_up_s == worker.stats.catch_up_s >= 0.05
+    assert rep.compute_utilization == 1.0 - (rep.sync_wait_s + rep.catch_up_s) / rep.wall_s
+    assert rep.compute_utilization < 1.0 - rep.sync_wait_s / rep.wall_s
+    summary = NodeSummary.of_run(rep, worker, peer_id="p", worker_id="w")
+    assert summary.catch_up_s == round(rep.catch_up_s, 3)
+    assert summary.compute_utilization == rep.compute_utilization

@@ -10,11 +10,13 @@ import torch
 
 from dilonode.algo.pacing import (
     RETUNE_MAX_FACTOR,
+    ROUND_TRIPS,
     StepPacer,
     SwarmClock,
     TimePacer,
     due_starts,
     final_rounds,
+    first_step_seconds,
     link_busy_seconds,
     retune_step_seconds,
 )
@@ -390,3 +392,18 @@ def test_retune_slows_the_clock_for_a_joiners_link_before_its_rounds_measure_it(
     # Measured latencies that need more win.
     assert retune_step_seconds(clock, [12.0], [0.3], H, LO, HI, link_busy=[1.0]) == \
         pytest.approx(26.0 / H)
+
+
+def test_a_first_clock_leaves_its_rounds_half_a_period_on_long_round_trips():
+    # 4 nodes, 20 Mbit/s, three int4 fragments of 0.2 MB and one of 0.3 MB; H = 30.
+    rate, sizes = 20e6 / 8, [2e5, 3e5, 2e5]
+    transfer = link_busy_seconds([3e5], 4, rate)  # the largest fragment's round
+    across = first_step_seconds(30, 0.35, sizes, 4, rate)
+    assert across == pytest.approx(2.0 * (ROUND_TRIPS * 0.35 + transfer) / 30)
+    # On loopback (30 ms DHT calls) it stays under the 5 s-a-round floor at H = 4 or more:
+    # nodes there propose the clock from their steps as before.
+    assert all(first_step_seconds(h, 0.03, sizes, 4, rate) < 5.0 / h for h in (4, 10, 30))
+    # Alone, or before any DHT call: nothing to move, only what calls take.
+    assert first_step_seconds(30, 0.35, sizes, 1, rate) == pytest.approx(
+        2.0 * ROUND_TRIPS * 0.35 / 30)
+    assert first_step_seconds(30, 0.0, [], 4, rate) == 0.0

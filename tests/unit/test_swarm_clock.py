@@ -4,6 +4,7 @@ competing retuned records stands (`standing_clock`), what a retune may be comput
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from types import SimpleNamespace
 from typing import Any
@@ -191,3 +192,28 @@ def test_a_node_that_cannot_read_the_clock_past_an_epochs_notice_says_so_once(ca
     assert warned == ["swarm clock: not read for 10 s (DHT get got no answer within 5.0s); "
                       "following the clock read before, which the swarm may have retuned"]
     assert lines[-1] == "swarm clock: read again after 30 s"
+
+
+class _Slow(View):
+    """A DHT whose reads take `delay` s."""
+
+    delay = 0.02
+
+    def get_raw(self, key: str, timeout: float | None = None) -> Any:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.delay:
+            pass
+        return super().get_raw(key, timeout)
+
+
+def test_the_keeper_knows_what_its_dht_reads_take():
+    # The first clock leaves room for rounds that take a multiple of a DHT call
+    # (`pacing.first_step_seconds`): the keeper times its reads of the clock.
+    board, wall = Board(), [1_795_000_000.0]
+    keeper = ClockKeeper(_Slow(board, Credentials(IDS[0], RUN)), RUN,
+                         TimePacer(lambda: wall[0]), propose=lambda: None,
+                         frozen=lambda: False, wall=lambda: wall[0])
+    assert keeper.dht_call_s == 0.0
+    for _ in range(3):
+        keeper.read()
+    assert keeper.dht_call_s >= _Slow.delay
