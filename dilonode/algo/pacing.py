@@ -48,7 +48,8 @@ _CATCH_UP_MAX = 0.25
 # set a clock many times off before the next retune reads the swarm again.
 RETUNE_MAX_FACTOR = 4.0
 
-# A round's latency before any round has measured it, in DHT calls (`first_step_seconds`):
+# A round's latency before any round has measured it, in DHT calls
+# (`expected_round_seconds`):
 # matchmaking's registration, polls, roster store and read and the wait for a competing
 # roster; the data connections' handshakes; and TCP's slow start through both halves of
 # the butterfly, each a round trip or more. On the WAN test bed, whose longest round trip
@@ -61,7 +62,7 @@ ROUND_TRIPS = 20
 _HAIR = 1e-6
 
 __all__ = ["JOIN_LEAD_STEPS", "RETUNE_MAX_FACTOR", "Pacer", "StepPacer", "SwarmClock",
-           "TimePacer", "due_starts", "final_rounds", "first_round", "first_step_seconds",
+           "TimePacer", "due_starts", "expected_round_seconds", "final_rounds", "first_round",
            "link_busy_seconds",
            "retune_step_seconds", "rounds_before"]
 
@@ -297,19 +298,19 @@ def link_busy_seconds(result_bytes: Sequence[float], peers: int, rate_Bps: float
     return sum(2.0 * (peers - 1) / peers * b / rate_Bps for b in result_bytes)
 
 
-def first_step_seconds(sync_every: int, call_s: float, result_bytes: Sequence[float],
-                       peers: int, rate_Bps: float) -> float:
-    """Seconds per reference step a clock proposed before any round needs for its rounds
-    to land within half a round period (`sync_every` reference steps), the rule
-    `retune_step_seconds` applies once rounds are measured. A round is taken to last
+def expected_round_seconds(call_s: float, result_bytes: Sequence[float], peers: int,
+                           rate_Bps: float) -> float:
+    """What a fragment round is expected to take before any round has measured it:
     `ROUND_TRIPS` DHT calls of `call_s` (what the node's DHT reads take) and the largest
     fragment's transfer (`result_bytes`: each fragment's encoded round result) over a link
-    of `rate_Bps` in a swarm of `peers` nodes (`link_busy_seconds`). A clock proposed
-    from a fast node's steps alone opens rounds faster than long round trips close them;
-    groups then split and states diverge before the first retune."""
+    of `rate_Bps` in a swarm of `peers` nodes (`link_busy_seconds`). The first clock and
+    the retunes before the first measured round leave rounds this long half a period
+    (`retune_step_seconds`): a clock set by a fast node's steps alone opens rounds faster
+    than long round trips close them, and groups then split and states diverge before
+    the first measured retune."""
     transfer = max((link_busy_seconds([b], peers, rate_Bps) for b in result_bytes),
                    default=0.0)
-    return 2.0 * (ROUND_TRIPS * max(call_s, 0.0) + transfer) / sync_every
+    return ROUND_TRIPS * max(call_s, 0.0) + transfer
 
 
 def retune_step_seconds(clock: SwarmClock, round_p90s: Sequence[float],

@@ -21,8 +21,8 @@ from dilonode.algo.codecs import get_codec
 from dilonode.algo.pacing import (
     SwarmClock,
     TimePacer,
+    expected_round_seconds,
     first_round,
-    first_step_seconds,
     link_busy_seconds,
     retune_step_seconds,
 )
@@ -51,14 +51,18 @@ def is_pacemaker(peer_id: str, live: Collection[str], pacers: Collection[str] = 
 
 
 def retune_seconds(algo: Any, worker: Any, peers: Iterable[Any], clock: SwarmClock,
-                   link_busy: Sequence[float] = (), *, me: str) -> float | None:
+                   link_busy: Sequence[float] = (), *, me: str,
+                   expected_round_s: float = 0.0) -> float | None:
     """Seconds per reference step the swarm needs (`pacing.retune_step_seconds`), from the
     round latencies (ours, `worker.stats.recent_latency`, and the live `peers`' published
     p90s), what the links of nodes not yet in rounds take for a round of every fragment
     (`link_busy`), and, when the clock was measured rather than set by hand
     (`algo.step_seconds` unset), the paces (wall seconds per own step) and lags behind the
     clock that live nodes publish. `me`: our peer id (our own record among `peers` is
-    read from the worker, not counted twice).
+    read from the worker, not counted twice). `expected_round_s`: what a round is expected
+    to take (`pacing.expected_round_seconds`), standing in for the latencies until a
+    round has measured one, so that paces alone never set a clock faster than the links
+    are expected to allow.
 
     None when fewer than two nodes (a joiner's link record counts as one) gave a figure:
     one node's view is no swarm's (it went alone, so its rounds measured no link, and its
@@ -85,6 +89,8 @@ def retune_seconds(algo: Any, worker: Any, peers: Iterable[Any], clock: SwarmClo
         nodes += gave
     if nodes < 2:
         return None
+    if not latencies and expected_round_s > 0:
+        latencies = [expected_round_s]
     if measured and len(steps) < 2:
         steps, behind = [clock.current_step_seconds], []
     return retune_step_seconds(clock, latencies, steps, algo.sync_every,
@@ -107,17 +113,17 @@ class Pacemaker:
         def propose() -> float | None:
             # Measured over a few steps (the first ones include warm-up), unless configured;
             # never so short that a fragment's rounds come faster than a group can form, or
-            # than a round is expected to take on our links (`pacing.first_step_seconds`).
+            # than a round is expected to take on our links (`pacing.expected_round_seconds`).
             if fixed:
                 return fixed
             if w.step < 5 or not w.pacer.step_s:
                 return None
-            links = self._first_links()
+            expected = self._expected_round_s()
+            links = 2.0 * expected / a.sync_every  # the retune's rule: half a period
             if links > max(w.pacer.step_s, floor):
                 log.info("swarm clock: %.4g s a reference step for the links (a round "
                          "expected to take %.1f s at %.3f s a DHT call; our steps take "
-                         "%.4g s)", links, links * a.sync_every / 2.0, self.keeper.dht_call_s,
-                         w.pacer.step_s)
+                         "%.4g s)", links, expected, self.keeper.dht_call_s, w.pacer.step_s)
             return max(w.pacer.step_s, floor, links)
 
         self.keeper = ClockKeeper(dht, cfg.run_id, w.pacer, propose,
@@ -129,16 +135,15 @@ class Pacemaker:
                                   link_unmeasured=lambda: len(w.stats.recent_latency) < 3,
                                   wall=swarm_time.now)
 
-    def _first_links(self) -> float:
-        """`pacing.first_step_seconds` from our DHT reads, the live peers we see, our
+    def _expected_round_s(self) -> float:
+        """`pacing.expected_round_seconds` from our DHT reads, the live peers we see, our
         fragments' encoded size and `network.bandwidth_mbps`."""
-        net = self.cfg.network
         codec = get_codec(self.cfg.codec.wire_name, self.cfg.codec.block_size)
         sizes = [codec.encoded_size(sum(p.numel() for p in f.params))
                  for f in self.worker.frags]
         peers = len(self._live() | {self.peer_id})
-        return first_step_seconds(self.algo.sync_every, self.keeper.dht_call_s, sizes,
-                                  peers, net.bandwidth_mbps * 1e6 / 8)
+        return expected_round_seconds(self.keeper.dht_call_s, sizes, peers,
+                                      self.cfg.network.bandwidth_mbps * 1e6 / 8)
 
     def start(self) -> None:
         try:
@@ -161,7 +166,7 @@ class Pacemaker:
                 link_busy: Sequence[float] = ()) -> float | None:
         return retune_seconds(self.algo, self.worker,
                               self.membership.live_peers(max_age=math.inf), clock, link_busy,
-                              me=self.peer_id)
+                              me=self.peer_id, expected_round_s=self._expected_round_s())
 
     def first_round(self, view_s: float) -> int | None:
         """We are about to publish our record after recovering a running swarm's state:

@@ -15,8 +15,8 @@ from dilonode.algo.pacing import (
     SwarmClock,
     TimePacer,
     due_starts,
+    expected_round_seconds,
     final_rounds,
-    first_step_seconds,
     link_busy_seconds,
     retune_step_seconds,
 )
@@ -394,16 +394,16 @@ def test_retune_slows_the_clock_for_a_joiners_link_before_its_rounds_measure_it(
         pytest.approx(26.0 / H)
 
 
-def test_a_first_clock_leaves_its_rounds_half_a_period_on_long_round_trips():
-    # 4 nodes, 20 Mbit/s, three int4 fragments of 0.2 MB and one of 0.3 MB; H = 30.
+def test_a_round_before_any_is_measured_is_expected_to_take_round_trips_and_its_transfer():
+    # 4 nodes, 20 Mbit/s, int4 fragments of 0.2, 0.3 and 0.2 MB.
     rate, sizes = 20e6 / 8, [2e5, 3e5, 2e5]
     transfer = link_busy_seconds([3e5], 4, rate)  # the largest fragment's round
-    across = first_step_seconds(30, 0.35, sizes, 4, rate)
-    assert across == pytest.approx(2.0 * (ROUND_TRIPS * 0.35 + transfer) / 30)
-    # On loopback (30 ms DHT calls) it stays under the 5 s-a-round floor at H = 4 or more:
-    # nodes there propose the clock from their steps as before.
-    assert all(first_step_seconds(h, 0.03, sizes, 4, rate) < 5.0 / h for h in (4, 10, 30))
+    assert expected_round_seconds(0.35, sizes, 4, rate) == pytest.approx(
+        ROUND_TRIPS * 0.35 + transfer)
+    # On loopback (30 ms DHT calls) a clock leaving such rounds half a period stays under
+    # the 5 s-a-round floor at H = 4 or more: nodes there propose it from their steps.
+    assert all(2 * expected_round_seconds(0.03, sizes, 4, rate) / h < 5.0 / h
+               for h in (4, 10, 30))
     # Alone, or before any DHT call: nothing to move, only what calls take.
-    assert first_step_seconds(30, 0.35, sizes, 1, rate) == pytest.approx(
-        2.0 * ROUND_TRIPS * 0.35 / 30)
-    assert first_step_seconds(30, 0.0, [], 4, rate) == 0.0
+    assert expected_round_seconds(0.35, sizes, 1, rate) == pytest.approx(ROUND_TRIPS * 0.35)
+    assert expected_round_seconds(0.0, [], 4, rate) == 0.0

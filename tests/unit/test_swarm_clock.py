@@ -92,6 +92,22 @@ class _Partial(View):
         return {s: e for s, e in got.items() if s not in self.unseen}
 
 
+
+def test_before_any_round_is_measured_paces_do_not_outrun_the_expected_round():
+    # The first clock left room for 10 s rounds (0.667 s a reference step at H = 30);
+    # two nodes then publish paces of 0.25 s a step and no round latency yet.
+    clock = clock_of(_record(A, [], paced_by=A).model_copy(update={"step_seconds": 0.667}))
+    fresh = _worker(0.25)
+    peer = _peer(B, pace_s=0.25, swarm_step=500, step=500)
+    # Paces alone would speed the clock 2.7x, opening rounds every 7.5 s.
+    assert retune_seconds(ALGO, fresh, [peer], clock, me=A) == pytest.approx(0.25)
+    # With the expected round standing in for the latencies the clock keeps its rate.
+    assert retune_seconds(ALGO, fresh, [peer], clock, me=A, expected_round_s=10.0) is None
+    # Once a round is measured, the measurement decides (3 s rounds: the pace wins).
+    measured = _peer(B, pace_s=0.25, round_p90_s=3.0, swarm_step=500, step=500)
+    assert retune_seconds(ALGO, fresh, [measured], clock, me=A, expected_round_s=10.0) == \
+        pytest.approx(0.25)
+
 def _keeper(board: Board, i: int, wall: list[float], live: set[str],
             want: float) -> ClockKeeper:
     """Keeper of node i whose view of the live peers is `live` and whose retune asks for
