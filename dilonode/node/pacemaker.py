@@ -109,6 +109,10 @@ class Pacemaker:
         self.peer_id = dht.peer_id
         self.algo = a = cfg.diloco.effective()
         w, fixed, floor = worker, a.step_seconds, a.min_round_seconds / a.sync_every
+        codec = get_codec(cfg.codec.wire_name, cfg.codec.block_size)
+        # Each fragment's encoded round result: fixed for the run, read at every retune.
+        self._result_bytes = [codec.encoded_size(sum(p.numel() for p in f.params))
+                              for f in worker.frags]
 
         def propose() -> float | None:
             # Measured over a few steps (the first ones include warm-up), unless configured;
@@ -138,11 +142,8 @@ class Pacemaker:
     def _expected_round_s(self) -> float:
         """`pacing.expected_round_seconds` from our DHT reads, the live peers we see, our
         fragments' encoded size and `network.bandwidth_mbps`."""
-        codec = get_codec(self.cfg.codec.wire_name, self.cfg.codec.block_size)
-        sizes = [codec.encoded_size(sum(p.numel() for p in f.params))
-                 for f in self.worker.frags]
         peers = len(self._live() | {self.peer_id})
-        return expected_round_seconds(self.keeper.dht_call_s, sizes, peers,
+        return expected_round_seconds(self.keeper.dht_call_s, self._result_bytes, peers,
                                       self.cfg.network.bandwidth_mbps * 1e6 / 8)
 
     def start(self) -> None:

@@ -16,14 +16,19 @@ from dilonode.train.worker import Worker
 from tests.support.config import nano_config
 
 
-def test_phases_cover_the_training_steps_and_reach_the_summary():
+def _worker() -> tuple[Worker, list]:
+    """A lone worker of 12 steps' run, H = 4 over two fragments, and its eval batches."""
     cfg = nano_config(data={"seq_len": 16, "batch_size": 2, "eval_batches": 2},
                       diloco={"sync_every": 4, "num_fragments": 2}, codec={"name": "int4"})
     data = load_data(cfg.data)
     group = LocalGroup(1, get_codec(cfg.codec.name, cfg.codec.block_size))
-    worker = Worker(cfg, data, group.view(0), identity=0)
+    return Worker(cfg, data, group.view(0), identity=0), data.eval_batches(16, 2, 1)
+
+
+def test_phases_cover_the_training_steps_and_reach_the_summary():
+    worker, batches = _worker()
     hooked: list[int] = []
-    rep = train_loop(worker, 12, 100, data.eval_batches(16, 2, 1), threading.Event(),
+    rep = train_loop(worker, 12, 100, batches, threading.Event(),
                      on_step=lambda w, _r: hooked.append(w.step))
     ph = rep.phases
     assert set(ph) == set(PHASES) and hooked == list(range(1, 13))
@@ -41,11 +46,7 @@ def test_phases_cover_the_training_steps_and_reach_the_summary():
 def test_time_spent_catching_up_between_steps_counts_against_utilization():
     # The state keeper fetches the swarm's state between steps (inside the hook) and adds
     # the time to `catch_up_s`: training stood still, as when waiting on a round's result.
-    cfg = nano_config(data={"seq_len": 16, "batch_size": 2, "eval_batches": 2},
-                      diloco={"sync_every": 4, "num_fragments": 2}, codec={"name": "int4"})
-    data = load_data(cfg.data)
-    group = LocalGroup(1, get_codec(cfg.codec.name, cfg.codec.block_size))
-    worker = Worker(cfg, data, group.view(0), identity=0)
+    worker, batches = _worker()
 
     def fetch_state(w: Worker, _rep: object) -> None:
         if w.step == 6:  # one catch-up, 50 ms of wall time in which nothing trains
@@ -54,7 +55,7 @@ def test_time_spent_catching_up_between_steps_counts_against_utilization():
                 pass
             w.stats.catch_up_s += time.perf_counter() - t0
 
-    rep = train_loop(worker, 12, 100, data.eval_batches(16, 2, 1), threading.Event(),
+    rep = train_loop(worker, 12, 100, batches, threading.Event(),
                      on_step=fetch_state)
     assert rep.catch_up_s == worker.stats.catch_up_s >= 0.05
     assert rep.compute_utilization == 1.0 - (rep.sync_wait_s + rep.catch_up_s) / rep.wall_s

@@ -400,10 +400,9 @@ def test_a_round_before_any_is_measured_is_expected_to_take_round_trips_and_its_
     transfer = link_busy_seconds([3e5], 4, rate)  # the largest fragment's round
     assert expected_round_seconds(0.35, sizes, 4, rate) == pytest.approx(
         ROUND_TRIPS * 0.35 + transfer)
-    # On loopback (30 ms DHT calls) a clock leaving such rounds half a period stays under
-    # the 5 s-a-round floor at H = 4 or more: nodes there propose it from their steps.
-    assert all(2 * expected_round_seconds(0.03, sizes, 4, rate) / h < 5.0 / h
-               for h in (4, 10, 30))
+    # On loopback (30 ms DHT calls) such a round fits in half the 5 s floor of a round
+    # period (`min_round_seconds`) at any H: nodes there propose the clock from their steps.
+    assert 2 * expected_round_seconds(0.03, sizes, 4, rate) < 5.0
     # Alone, or before any DHT call: nothing to move, only what calls take.
     assert expected_round_seconds(0.35, sizes, 1, rate) == pytest.approx(ROUND_TRIPS * 0.35)
     assert expected_round_seconds(0.0, [], 4, rate) == 0.0
