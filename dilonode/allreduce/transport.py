@@ -40,11 +40,14 @@ bytes the event loop read straight into the frame body their message keeps (`_In
 
 Connections are persistent, and in a grouped swarm (`algo/groups.py`) a node meets new
 peers every round. With `max_idle_inbound` set, once more connections than that are open
-to us, the receiving side closes those idle for `idle_close_s` seconds whose peer has no
-round registered or pending here (oldest first): the receiver closing is what the sender
-already handles quietly (its next frame reconnects), whereas a sender closing would look
-to the receiver like a peer that died (`gone`). A sender's connection objects whose
-socket is gone are forgotten past the same bound. So open connections per node stay
+to us, the receiving side retires those idle for `idle_close_s` seconds whose peer has no
+round registered or pending here (oldest first): it writes the one-byte close notice and
+keeps reading until the sender closes its side, because a frame the sender writes before
+the notice reaches it (half a round trip) must still arrive. The sender stops writing on a
+connection once it reads the notice, closes it after what it wrote is flushed, and its next
+frame opens a new one, so neither side takes the other for dead (a sender closing on its
+own would look to the receiver like a peer that died, `gone`). A sender's connection
+objects whose socket is gone are forgotten past the same bound. So open connections per node stay
 bounded by what the rounds in flight need plus that many, whatever the swarm's size.
 """
 
@@ -98,6 +101,7 @@ _READ_LIMIT = 1 << 20
 _SCRATCH_BYTES = 64 << 10  # one read outside a large frame body (headers, tags, small frames)
 _WRITE_HIGH_WATER = 1 << 20
 _RECENT_KEYS = 256  # finished keys remembered, so their late frames are dropped quietly
+CLOSE_NOTICE = b"\x00"  # the acceptor's only byte after the handshake: "finish and close"
 
 
 class _Inbound(asyncio.BufferedProtocol):
@@ -120,6 +124,7 @@ class _Inbound(asyncio.BufferedProtocol):
         self._scratch: memoryview | None = None
         self._direct = False  # the last get_buffer handed out a frame body, not scratch
         self.last_active = time.monotonic()  # the last bytes read (idle connections close)
+        self.retiring = False  # the close notice is written; reading until the peer closes
 
     @property
     def peer_id(self) -> str | None:
@@ -212,6 +217,8 @@ class _Inbound(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.plane._inbound.discard(self)
+        if self.retiring:
+            self.closed = True  # the sender closed as asked
         if not self.closed:
             self.closed = True
             reason = f"connection lost ({exc})" if exc else "connection closed"
@@ -230,6 +237,25 @@ class _Inbound(asyncio.BufferedProtocol):
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
+
+    def retire(self) -> None:
+        """Ask the sender to close (module docstring); whatever it still writes is read."""
+        assert self.transport is not None
+        self.retiring = True
+        self.transport.write(CLOSE_NOTICE)
+        self._retire_due(time.monotonic())
+
+    def _retire_due(self, since: float) -> None:
+        """Close a retiring connection its sender has left open and silent for
+        `connect_timeout` s since the notice (or its last bytes after the notice)."""
+        if self.closed:
+            return
+        left = max(since, self.last_active) + self.plane.limits.connect_timeout \
+            - time.monotonic()
+        if left > 0:
+            asyncio.get_running_loop().call_later(left, self._retire_due, since)
+        else:
+            self.close()
 
 
 class _Outbound:
@@ -361,14 +387,27 @@ class _Outbound:
         return sealer
 
     async def _watch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The peer never writes on our connection: any read result means it is closing."""
+        """The peer writes nothing on our connection but the close notice; without it, the
+        end of the stream means the peer went away and frames still queued fail."""
+        got = b""
         with contextlib.suppress(OSError):
-            await reader.read(1)
-        if self.writer is writer:
-            self._drop_connection()
-            if self.queue:
-                self._fail_all("connection closed by the peer")
-            # else: nothing lost; the next frame reconnects
+            got = await reader.read(1)
+        if self.writer is not writer:
+            return
+        if got:
+            # Asked to close: what we wrote is still read; queued frames take a new one.
+            self.writer = self.sealer = None
+            await self._close_flushed(writer)
+            return
+        self._drop_connection()
+        if self.queue:
+            self._fail_all("connection closed by the peer")
+        # else: nothing lost; the next frame reconnects
+
+    async def _close_flushed(self, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+        if not await bounded(writer.wait_closed(), self.plane.limits.connect_timeout):
+            writer.transport.abort()
 
     def _drop_connection(self) -> None:
         if self.writer is not None:
@@ -644,15 +683,15 @@ class DataPlane:
     def _close_idle(self) -> None:
         """Above `max_idle_inbound` open connections, close idle ones (module docstring)."""
         bound, idle_s = self.limits.max_idle_inbound, self.limits.idle_close_s
-        if not bound or len(self._inbound) <= bound:
+        open_ = [c for c in self._inbound if not c.closed and not c.retiring]
+        if not bound or len(open_) <= bound:
             return
         busy, now = self._busy_peers(), time.monotonic()
-        idle = sorted((c for c in self._inbound if c.peer_id is not None and not c.closed
-                       and c.peer_id not in busy and now - c.last_active >= idle_s),
-                      key=lambda c: c.last_active)
-        for conn in idle[:len(self._inbound) - bound]:
+        idle = sorted((c for c in open_ if c.peer_id is not None and c.peer_id not in busy
+                       and now - c.last_active >= idle_s), key=lambda c: c.last_active)
+        for conn in idle[:len(open_) - bound]:
             self.stats["idle_closed"] += 1
-            conn.close()
+            conn.retire()
 
     def _forget_closed_outbound(self) -> None:
         """Above `max_idle_inbound` peers, drop connection objects with nothing queued

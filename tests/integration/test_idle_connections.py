@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from dilonode.allreduce.plane_limits import PlaneLimits
-from dilonode.allreduce.transport import DataPlane
+from dilonode.allreduce.transport import DataPlane, _Outbound
 from tests.integration.test_tcp_allreduce import IDS, RUN, _frames, _spec
 from tests.support.waiting import wait_until_async
 
@@ -61,3 +61,42 @@ def test_peers_with_a_round_here_are_never_closed() -> None:
             return a.stats["idle_closed"]  # decided when c's connection was proven
 
     assert asyncio.run(main()) == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_frame_written_before_the_sender_learns_of_the_close_still_arrives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a WAN the sender learns of the receiver's idle close half a round trip late;
+    a frame it writes in that window must not vanish into a socket the receiver dropped."""
+    spec = _spec(IDS)
+    late = asyncio.Event()  # set: the sender's watch may see the close
+    watch = _Outbound._watch
+
+    async def late_watch(self: _Outbound, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        await late.wait()
+        await watch(self, reader, writer)
+
+    monkeypatch.setattr(_Outbound, "_watch", late_watch)
+
+    async def main() -> tuple[dict[str, int], dict[str, float], int]:
+        async with DataPlane(IDS[0], RUN, limits=PlaneLimits(
+                pending_ttl=0.1, max_idle_inbound=1, idle_close_s=0.0)) as a, \
+                DataPlane(IDS[1], RUN) as b, DataPlane(IDS[2], RUN) as c:
+            from_b = [s for s in _frames(spec, 1) if s.to == 0]
+            from_c = [s for s in _frames(spec, 2) if s.to == 0]
+            await b.send(IDS[0], a.address, from_b[0].frame)
+            await _until(lambda: a.stats["dropped_frames"] == 1, "b's frame dropped")
+            await c.send(IDS[0], a.address, from_c[0].frame)
+            await _until(lambda: a.stats["idle_closed"] == 1, "b's idle connection closed")
+            await b.send(IDS[0], a.address, from_b[1].frame)  # b has not seen the close
+            await _until(lambda: a.stats["frames_in"] == 3, "b's frame after the close in")
+            late.set()
+            await _until(lambda: len(a._inbound) == 1, "b's old connection gone")
+            await b.send(IDS[0], a.address, from_b[2].frame)  # on a new connection
+            await _until(lambda: a.stats["frames_in"] == 4, "b's next frame in")
+            return dict(a.stats), dict(a.gone), b.stats["send_failures"]
+
+    stats, gone, failures = asyncio.run(main())
+    assert stats["idle_closed"] == 1 and stats["connections_in"] == 3
+    assert gone == {} and failures == 0
