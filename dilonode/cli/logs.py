@@ -20,9 +20,16 @@ __all__ = ["JsonFormatter", "ProgressLine", "progress_line", "setup_logging"]
 _CLEAR = "\r\x1b[K"  # carriage return + erase to end of line
 
 
+# Fixed names: hivemind renames WARNING to "WARN" process-wide (logging.addLevelName) when
+# it is imported, and a log shipper should not see the level's name change with it.
+_LEVEL_NAMES = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING",
+                logging.ERROR: "ERROR", logging.CRITICAL: "CRITICAL"}
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(time.time(), 3), "level": record.levelname, "logger": record.name,
+        level = _LEVEL_NAMES.get(record.levelno, record.levelname)
+        out = {"ts": round(time.time(), 3), "level": level, "logger": record.name,
                "msg": record.getMessage()}
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)

@@ -39,6 +39,17 @@ def test_json_when_not_a_terminal(monkeypatch, restore_logging):
     assert logs.progress_line() is None  # no progress line off a terminal
 
 
+def test_json_level_names_do_not_follow_a_renamed_level(monkeypatch, restore_logging):
+    # importing hivemind renames WARNING to "WARN" for the whole process
+    monkeypatch.setattr(logging, "_levelToName", {**logging._levelToName, logging.WARNING: "WARN"})
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    logs.setup_logging("json")
+    logging.getLogger("dilonode.x").warning("late round")
+    assert logging.getLevelName(logging.WARNING) == "WARN"
+    assert json.loads(err.getvalue().strip())["level"] == "WARNING"
+
+
 def test_progress_line_keeps_logs_above_it(monkeypatch, restore_logging):
     tty = FakeTty()
     monkeypatch.setattr(sys, "stderr", tty)
