@@ -307,12 +307,16 @@ class CodecConfig(_Frozen):
         description="randk, topk: fraction of each chunk's values sent")
     error_feedback: bool = Field(
         False, description="keep what the codec (and randk or topk) did not send for the next "
-        "round of the fragment: the merge leaves it in the local weights, so the next "
-        "pseudo-gradient owes it once (a residual per fragment, checkpointed; a joiner "
-        "starts at 0)")
+        "round of the fragment, so the next pseudo-gradient owes it once (a residual per "
+        "fragment, where error_store says; checkpointed; a joiner starts at 0)")
     error_decay: float = Field(
         1.0, gt=0.0, le=1.0, description="error_feedback: the residual kept is this times "
         "the part not sent (1: all of it; SparseLoCo's beta)")
+    error_store: Literal["weights", "buffer"] = Field(
+        "weights", description="error_feedback: where the residual waits. weights: the merge "
+        "leaves it in the local weights (inner steps start that far off the global weights); "
+        "buffer: beside them, added to the next pseudo-gradient, and the merge is the plain "
+        "one (SparseLoCo's accumulator)")
 
     @model_validator(mode="after")
     def _check(self) -> CodecConfig:
@@ -326,6 +330,9 @@ class CodecConfig(_Frozen):
             raise ValueError("codec.error_feedback = true with codec.name = float32 and "
                              "codec.kind = dense: nothing is lost to feed back; use a lossy "
                              "codec or codec.kind = randk")
+        if self.error_store != "weights" and not self.error_feedback:
+            raise ValueError(f"codec.error_store = {self.error_store!r} needs "
+                             "codec.error_feedback = true")
         if self.error_decay != 1.0 and not self.error_feedback:
             raise ValueError(f"codec.error_decay = {self.error_decay} needs "
                              "codec.error_feedback = true")

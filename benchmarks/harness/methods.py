@@ -4,10 +4,12 @@ alike, `codec.kind = randk`; top-k: each node's largest values with their positi
 `codec.kind = topk`) and error feedback.
 
 Keys: `ddp`, `diloco-fp32`, and Streaming DiLoCo as
-`s-<codec>[-rand<percent kept>|-top<percent kept>][-ef[-b<decay>]][-m<outer momentum>]
+`s-<codec>[-rand<percent kept>|-top<percent kept>][-ef[buf][-b<decay>]][-m<outer momentum>]
 [-o<outer lr>][-h<H>]-a<alpha>` ("fp32" for float32), e.g. `s-int2-rand1.56-ef-a0.5`,
-`s-int2-top1.56-ef-a0.5`; SparseLoCo's recipe (error decay 0.95 and an outer step without
-momentum at lr 1) is `s-int2-top1.56-ef-b0.95-m0-o1-a0.5`, and `-h25` syncs every 25 steps
+`s-int2-top1.56-ef-a0.5`; `-efbuf` keeps the residual beside the weights
+(`codec.error_store = "buffer"`), so SparseLoCo's recipe (its accumulator, error decay 0.95
+and an outer step without momentum at lr 1) is `s-int2-top1.56-efbuf-b0.95-m0-o1-a0.5`, and
+`-h25` syncs every 25 steps
 instead of the benchmark's H. Parts left out are the benchmark's settings. `row` parses one
 and refuses, in one line, a codec or codec option this build does not have;
 `codec_overrides` and `diloco_overrides` are its `codec` and `diloco` sections of a config.
@@ -42,6 +44,7 @@ class Row:
     error_feedback: bool = False
     sparsity: str = "randk"  # codec.kind of a row with a density: randk or topk
     error_decay: float | None = None  # None: the config's default
+    error_buffer: bool = False  # codec.error_store = "buffer" (else the weights hold it)
     outer_momentum: float | None = None
     outer_lr: float | None = None
     sync_every: int | None = None  # None: the benchmark's H
@@ -50,10 +53,10 @@ class Row:
 # Streaming rows (module docstring), "fp32" for float32.
 _NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 _STREAMING_KEY = re.compile(rf"s-(?P<codec>[a-z0-9]+)(?:-(?P<sparse>rand|top)(?P<pct>{_NUMBER}))?"
-                            rf"(?:(?P<ef>-ef)(?:-b(?P<decay>{_NUMBER}))?)?"
+                            rf"(?:(?P<ef>-ef)(?P<buf>buf)?(?:-b(?P<decay>{_NUMBER}))?)?"
                             rf"(?:-m(?P<momentum>{_NUMBER}))?(?:-o(?P<outer_lr>{_NUMBER}))?"
                             rf"(?:-h(?P<h>[0-9]+))?-a(?P<alpha>{_NUMBER})")
-_FORM = ("s-<codec>[-rand<percent>|-top<percent>][-ef[-b<decay>]][-m<momentum>][-o<lr>][-h<H>]"
+_FORM = ("s-<codec>[-rand<percent>|-top<percent>][-ef[buf][-b<decay>]][-m<momentum>][-o<lr>][-h<H>]"
          "-a<alpha>")
 _SPARSITY = {"rand": ("randk", "rand-k", "sparse"), "top": ("topk", "top-k", "topk_codec")}
 _FIXED = {"ddp": Row("ddp", "DDP (fp32, every step)", "ddp", FP32, None),
@@ -102,13 +105,14 @@ def row(key: str) -> Row:
         raise ValueError(f"row {key!r}: H must be at least 1")
     name = "fp32" if codec == FP32 else codec
     label = (f"Streaming {name}" + (f", {what} {m['pct']}%" if density else "")
-             + (", EF" if m["ef"] else "") + (f" beta {m['decay']}" if decay else "")
+             + (", EF" if m["ef"] else "") + (" buffer" if m["buf"] else "")
+             + (f" beta {m['decay']}" if decay else "")
              + (f", outer momentum {m['momentum']}" if momentum is not None else "")
              + (f", outer lr {m['outer_lr']}" if outer_lr is not None else "")
              + (f", H {sync_every}" if sync_every is not None else "")
              + f", alpha {m['alpha']}")
     return Row(key, label, "streaming", codec, alpha, density, bool(m["ef"]), kind,
-               decay, momentum, outer_lr, sync_every)
+               decay, bool(m["buf"]), momentum, outer_lr, sync_every)
 
 
 # The rows of the quality report: DDP, DiLoCo and Streaming at 32 and 4 bits.
@@ -157,6 +161,8 @@ def codec_overrides(r: Row, block_size: int) -> dict[str, Any]:
         codec |= {"error_feedback": True}
     if r.error_decay is not None:
         codec |= {"error_decay": r.error_decay}
+    if r.error_buffer:
+        codec |= {"error_store": "buffer"}
     return codec
 
 

@@ -31,8 +31,21 @@ local weights train the unsent movement again, which the residual then holds twi
 way what a value owes grows with every round it waits, and rand-k at a few percent leaves
 most values out of dozens of rounds.
 
+The other way, SparseLoCo's (arXiv 2508.15706, `codec.error_store = "buffer"`): the
+residual lives beside the weights as an accumulator, and the merge is the plain one.
+
+    a_t   = (g - w) + r_{t-1}              the round's pseudo-gradient plus what earlier
+                                           rounds left unsent (`owed`)
+    s_t, r_t                               as above
+
+Inner steps then start from the merged weights, not off them by the residual, so gradients
+are taken where the swarm's weights are; the price is the double count argued above (with
+alpha = 0 the inner steps may move a value the residual still holds). Which serves is
+measured in the compression frontier (docs/reports/), not argued.
+
 The residual is the node's own unsent contribution: a checkpoint keeps it (a node that
-resumes starts its local weights r off the global weights, so it still owes it), a joiner
+resumes starts its local weights r off the global weights, so it still owes it; with the
+buffer, at the global weights with the buffer restored), a joiner
 starts at zero (it owes nothing), a node that adopts a peer's state resets it (its debt was
 against a state it gave up). Pure: no I/O.
 """
@@ -44,7 +57,7 @@ import torch
 from dilonode.algo.codecs import Codec, all_finite
 from dilonode.algo.outer import merge
 
-__all__ = ["carried", "merge_keeping", "remainder"]
+__all__ = ["carried", "merge_keeping", "owed", "remainder"]
 
 
 def merge_keeping(local: torch.Tensor, new_global: torch.Tensor, alpha: float,
@@ -62,6 +75,17 @@ def merge_keeping(local: torch.Tensor, new_global: torch.Tensor, alpha: float,
     r = residual.to(local.device, torch.float32)
     sent_part = local.to(torch.float32).add(r, alpha=1.0 / decay)  # w + (a_t - s_t)
     return merge(sent_part, new_global, alpha).sub_(r)
+
+
+def owed(delta: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """(n,) pseudo-gradient, (n,) residual kept beside the weights -> (n,) a_t = delta +
+    r_{t-1}, what a round owes with the buffer (`delta` itself when nothing is kept)."""
+    if residual is None:
+        return delta
+    if residual.shape != delta.shape:
+        raise ValueError(f"residual of {residual.numel()} values for a fragment of "
+                         f"{delta.numel()}")
+    return delta.add(residual.to(delta.device, delta.dtype))
 
 
 def carried(codec: Codec, values: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ codec.kind = topk hands the collective the whole vector: its codec (`cfg.codec.w
 sparsifies on the wire, and the residual is what that codec did not carry of it.
 `incoming(f, result)` scatters a sparse round's mean back to the fragment's size, and
 `merged(f, local, new_global, alpha)` is the landed round's merge, which with error feedback
-keeps the residual in the local weights (they hold it, so the next delta owes it again).
+in the weights (`codec.error_store`) keeps the residual there (they hold it, so the next
+delta owes it again); with the buffer, `outgoing` adds the residual to the next delta and the
+merge is the plain one.
 With codec.kind = dense and no error feedback all three are the plain rules. No
 networking.
 """
@@ -20,7 +22,7 @@ from dataclasses import replace
 import torch
 
 from dilonode.algo.codecs import all_finite, get_codec
-from dilonode.algo.error_feedback import carried, merge_keeping, remainder
+from dilonode.algo.error_feedback import carried, merge_keeping, owed, remainder
 from dilonode.algo.sparse import gather, scatter, shared_positions
 from dilonode.collective import ReduceResult
 from dilonode.config import RunConfig
@@ -43,7 +45,12 @@ class Contributions:
 
     @property
     def feeds_back(self) -> bool:
-        return self.cfg.error_feedback
+        """Whether the merge keeps a residual in the local weights (`codec.error_store`)."""
+        return self.cfg.error_feedback and self.cfg.error_store == "weights"
+
+    @property
+    def buffered(self) -> bool:
+        return self.cfg.error_feedback and self.cfg.error_store == "buffer"
 
     def outgoing(self, f: FragmentState, r: int, delta: torch.Tensor) -> torch.Tensor:
         """(n,) round r's pseudo-gradient of fragment f -> what the round averages: (n,),
@@ -52,7 +59,10 @@ class Contributions:
             return delta
         c = self.cfg
         positions = None
-        send = delta  # with error feedback it holds the residual: the local weights keep it
+        # In the weights, delta holds the residual already; in the buffer, it is added.
+        if self.buffered:
+            delta = owed(delta, f.residual)
+        send = delta
         if c.kind == "randk":
             positions = shared_positions(self.seed, f.index, r, delta.numel(), c.topk_density)
             send = gather(delta, positions)  # (K,)
@@ -74,7 +84,7 @@ class Contributions:
                alpha: float) -> torch.Tensor:
         """(n,) local weights of fragment f after its landed round's merge with the new
         global weights (n,): with error feedback they keep what the round left unsent."""
-        residual = f.residual if self.cfg.error_feedback else None
+        residual = f.residual if self.feeds_back else None
         return merge_keeping(local, new_global, alpha, residual, self.cfg.error_decay)
 
     def incoming(self, f: FragmentState, result: ReduceResult) -> ReduceResult:

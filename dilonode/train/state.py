@@ -43,7 +43,8 @@ def config_digest(cfg: RunConfig) -> str:
 # Codec fields whose default leaves a config's digest as it is without them (checkpoints of
 # dense runs without error feedback keep resuming).
 _CODEC_DEFAULTS = {k: CodecConfig.model_fields[k].default
-                   for k in ("kind", "topk_density", "error_feedback", "error_decay")}
+                   for k in ("kind", "topk_density", "error_feedback", "error_decay",
+                             "error_store")}
 
 
 def _codec_part(cfg: RunConfig) -> dict[str, object]:

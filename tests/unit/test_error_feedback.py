@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dilonode.algo.codecs import get_codec, part_align
-from dilonode.algo.error_feedback import carried, merge_keeping, remainder
+from dilonode.algo.error_feedback import carried, merge_keeping, owed, remainder
 from dilonode.algo.sparse import gather, scatter, shared_positions
 from dilonode.train.checkpoint import load_checkpoint, save_checkpoint
 from dilonode.train.state import config_digest
@@ -51,6 +51,39 @@ def test_what_was_sent_plus_the_residual_is_every_move_once(name: str, density: 
     gap = (total_sent + residual.double() - total_moved).abs().max().item()
     assert gap < 1e-5  # float32 rounding of each step only
     assert residual.abs().max() > 0  # and something is still owed
+
+
+@pytest.mark.parametrize(("name", "density"), [("int2", None), ("int2", 0.05)])
+def test_the_buffer_holds_what_was_not_sent_beside_weights_that_reset(name: str,
+                                                                      density: float | None):
+    # SparseLoCo's accumulator with DiLoCo's reset (alpha 0): the residual is added to the
+    # next pseudo-gradient, inner steps start at the global weights, and with beta = 1 what
+    # was sent plus the residual is every move once.
+    codec = get_codec(name, 64)
+    gen = torch.Generator().manual_seed(4)
+    n = 5000
+    g, r = torch.zeros(n), None
+    total_moved = torch.zeros(n, dtype=torch.float64)
+    total_sent = torch.zeros(n, dtype=torch.float64)
+    for t in range(12):
+        move = torch.randn(n, generator=gen) * 0.01
+        w = g - move  # the inner steps from the global weights
+        owe = owed(g - w, r)
+        if density is None:
+            sent = carried(codec, owe)
+        else:
+            pos = shared_positions(1, 0, t, n, density)
+            sent = scatter(carried(codec, gather(owe, pos)), pos, n)
+        r = remainder(owe, sent, 1.0)
+        g = g - sent
+        assert torch.equal(merge_keeping(w, g, 0.0, None, 1.0), g)  # the plain merge
+        total_moved += move.double()
+        total_sent += sent.double()
+    assert (total_sent + r.double() - total_moved).abs().max().item() < 1e-5
+    assert r.abs().max() > 0
+    assert torch.equal(owed(move, None), move)
+    with pytest.raises(ValueError, match="residual of 3 values for a fragment of 2"):
+        owed(torch.zeros(2), torch.zeros(3))
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
@@ -130,6 +163,39 @@ def test_the_residual_is_checkpointed_and_a_peer_state_resets_it(tmp_path):
     assert all(f.residual is None for f in fresh.frags)
     for f in fresh.frags:
         assert torch.equal(fresh.ranks.local_flat(f.index, f.params), f.outer.weights)
+
+
+def test_with_the_buffer_a_round_sends_its_delta_plus_the_residual_and_merges_plainly(
+        tmp_path):
+    cfg, w = _worker(tmp_path, name="int2", kind="topk", topk_density=0.05,
+                     error_feedback=True, error_decay=0.9, error_store="buffer")
+    codec = get_codec(cfg.codec.wire_name, 64)
+    w.collective = rec = _Recording(w.collective)
+    w.end_step = 3
+    for _ in range(3):
+        w.train_step()
+    alpha = w.algo.fragment_update_alpha
+    for r in range(3):
+        for f in w.frags:
+            before = f.residual.clone() if f.residual is not None else torch.zeros_like(
+                f.outer.weights)
+            local = w.ranks.local_flat(f.index, f.params).clone()
+            w.start_round(f.index, r)
+            sent = rec.by_round[(f.index, r)]
+            assert torch.allclose(sent, f.outer.weights - local + before, atol=1e-6)
+            assert torch.equal(f.residual, remainder(sent, carried(codec, sent), 0.9))
+            w.land_round(f.index)
+            after = w.ranks.local_flat(f.index, f.params)
+            assert torch.allclose(after, alpha * local + (1 - alpha) * f.outer.weights,
+                                  atol=1e-6)  # the plain merge: the weights keep no residual
+    assert all(f.residual.abs().sum() > 0 for f in w.frags)
+    state = w.export_state()
+    _, fresh = _worker(tmp_path / "b", name="int2", kind="topk", topk_density=0.05,
+                       error_feedback=True, error_decay=0.9, error_store="buffer")
+    fresh.import_state(state)  # a resume: the buffer back, the weights at the global ones
+    for mine, theirs in zip(fresh.frags, w.frags, strict=True):
+        assert torch.equal(mine.residual, theirs.residual)
+        assert torch.equal(fresh.ranks.local_flat(mine.index, mine.params), mine.outer.weights)
 
 
 class _Recording:
@@ -221,7 +287,9 @@ def test_the_worker_sends_a_value_left_out_once_as_it_was_moved(tmp_path):
 def test_the_config_digest_counts_the_new_codec_fields_only_off_their_defaults():
     plain = config_digest(nano_config(None))
     assert config_digest(nano_config(None, codec={"kind": "dense", "error_decay": 1.0})) == plain
+    assert config_digest(nano_config(None, codec={"error_store": "weights"})) == plain
     for codec in ({"error_feedback": True}, {"kind": "randk"},
+                  {"error_feedback": True, "error_store": "buffer"},
                   {"kind": "randk", "topk_density": 0.1}):
         assert config_digest(nano_config(None, codec=codec)) != plain, codec
 
