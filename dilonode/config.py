@@ -316,7 +316,7 @@ class CodecConfig(_Frozen):
         "weights", description="error_feedback: where the residual waits. weights: the merge "
         "leaves it in the local weights (inner steps start that far off the global weights); "
         "buffer: beside them, added to the next pseudo-gradient, and the merge is the plain "
-        "one (SparseLoCo's accumulator)")
+        "one (SparseLoCo's accumulator; needs diloco.fragment_update_alpha = 0)")
 
     @model_validator(mode="after")
     def _check(self) -> CodecConfig:
@@ -724,6 +724,14 @@ class RunConfig(_Frozen):
                              "a one-rank node's fragment rounds only")
         if c.kind == "topk" and (why := _topk_problem(self)) is not None:
             raise ValueError(why)
+        alpha = self.diloco.effective().fragment_update_alpha
+        if c.error_feedback and c.error_store == "buffer" and alpha > 0:
+            # Measured to diverge (docs/reports/2026-12-04-error-buffer.md).
+            raise ValueError(f"codec.error_store = 'buffer' with diloco.fragment_update_alpha "
+                             f"= {alpha}: the merge keeps alpha of the unsent part in the "
+                             "local weights while the buffer holds it too, so it is owed "
+                             "again every round; use alpha = 0 or codec.error_store = "
+                             "'weights'")
         if n > 1 and self.diloco.mode == "ddp":
             raise ValueError(f"dist.nproc = {n}: diloco.mode = ddp averages every gradient "
                              "with the swarm; use streaming or diloco with several ranks")

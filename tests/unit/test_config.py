@@ -112,6 +112,8 @@ def test_example_configs_load():
     (["codec.error_decay=0.5"], "codec.error_decay = 0.5 needs codec.error_feedback = true"),
     (["codec.error_store='buffer'"],
      "codec.error_store = 'buffer' needs codec.error_feedback = true"),
+    (["codec.error_feedback=true", "codec.error_store='buffer'"],
+     "codec.error_store = 'buffer' with diloco.fragment_update_alpha = 0.5: the merge keeps"),
     (["codec.error_feedback=true", "codec.error_store='momentum'"],
      "codec.error_store = 'momentum': Input should be 'weights' or 'buffer'"),
     (["codec.topk_density=0.1"], "codec.topk_density = 0.1 needs codec.kind = randk or topk"),

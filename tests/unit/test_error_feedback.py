@@ -120,12 +120,13 @@ def test_a_non_finite_contribution_leaves_a_zero_residual():
         merge_keeping(torch.ones(3), torch.ones(3), 0.5, torch.ones(2), 1.0)
 
 
-def _worker(tmp_path, **codec):
+def _worker(tmp_path, diloco=None, **codec):
     from dilonode.sim.local_group import LocalGroup
     from dilonode.train.data import load_data
     from dilonode.train.worker import Worker
 
-    cfg = nano_config(tmp_path, total_steps=12, codec=codec)
+    cfg = nano_config(tmp_path, total_steps=12, codec=codec, **(
+        {"diloco": diloco} if diloco else {}))
     c = get_codec(cfg.codec.wire_name, cfg.codec.block_size)
     group = LocalGroup(1, c, align=part_align(c, cfg.codec.block_size))
     return cfg, Worker(cfg, load_data(cfg.data), group.view(0), identity=0)
@@ -165,16 +166,17 @@ def test_the_residual_is_checkpointed_and_a_peer_state_resets_it(tmp_path):
         assert torch.equal(fresh.ranks.local_flat(f.index, f.params), f.outer.weights)
 
 
-def test_with_the_buffer_a_round_sends_its_delta_plus_the_residual_and_merges_plainly(
+def test_with_the_buffer_a_round_sends_its_delta_plus_the_residual_and_resets(
         tmp_path):
-    cfg, w = _worker(tmp_path, name="int2", kind="topk", topk_density=0.05,
+    reset = {"fragment_update_alpha": 0.0}  # the buffer's only alpha (test_config.py)
+    cfg, w = _worker(tmp_path, reset, name="int2", kind="topk", topk_density=0.05,
                      error_feedback=True, error_decay=0.9, error_store="buffer")
     codec = get_codec(cfg.codec.wire_name, 64)
     w.collective = rec = _Recording(w.collective)
     w.end_step = 3
     for _ in range(3):
         w.train_step()
-    alpha = w.algo.fragment_update_alpha
+    assert w.algo.fragment_update_alpha == 0.0
     for r in range(3):
         for f in w.frags:
             before = f.residual.clone() if f.residual is not None else torch.zeros_like(
@@ -186,11 +188,10 @@ def test_with_the_buffer_a_round_sends_its_delta_plus_the_residual_and_merges_pl
             assert torch.equal(f.residual, remainder(sent, carried(codec, sent), 0.9))
             w.land_round(f.index)
             after = w.ranks.local_flat(f.index, f.params)
-            assert torch.allclose(after, alpha * local + (1 - alpha) * f.outer.weights,
-                                  atol=1e-6)  # the plain merge: the weights keep no residual
+            assert torch.equal(after, f.outer.weights)  # the plain merge keeps no residual
     assert all(f.residual.abs().sum() > 0 for f in w.frags)
     state = w.export_state()
-    _, fresh = _worker(tmp_path / "b", name="int2", kind="topk", topk_density=0.05,
+    _, fresh = _worker(tmp_path / "b", reset, name="int2", kind="topk", topk_density=0.05,
                        error_feedback=True, error_decay=0.9, error_store="buffer")
     fresh.import_state(state)  # a resume: the buffer back, the weights at the global ones
     for mine, theirs in zip(fresh.frags, w.frags, strict=True):
@@ -289,9 +290,12 @@ def test_the_config_digest_counts_the_new_codec_fields_only_off_their_defaults()
     assert config_digest(nano_config(None, codec={"kind": "dense", "error_decay": 1.0})) == plain
     assert config_digest(nano_config(None, codec={"error_store": "weights"})) == plain
     for codec in ({"error_feedback": True}, {"kind": "randk"},
-                  {"error_feedback": True, "error_store": "buffer"},
                   {"kind": "randk", "topk_density": 0.1}):
         assert config_digest(nano_config(None, codec=codec)) != plain, codec
+    reset = {"fragment_update_alpha": 0.0}
+    ef = {"error_feedback": True}
+    assert config_digest(nano_config(None, diloco=reset, codec=ef)) != config_digest(
+        nano_config(None, diloco=reset, codec=ef | {"error_store": "buffer"}))
 
 
 def test_an_end_of_run_mix_keeps_what_the_node_still_owes(tmp_path):
