@@ -5,7 +5,8 @@ anything nor looks dead), and the sender's next frame simply reconnects."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -20,22 +21,34 @@ def _until(cond: Callable[[], object], what: str) -> Awaitable[object]:
     return wait_until_async(cond, 10.0, interval=0.005, what=what)
 
 
+Planes = tuple[DataPlane, DataPlane, DataPlane, list, list]
+
+
+@contextlib.asynccontextmanager
+async def _three_planes() -> AsyncIterator[Planes]:
+    """a (keeps at most one idle inbound connection), b and c, and b's and c's frames for a."""
+    spec = _spec(IDS)
+    async with DataPlane(IDS[0], RUN, limits=PlaneLimits(
+            pending_ttl=0.1, max_idle_inbound=1, idle_close_s=0.0)) as a, \
+            DataPlane(IDS[1], RUN) as b, DataPlane(IDS[2], RUN) as c:
+        yield (a, b, c, [s for s in _frames(spec, 1) if s.to == 0],
+               [s for s in _frames(spec, 2) if s.to == 0])
+
+
+async def _close_bs_idle_connection(planes: Planes) -> None:
+    a, b, c, from_b, from_c = planes
+    await b.send(IDS[0], a.address, from_b[0].frame)
+    await _until(lambda: a.stats["dropped_frames"] == 1, "b's frame dropped")  # b has no round
+    await c.send(IDS[0], a.address, from_c[0].frame)  # a second peer connects
+    await _until(lambda: a.stats["idle_closed"] == 1, "b's idle connection closed")
+
+
 @pytest.mark.timeout(30)
 def test_idle_connections_beyond_the_bound_close_and_reopen_on_demand() -> None:
-    spec = _spec(IDS)
-
     async def main() -> tuple[dict[str, int], dict[str, float], int]:
-        async with DataPlane(IDS[0], RUN, limits=PlaneLimits(
-                pending_ttl=0.1, max_idle_inbound=1, idle_close_s=0.0)) as a, \
-                DataPlane(IDS[1], RUN) as b, DataPlane(IDS[2], RUN) as c:
-            from_b = [s for s in _frames(spec, 1) if s.to == 0]
-            from_c = [s for s in _frames(spec, 2) if s.to == 0]
-            await b.send(IDS[0], a.address, from_b[0].frame)
-            await _until(lambda: a.stats["frames_in"] == 1, "b's frame in")
-            # no round: b is idle now
-            await _until(lambda: a.stats["dropped_frames"] == 1, "b's frame dropped")
-            await c.send(IDS[0], a.address, from_c[0].frame)  # a second peer connects
-            await _until(lambda: a.stats["idle_closed"] == 1, "b's idle connection closed")
+        async with _three_planes() as planes:
+            a, b, _, from_b, _ = planes
+            await _close_bs_idle_connection(planes)
             await _until(lambda: len(a._inbound) == 1, "one inbound connection")
             await b.send(IDS[0], a.address, from_b[1].frame)  # b reconnects quietly
             await _until(lambda: a.stats["frames_in"] == 3, "b's second frame in")
@@ -68,7 +81,6 @@ def test_a_frame_written_before_the_sender_learns_of_the_close_still_arrives(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Over a WAN the sender learns of the receiver's idle close half a round trip late;
     a frame it writes in that window must not vanish into a socket the receiver dropped."""
-    spec = _spec(IDS)
     late = asyncio.Event()  # set: the sender's watch may see the close
     watch = _Outbound._watch
 
@@ -80,15 +92,9 @@ def test_a_frame_written_before_the_sender_learns_of_the_close_still_arrives(
     monkeypatch.setattr(_Outbound, "_watch", late_watch)
 
     async def main() -> tuple[dict[str, int], dict[str, float], int]:
-        async with DataPlane(IDS[0], RUN, limits=PlaneLimits(
-                pending_ttl=0.1, max_idle_inbound=1, idle_close_s=0.0)) as a, \
-                DataPlane(IDS[1], RUN) as b, DataPlane(IDS[2], RUN) as c:
-            from_b = [s for s in _frames(spec, 1) if s.to == 0]
-            from_c = [s for s in _frames(spec, 2) if s.to == 0]
-            await b.send(IDS[0], a.address, from_b[0].frame)
-            await _until(lambda: a.stats["dropped_frames"] == 1, "b's frame dropped")
-            await c.send(IDS[0], a.address, from_c[0].frame)
-            await _until(lambda: a.stats["idle_closed"] == 1, "b's idle connection closed")
+        async with _three_planes() as planes:
+            a, b, _, from_b, _ = planes
+            await _close_bs_idle_connection(planes)
             await b.send(IDS[0], a.address, from_b[1].frame)  # b has not seen the close
             await _until(lambda: a.stats["frames_in"] == 3, "b's frame after the close in")
             late.set()
