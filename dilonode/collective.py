@@ -92,6 +92,9 @@ class RoundReport:
     """Group formations tried (1 + retries)."""
     latency_s: float = 0.0
     """Seconds from `begin` to the result, matchmaking and retries included (networked)."""
+    forming_s: float = 0.0
+    """The part of `latency_s` spent forming groups (matchmaking, every attempt); the rest
+    is the all-reduce and its retries."""
     pace_s: float | None = None
     """The round's time as the swarm's clock should see it (networked): the attempt that
     succeeded, its matchmaking included, when forming it waited on no missing peer; None

@@ -112,6 +112,7 @@ def summarize(name: str, rate: float, nodes: list[dict[str, Any]]) -> dict[str, 
     per_round = []
     latency: dict[str, list[float]] = {}
     latency_max: dict[str, float] = {}
+    forming: dict[str, list[float]] = {}
     for s in nodes:
         lat = s["round_latency_s"]
         rounds = sum(v["n"] for v in lat.values())
@@ -120,6 +121,7 @@ def summarize(name: str, rate: float, nodes: list[dict[str, Any]]) -> dict[str, 
             label = "grad" if frag == "-1" else frag
             latency.setdefault(label, []).append(v["mean"])
             latency_max[label] = max(latency_max.get(label, 0.0), v["max"])
+            forming.setdefault(label, []).append(v.get("forming_mean", 0.0))
     return {
         "run": name, "rate_mbit": rate, "nodes": len(nodes),
         "steps": nodes[0]["steps"],
@@ -136,6 +138,8 @@ def summarize(name: str, rate: float, nodes: list[dict[str, Any]]) -> dict[str, 
         "rounds": nodes[0]["rounds_per_fragment"] or {"grad": nodes[0]["steps"]},
         "latency_mean_s": {k: statistics.mean(v) for k, v in sorted(latency.items())},
         "latency_max_s": dict(sorted(latency_max.items())),
+        # Of the mean latency, the seconds spent forming groups (matchmaking).
+        "forming_mean_s": {k: statistics.mean(v) for k, v in sorted(forming.items())},
         "skipped_rounds": sum(s["skipped_rounds"] for s in nodes),
         "retried_rounds": sum(s["retried_rounds"] for s in nodes),
         "final_eval_loss": statistics.mean(s["final_eval_loss"] for s in nodes),
@@ -145,10 +149,13 @@ def summarize(name: str, rate: float, nodes: list[dict[str, Any]]) -> dict[str, 
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| link | run | steps | utilization mean (min) | step share | s/step "
-            "| bytes/node/round | round latency per fragment, mean (max) | skipped | agree |")
+            "| bytes/node/round | round latency per fragment, mean (max) [forming groups] "
+            "| skipped | agree |")
     out = [head, "|" + "---|" * 10]
     for r in rows:
+        forming = r.get("forming_mean_s", {})
         lat = ", ".join(f"{k}: {r['latency_mean_s'][k]:.2f} ({r['latency_max_s'][k]:.2f}) s"
+                        + (f" [{forming[k]:.2f} s]" if k in forming else "")
                         for k in r["latency_mean_s"])
         out.append(
             f"| {r['rate_mbit']:g} Mbit/s | {r.get('label', LABELS[r['run']])} | {r['steps']} "

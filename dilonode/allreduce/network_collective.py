@@ -146,6 +146,7 @@ class NetworkCollective:
             dropped=tuple(f"{peer}: {reason}" for peer, reason in swarm.excluded.items()),
             skipped=out.skipped, attempts=swarm.tries,
             latency_s=self.rounds.clock() - t0, pace_s=swarm.pace_s,
+            forming_s=swarm.forming_s,
             rejected=out.rejected, diverged=swarm.diverged, outvoted=swarm.outvoted,
             grouped=swarm.grouped)
         return ReduceResult(

@@ -135,6 +135,7 @@ class SwarmOutcome:
     state: RoundOutcome | None = None  # the state round that followed, when DONE
     # What the swarm's clock may pace rounds by (ReduceResult.pace_s); None: nothing.
     pace_s: float | None = None
+    forming_s: float = 0.0  # seconds spent forming groups, every attempt
 
     @property
     def skipped(self) -> bool:
@@ -179,6 +180,7 @@ class SwarmRounds:
         excluded: dict[str, str] = {}
         attempts: list[RoundOutcome] = []
         failures: list[AttemptFailure] = []
+        forming = 0.0
         for attempt in range(self.policy.max_attempts):
             t_attempt = self.clock()
             ask = GroupRequest(fragment, round_no, attempt, frozenset(excluded), request.chain,
@@ -186,6 +188,7 @@ class SwarmRounds:
             try:
                 spec, my_index, peers, formed = await self._prepare(ask, local, mix_only)
             except Exception as exc:  # a matchmaking failure must not kill the daemon
+                forming += self.clock() - t_attempt
                 failures.append(AttemptFailure(attempt, "no_group", one_line(str(exc))))
                 log.warning("fragment %d round %d: %s", fragment, round_no, failures[-1].line())
                 # A leader that never closed its group is left out of the next attempt.
@@ -193,6 +196,7 @@ class SwarmRounds:
                 if blame is not None and blame != self.plane.peer_id:
                     excluded.setdefault(blame, one_line(str(exc)))
                 continue
+            forming += self.clock() - t_attempt
             got = await run_round(self.plane, spec, my_index, local, peers,
                                   self.policy.timeout, self.clock, offload=self.offload,
                                   aggregator=None if mix_only else self.policy.aggregator,
@@ -210,10 +214,12 @@ class SwarmRounds:
                 pace = None if formed.missing else self.clock() - t_attempt
                 return SwarmOutcome(got, tuple(attempts), excluded, tuple(failures),
                                     tuple(formed.diverged), tuple(formed.outvoted),
-                                    grouped=formed.mixing, state=mixed, pace_s=pace)
+                                    grouped=formed.mixing, state=mixed, pace_s=pace,
+                                    forming_s=forming)
             failures.append(self._round_failed(ask, got, excluded))
         alone = self._alone(fragment, round_no, self.policy.max_attempts, local, mix_only)
-        return SwarmOutcome(alone, tuple(attempts), excluded, tuple(failures))
+        return SwarmOutcome(alone, tuple(attempts), excluded, tuple(failures),
+                            forming_s=forming)
 
     def _round_failed(self, ask: GroupRequest, got: RoundOutcome,
                       excluded: dict[str, str]) -> AttemptFailure:

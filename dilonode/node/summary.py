@@ -37,7 +37,8 @@ class NodeSummary:
     wall_s: float = 0.0
     outer_digest: str = ""
     stopped_early: bool = False
-    # fragment (-1: DDP gradients) -> rounds, mean and max seconds from start to result
+    # fragment (-1: DDP gradients) -> rounds, mean and max seconds from start to result,
+    # and the mean of those seconds spent forming groups (matchmaking; the rest: transfer)
     round_latency_s: dict[int, dict[str, float]] = field(default_factory=dict)
     # Robust aggregation: rounds in which a majority of owners rejected a peer, and bans.
     peer_convictions: int = 0
@@ -91,7 +92,8 @@ class NodeSummary:
             catch_up_s=round(rep.catch_up_s, 3),
             wall_s=rep.wall_s, outer_digest=worker.outer_digest(),
             stopped_early=rep.stopped_early,
-            round_latency_s={p: {"n": n, "mean": total / n, "max": worst}
+            round_latency_s={p: {"n": n, "mean": total / n, "max": worst,
+                                 "forming_mean": st.forming.get(p, 0.0) / n}
                              for p, (n, total, worst) in sorted(st.latency.items())},
             rounds_with_peers=st.grouped, missed_rounds=st.missed,
             late_rounds=st.late, diverged_rounds=st.diverged,

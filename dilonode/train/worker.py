@@ -140,6 +140,8 @@ class WorkerStats:
     late: int = 0  # rounds whose result was not there when the fragment's next was due
     # fragment (-1: DDP gradients) -> (rounds, total s, max s) from begin to result
     latency: dict[int, tuple[int, float, float]] = field(default_factory=dict)
+    # fragment -> total s of that latency spent forming groups (`RoundReport.forming_s`)
+    forming: dict[int, float] = field(default_factory=dict)
     # The last fragment rounds' times as the clock should see them (`RoundReport.pace_s`:
     # faults of other peers left out); the swarm's clock is retuned so that rounds land
     # well inside a period (`node.py`, `swarm/clock.py`).
@@ -169,6 +171,7 @@ class WorkerStats:
             self.recent_latency.append(rep.pace_s)
         n, total, worst = self.latency.get(fragment, (0, 0.0, 0.0))
         self.latency[fragment] = (n + 1, total + rep.latency_s, max(worst, rep.latency_s))
+        self.forming[fragment] = self.forming.get(fragment, 0.0) + rep.forming_s
         if fragment >= 0:
             self.rounds[fragment] = self.rounds.get(fragment, 0) + 1
             if rep.members:

@@ -63,3 +63,17 @@ def test_time_spent_catching_up_between_steps_counts_against_utilization():
     summary = NodeSummary.of_run(rep, worker, peer_id="p", worker_id="w")
     assert summary.catch_up_s == round(rep.catch_up_s, 3)
     assert summary.compute_utilization == rep.compute_utilization
+
+
+def test_the_summary_splits_each_fragments_round_latency_into_forming_groups_and_the_rest():
+    from dilonode.collective import RoundReport
+
+    worker, batches = _worker()
+    rep = train_loop(worker, 4, 100, batches, threading.Event())
+    worker.stats.latency.clear()
+    worker.stats.forming.clear()
+    for latency, forming in ((4.0, 1.0), (6.0, 3.0)):
+        worker.stats.record(0, RoundReport(2, 0, 0, latency_s=latency, forming_s=forming))
+    summary = NodeSummary.of_run(rep, worker, peer_id="p", worker_id="w")
+    assert summary.round_latency_s[0] == {"n": 2, "mean": 5.0, "max": 6.0,
+                                          "forming_mean": 2.0}

@@ -2,7 +2,8 @@
 other peers' faults (a killed member's failed attempt, a matchmaking window spent on an
 expected peer that never came) must not slow the clock: a churn run's clock went from
 0.17 s to 2.65 s a reference step on such rounds. Nor must a fault of ours (an Abort
-naming us: our payload or our connection), or a round with no successful attempt. Fake
+naming us: our payload or our connection), or a round with no successful attempt. And
+`SwarmOutcome.forming_s`: the seconds its attempts spent forming groups. Fake
 matchmaking, rounds and clock: each attempt's matchmaking takes 0.5 s, a failed attempt
 5 s, a good one 1 s."""
 
@@ -89,3 +90,10 @@ def test_a_skipped_round_does_not_pace_the_clock(monkeypatch):
     for blamed in (OTHER, ME):
         got, _ = _reduce(monkeypatch, {0: blamed, 1: OTHER}, attempts=2)
         assert got.skipped and got.pace_s is None
+
+
+def test_forming_time_counts_every_attempts_matchmaking_and_nothing_else(monkeypatch):
+    got, total = _reduce(monkeypatch, {0: OTHER})
+    assert total == pytest.approx(7.0) and got.forming_s == pytest.approx(1.0)
+    got, _ = _reduce(monkeypatch, {0: OTHER, 1: OTHER}, attempts=2)
+    assert got.skipped and got.forming_s == pytest.approx(1.0)
