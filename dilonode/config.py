@@ -414,9 +414,10 @@ class NetworkConfig(_Frozen):
         DEFAULT_CHUNK_NUMEL, ge=64, description="most values per pipelined chunk; parts are cut "
         "into 3 chunks of at least min(262,144, this); must match across a group")
     tcp_congestion: str = Field(
-        "cubic", pattern=congestion.NAME_PATTERN, description="TCP congestion control of data and "
-        "state connections, or 'system'; cubic, as bbr resends in all-to-all rounds "
-        "(docs/reports/2026-11-29-wan-round-congestion.md)")
+        "auto", pattern=congestion.NAME_PATTERN, description="TCP congestion control of data and "
+        "state connections: a kernel name, 'system', or 'auto' (per connection: bbr from a "
+        "20 ms round trip on, where cubic falls far short of the line rate; cubic below, as "
+        "bbr resends in all-to-all rounds; docs/reports/2026-12-04-congestion-rtt.md)")
     socket_buffer_bytes: Annotated[int | Literal["auto"], BeforeValidator(_int_or_auto)] = Field(
         "auto", description="send and receive buffer of each data-plane connection, bytes "
         "(0: the kernel's autotuning); 'auto': 2 x bandwidth_mbps x 500 ms, 4-64 MiB, the "

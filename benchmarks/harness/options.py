@@ -10,7 +10,7 @@ __all__ = ["add_tcp_congestion", "tcp_congestion"]
 
 def add_tcp_congestion(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tcp-congestion", help="network.tcp_congestion of every node "
-                        "(default: the config's, cubic; 'system': the kernel's default)")
+                        "(default: the config's, auto; 'system': the kernel's default)")
 
 
 def tcp_congestion(args: argparse.Namespace) -> dict[str, str]:

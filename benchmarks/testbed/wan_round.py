@@ -8,7 +8,8 @@ link delay and socket buffer.
         --sockbuf 4194304,auto --numel 40000000 --json runs/bench/wan_round_fat.json
 
 `--delays` are one-way path delays in ms (the link emulator, half on each host's access
-link: a round trip is twice the delay); `--sockbuf` the plane's `socket_buffer_bytes`
+link: a round trip is twice the delay) and `--loss` the share of packets each host's access
+link drops (a path crosses two); `--sockbuf` the plane's `socket_buffer_bytes`
 ("auto": `sockbuf.bdp_bytes` of the rate, as a node's "auto" sets it). The ideal with
 delay adds the two one-way delays a butterfly round cannot avoid (its reduce-scatter
 and all-gather each cross the path once).
@@ -55,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", default="20,100", help="link rates, Mbit/s, comma-separated")
     p.add_argument("--delays", default="0", help="one-way path delays, ms, comma-separated")
+    p.add_argument("--loss", type=float, default=0.0,
+                   help="packet loss on every host's access link (the link emulator)")
     p.add_argument("--sockbuf", default="4194304",
                    help="socket buffer bytes, comma-separated ('auto': from the rate; 0: autotune)")
     p.add_argument("--hosts", type=int, default=DEFAULT_HOSTS)
@@ -207,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.hosts} hosts, {args.numel:,} values {args.codec}, {args.rounds} rounds per "
           f"setting, {args.passes} passes; the kernel's default: {kernel}", flush=True)
     rows = []
-    emulated = {h: delays[0] / 2 for h in hosts} if any(delays) else None
-    with Testbed(hosts, rate_mbit=rates[0], delays=emulated) as bed:
+    emulated = {h: delays[0] / 2 for h in hosts} if any(delays) or args.loss else None
+    loss = {h: args.loss for h in hosts} if args.loss else None
+    with Testbed(hosts, rate_mbit=rates[0], delays=emulated, loss=loss) as bed:
         for n in range(args.passes):
             order = ccs if n % 2 == 0 else ccs[::-1]
             for rate in rates:
@@ -249,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                     wall = statistics.median(r["wall_median_s"] for r in mine)
                     label = f"{cc} ({kernel})" if cc == "system" else cc
                     retx = statistics.median(r["retransmitted"] for r in mine)
-                    print(f"| {rate:g} Mbit/s, {delay:g} ms | {label} | {buf / 2**20:.1f} MiB | "
+                    lossy = f", {args.loss:.1%} loss" if args.loss else ""
+                    print(f"| {rate:g} Mbit/s, {delay:g} ms{lossy} | {label} | "
+                          f"{buf / 2**20:.1f} MiB | "
                           f"{idle} | "
                           f"{wall:.3f} s | {mine[0]['ideal_s']:.3f} s | "
                           f"{wall / mine[0]['ideal_s']:.2f}x | "

@@ -1,6 +1,7 @@
 """`network.tcp_congestion`: the data plane and the state server send with the congestion
-control the config names (127.0.0.1); a name the kernel refuses leaves the socket on the
-system's default with one warning, and the config refuses a malformed name."""
+control the config names (127.0.0.1); "auto" picks by the handshake's round trip; a name
+the kernel refuses leaves the socket on the system's default with one warning, and the
+config refuses a malformed name."""
 
 from __future__ import annotations
 
@@ -90,8 +91,36 @@ def test_the_config_refuses_a_malformed_name(bad) -> None:
         load_config(overrides={"network": {"tcp_congestion": bad}})
 
 
-def test_the_default_is_cubic() -> None:
-    assert load_config().network.tcp_congestion == "cubic"
+def test_the_default_is_auto() -> None:
+    assert load_config().network.tcp_congestion == congestion.AUTO
+
+
+def test_auto_picks_bbr_from_the_threshold_round_trip_on_and_cubic_below() -> None:
+    limit = congestion.AUTO_BBR_RTT_S
+    assert congestion.pick(limit) == congestion.pick(0.3) == "bbr"
+    assert congestion.pick(limit * 0.99) == congestion.pick(50e-6) == "cubic"
+    assert congestion.pick(None) == congestion.SYSTEM
+
+
+def test_auto_on_loopback_measures_a_short_handshake_and_asks_for_cubic(pair) -> None:
+    client, accepted = pair
+    for sock in (client, accepted):
+        rtt = congestion.handshake_rtt(sock)
+        assert rtt is not None and 0 < rtt < congestion.AUTO_BBR_RTT_S
+        assert congestion.pick(rtt) == "cubic"
+        if "cubic" in _allowed_here():  # otherwise the kernel refuses it, as tested above
+            assert congestion.apply(sock, congestion.AUTO)
+            assert congestion.current(sock) == "cubic"
+
+
+def _allowed_here() -> set[str]:
+    """Names this process may set: any the kernel has, as root; else the allowed list."""
+    import os
+
+    base = "/proc/sys/net/ipv4/tcp_"
+    which = "available" if os.geteuid() == 0 else "allowed"
+    with open(f"{base}{which}_congestion_control") as f:
+        return set(f.read().split())
 
 
 @pytest.mark.timeout(30)

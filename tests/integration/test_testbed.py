@@ -273,6 +273,39 @@ for _ in range(int(sys.argv[2])):
 """
 
 
+# One TCP connection to argv[1]:argv[2]; prints its handshake's round trip (s) and what
+# network.tcp_congestion = "auto" asks for on it.
+_HANDSHAKE = """
+import json, socket, sys
+from dilonode.net import congestion
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+rtt = congestion.handshake_rtt(s)
+print(json.dumps([rtt, congestion.pick(rtt)]))
+"""
+_LISTEN = """
+import socket
+with socket.create_server(("0.0.0.0", 7300)) as server:
+    print("ready", flush=True)
+    server.settimeout(20)
+    server.accept()[0].close()
+"""
+
+
+def _handshake(bed: Testbed, src: str, dst: str) -> tuple[float, str]:
+    """The round trip a TCP handshake from host `src` to `dst` measured, and the pick."""
+    listener = bed.popen(dst, [sys.executable, "-c", _LISTEN], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert _readline(listener, 20).strip() == "ready"
+        out = bed.run(src, [sys.executable, "-c", _HANDSHAKE, bed.addr(dst), "7300"],
+                      timeout=30, check=True, capture_output=True, text=True, cwd=ROOT)
+        listener.wait(timeout=20)
+    finally:
+        listener.kill()
+    rtt, pick = json.loads(out.stdout)
+    return rtt, pick
+
+
 @needs_emulator
 @pytest.mark.timeout(60)
 def test_round_trips_are_twice_the_one_way_delays_of_both_ends():
@@ -281,6 +314,9 @@ def test_round_trips_are_twice_the_one_way_delays_of_both_ends():
         assert bed.emulator_ns in leftovers([tag])
         near = _round_trips(bed, "a", "c")  # 2 (10 + 0) ms
         far = _round_trips(bed, "b", "c")  # 2 (80 + 0) ms
+        # network.tcp_congestion = "auto" reads the same round trip off a TCP handshake
+        handshake, pick = _handshake(bed, "b", "c")
+        assert abs(handshake - 0.160) <= 0.016 and pick == "bbr", (handshake, pick)
         bed.set_link("c", delay_ms=5.0)
         changed = _round_trips(bed, "a", "c")  # 2 (10 + 5) ms
         stats = bed.link_stats()
