@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -152,6 +153,18 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
+
+    def postmortem(self, names: Iterable[str], lines: int = 25) -> str:
+        """For nodes that ended without a summary: each one's exit status and the end of
+        its stderr log."""
+        out = []
+        for name in sorted(names):
+            i = int(name.removeprefix("node-"))
+            code = self.procs[i].poll() if i < len(self.procs) else None
+            log = self.out / name / "stderr.log"
+            tail = log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else []
+            out.append(f"{name}: exit status {code}\n" + "\n".join(tail))
+        return "\n".join(out)
 
     def follow(self, on_event: Any = None) -> dict[str, dict]:
         """Consume events until every node's output ends; returns summaries by node name."""
