@@ -23,12 +23,13 @@ picks per connection from the round trip its handshake measured (`pick`): bbr fr
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 import threading
 
 __all__ = ["AUTO", "AUTO_BBR_RTT_S", "NAME_PATTERN", "SYSTEM", "apply", "current",
-           "handshake_rtt", "pick"]
+           "handshake_rtt", "pick", "settable"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ _TCPI_RTT_OFFSET = 8 + 15 * 4
 _TCP_INFO_BYTES = 104
 
 _ALLOWED = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
+_AVAILABLE = "/proc/sys/net/ipv4/tcp_available_congestion_control"
 _warned: set[str] = set()
 _lock = threading.Lock()
 
@@ -110,14 +112,23 @@ def _refused(name: str, sock: socket.socket, exc: OSError) -> None:
         kept = current(sock)
     except OSError:
         kept = "the system's default"
-    log.warning("network.tcp_congestion = %r: the kernel refused it (%s; allowed for this "
-                "user: %s); these connections keep %s", name, exc.strerror or exc,
+    log.warning("network.tcp_congestion = %r: the kernel refused it (%s; this process may "
+                "set: %s); these connections keep %s", name, exc.strerror or exc,
                 _allowed(), kept)
 
 
-def _allowed() -> str:
+def settable() -> set[str] | None:
+    """The names this process may ask for: any the kernel has when it runs as root (which
+    holds CAP_NET_ADMIN), else `net.ipv4.tcp_allowed_congestion_control`; None where /proc
+    does not say."""
+    path = _AVAILABLE if os.geteuid() == 0 else _ALLOWED
     try:
-        with open(_ALLOWED) as f:
-            return f.read().strip() or "none"
+        with open(path) as f:
+            return set(f.read().split())
     except OSError:
-        return "unknown"
+        return None
+
+
+def _allowed() -> str:
+    names = settable()
+    return "unknown" if names is None else " ".join(sorted(names)) or "none"
