@@ -438,6 +438,13 @@ class Testbed:
                 _sh(["tc", *ns_args, "qdisc", "add", "dev", dev, "root", *tbf_args(rate_mbit)])
         self.hosts[name] = replace(host, rate_mbit=rate_mbit)
 
+    def set_idle_restart(self, name: str, restart: bool) -> None:
+        """`net.ipv4.tcp_slow_start_after_idle` in host `name`'s namespace (a per-namespace
+        sysctl: no socket option turns it off). On (Linux's default), every connection's
+        window restarts from 10 segments after an idle gap, each round on long links."""
+        self.run(name, ["sysctl", "-qw", f"net.ipv4.tcp_slow_start_after_idle={int(restart)}"],
+                 check=True, timeout=10)
+
     def set_link(self, name: str, delay_ms: float | None = None, jitter_ms: float | None = None,
                  loss: float | None = None) -> None:
         """Change host `name`'s access link in the emulator (None: keep that setting);

@@ -95,7 +95,10 @@ def run(args: argparse.Namespace, name: str, rate: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     links = {k: per_host(v, args.nodes) for k, v in
              (("delays", args.delays), ("jitter", args.jitter), ("loss", args.loss)) if v}
-    with swarm_on_testbed(cfg, args.nodes, rate, **links) as (_bed, swarm):
+    with swarm_on_testbed(cfg, args.nodes, rate, **links) as (bed, swarm):
+        if args.idle_restart is not None:
+            for i in range(args.nodes):
+                bed.set_idle_restart(f"node-{i}", bool(args.idle_restart))
         swarm.start()
         summaries = swarm.follow()
     wall = time.perf_counter() - t0
@@ -188,6 +191,9 @@ def main() -> None:
     ap.add_argument("--delays", default="", help="one-way ms per node host, comma-separated")
     ap.add_argument("--jitter", default="", help="jitter ms per node host, comma-separated")
     ap.add_argument("--loss", default="", help="loss per packet per node host, comma-separated")
+    ap.add_argument("--idle-restart", type=int, choices=(0, 1),
+                    help="net.ipv4.tcp_slow_start_after_idle on the node hosts (default: the "
+                         "kernel's, 1); docs/operations.md asks long-link hosts for 0")
     ap.add_argument("--defaults", action="store_true",
                     help="the streaming run at the default pacing, tau and network timeouts")
     ap.add_argument("--out", type=Path, default=Path("runs/bench/wan"))

@@ -225,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                     for cc, buf, idle in itertools.product(order, _sockbufs(args.sockbuf, rate),
                                                            names(args.idle_restart)):
                         for h in hosts:
-                            bed.run(h, ["sysctl", "-qw",
-                                        f"net.ipv4.tcp_slow_start_after_idle={idle}"],
-                                    check=True, timeout=10)
+                            bed.set_idle_restart(h, bool(int(idle)))
                         row = _setting(bed, rate, delay, cc, buf, args)
                         row["pass"], row["idle_restart"] = n, int(idle)
                         rows.append(row)

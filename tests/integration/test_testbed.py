@@ -81,6 +81,21 @@ def test_tbf_caps_a_tcp_stream_at_the_host_rate():
 
 
 @pytest.mark.timeout(60)
+def test_idle_restart_is_set_per_host_namespace():
+    def idle(bed: Testbed, name: str) -> str:
+        got = bed.run(name, ["sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"],
+                      timeout=10, check=True, capture_output=True, text=True)
+        return got.stdout.strip()
+
+    with Testbed(["a", "b"], rate_mbit=20) as bed:
+        assert (idle(bed, "a"), idle(bed, "b")) == ("1", "1")  # a fresh namespace: Linux's
+        bed.set_idle_restart("a", False)
+        assert (idle(bed, "a"), idle(bed, "b")) == ("0", "1")
+        bed.set_idle_restart("a", True)
+        assert idle(bed, "a") == "1"
+
+
+@pytest.mark.timeout(60)
 def test_close_removes_namespaces_links_and_their_processes():
     bed = Testbed(3, rate_mbit=50).start()
     tag = bed.tag
